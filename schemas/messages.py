@@ -1,0 +1,314 @@
+"""Pydantic v2 models of every message on the bus: the wire contract.
+
+Every model forbids unknown fields, bounds its sizes and carries ``schema_version``.
+A payload that does not validate is dropped by the bus layer (``services.common.bus``)
+with the subject and the reason logged; it never reaches a handler.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from enum import Enum
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .subjects import ID_PATTERN
+
+SCHEMA_VERSION = 1
+MAX_MEMBERS = 8192
+MAX_PAYLOAD_BYTES = 1024 * 1024  # NATS' default max_payload
+
+PodId = Annotated[str, Field(pattern=ID_PATTERN, description="stable pod id")]
+Rank = Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
+Generation = Annotated[int, Field(ge=0)]
+# -1 means "nothing committed yet".
+Step = Annotated[int, Field(ge=-1, le=2**53)]
+Text = Annotated[str, Field(max_length=2048)]
+Timestamp = Annotated[float, Field(ge=0, description="seconds since the epoch")]
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{0,64}$")]
+
+
+def now() -> float:
+    return time.time()
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    subject_kind: ClassVar[str] = ""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+# ----------------------------------------------------------------------------- enums
+class Role(str, Enum):
+    worker = "worker"
+    spare = "spare"
+
+
+class AgentState(str, Enum):
+    starting = "starting"
+    waiting = "waiting"        # connected, not (yet) a member: a spare, or before the first plan
+    training = "training"
+    recovering = "recovering"
+    done = "done"              # reached total steps; its heartbeats stop on purpose
+    leaving = "leaving"
+
+
+class FaultKind(str, Enum):
+    crash = "crash"            # the actuator saw the process exit non-zero
+    hang = "hang"              # heartbeats go on but the step stopped advancing
+    exception = "exception"    # the agent reported an error
+    lost = "lost"              # heartbeats stopped
+
+
+class ReportKind(str, Enum):
+    exception = "exception"      # user code or the agent raised
+    peer_error = "peer_error"    # a collective raised (peer reset, timeout)
+    digest_mismatch = "digest_mismatch"
+    fenced = "fenced"            # this pod found it is not in the current plan
+    recovery_failed = "recovery_failed"
+
+
+class InjectAction(str, Enum):
+    kill = "kill"
+    hang = "hang"
+    resume = "resume"
+    exception = "exception"
+
+
+class CapacityChange(str, Enum):
+    add = "add"
+    remove = "remove"
+
+
+class LifecycleEvent(str, Enum):
+    started = "started"
+    exited = "exited"
+
+
+class ActuatorAction(str, Enum):
+    start = "start"
+    stop = "stop"
+    kill = "kill"
+
+
+# ----------------------------------------------------------------------------- agent
+class Heartbeat(Message):
+    subject_kind: ClassVar[str] = "heartbeat"
+    pod: PodId
+    role: Role
+    generation: Generation
+    rank: Rank | None = None
+    step: Step = -1
+    digest: Digest = ""
+    ts: Timestamp = Field(default_factory=now)
+    state: AgentState = AgentState.waiting
+    step_time: Annotated[float, Field(ge=0)] | None = None
+    loss: float | None = None
+    pid: Annotated[int, Field(ge=0)] | None = None
+
+
+class Report(Message):
+    subject_kind: ClassVar[str] = "report"
+    pod: PodId
+    report: ReportKind
+    generation: Generation
+    rank: Rank | None = None
+    step: Step = -1
+    error: Text = ""
+    ts: Timestamp = Field(default_factory=now)
+
+
+class Recovery(Message):
+    subject_kind: ClassVar[str] = "recovery"
+    incident: Annotated[str, Field(max_length=128)]
+    generation: Generation
+    pod: PodId
+    rank: Rank
+    phases: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[float, Field(ge=0)]],
+                      Field(max_length=32)]
+    restore_step: Step
+    lost_steps: Annotated[int, Field(ge=0)] = 0
+    bytes_received: Annotated[int, Field(ge=0)] = 0
+    downtime: Annotated[float, Field(ge=0)] | None = None
+    ts: Timestamp = Field(default_factory=now)
+
+
+# ----------------------------------------------------------------------------- control plane
+class Fault(Message):
+    subject_kind: ClassVar[str] = "fault"
+    incident: Annotated[str, Field(max_length=128)]
+    pod: PodId
+    kind: FaultKind
+    detected_at: Timestamp
+    last_seen: Timestamp
+    generation: Generation
+    rank: Rank | None = None
+    role: Role = Role.worker
+    detection_latency: Annotated[float, Field(ge=0)] | None = None
+    reason: Text = ""
+
+
+class Member(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pod: PodId
+    rank: Rank
+
+
+class Plan(Message):
+    subject_kind: ClassVar[str] = "plan"
+    generation: Annotated[int, Field(ge=1)]
+    members: Annotated[list[Member], Field(max_length=MAX_MEMBERS)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_MEMBERS)]
+    global_batch_size: Annotated[int, Field(ge=1)]
+    micro_batch_size: Annotated[int, Field(ge=1)]
+    shares: dict[Rank, Annotated[int, Field(ge=1)]]
+    lr_factor: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    reason: Text = ""
+    incident: Annotated[str, Field(max_length=128)] | None = None
+    spares: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []
+    fenced: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []
+    # Planned (elastic) transitions apply from this step on, at a step boundary; None = now.
+    apply_step: Annotated[int, Field(ge=0)] | None = None
+    ts: Timestamp = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        ranks = sorted(m.rank for m in self.members)
+        if ranks != list(range(self.world_size)):
+            raise ValueError(f"member ranks {ranks} are not 0..{self.world_size - 1}")
+        pods = [m.pod for m in self.members]
+        if len(set(pods)) != len(pods):
+            raise ValueError("a pod appears twice among the members")
+        if set(pods) & set(self.spares):
+            raise ValueError("a member is also listed as a spare")
+        if sorted(self.shares) != list(range(self.world_size)):
+            raise ValueError("shares must name every rank exactly once")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError("global_batch_size must be a multiple of micro_batch_size")
+        if sum(self.shares.values()) * self.micro_batch_size != self.global_batch_size:
+            raise ValueError("shares do not add up to the global batch")
+        return self
+
+    def rank_of(self, pod: str) -> int | None:
+        for m in self.members:
+            if m.pod == pod:
+                return m.rank
+        return None
+
+    def pod_of(self, rank: int) -> str | None:
+        for m in self.members:
+            if m.rank == rank:
+                return m.pod
+        return None
+
+
+class Transfer(Message):
+    subject_kind: ClassVar[str] = "transfer"
+    generation: Annotated[int, Field(ge=1)]
+    restore_step: Step
+    # recipient rank -> the source ranks it receives from (striped over them)
+    sources: dict[Rank, Annotated[list[Rank], Field(min_length=1, max_length=MAX_MEMBERS)]]
+    # every member's committed step, as the broker saw it
+    steps: dict[Rank, Step] = {}
+    digest: Digest = ""
+    incident: Annotated[str, Field(max_length=128)] | None = None
+    ts: Timestamp = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _no_self(self) -> "Transfer":
+        for r, srcs in self.sources.items():
+            if r in srcs:
+                raise ValueError(f"rank {r} cannot be its own source")
+            if set(srcs) & set(self.sources):
+                raise ValueError("a source is also a recipient")
+        return self
+
+
+class StateLost(Message):
+    subject_kind: ClassVar[str] = "state_lost"
+    generation: Annotated[int, Field(ge=1)]
+    incident: Annotated[str, Field(max_length=128)] | None = None
+    reason: Text
+    best_step: Step = -1
+    ts: Timestamp = Field(default_factory=now)
+
+
+class Decision(Message):
+    subject_kind: ClassVar[str] = "decision"
+    request_id: Annotated[str, Field(max_length=128)]
+    accepted: bool
+    reason: Text
+    generation: Generation | None = None
+    ts: Timestamp = Field(default_factory=now)
+
+
+# ----------------------------------------------------------------------------- operator / infra
+class Capacity(Message):
+    subject_kind: ClassVar[str] = "capacity"
+    change: CapacityChange
+    count: Annotated[int, Field(ge=1, le=MAX_MEMBERS)]
+    reason: Text = ""
+    request_id: Annotated[str, Field(max_length=128)] = Field(default_factory=new_id)
+
+
+class Priority(Message):
+    subject_kind: ClassVar[str] = "priority"
+    request_id: Annotated[str, Field(max_length=128)] = Field(default_factory=new_id)
+    release: Annotated[int, Field(ge=1, le=MAX_MEMBERS)]
+    priority: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    reason: Text = ""
+
+
+class Inject(Message):
+    subject_kind: ClassVar[str] = "inject"
+    action: InjectAction
+    pod: PodId | None = None
+    rank: Rank | None = None
+    at_step: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _target(self) -> "Inject":
+        if (self.pod is None) == (self.rank is None):
+            raise ValueError("name exactly one of pod or rank")
+        return self
+
+
+class Lifecycle(Message):
+    subject_kind: ClassVar[str] = "lifecycle"
+    pod: PodId
+    event: LifecycleEvent
+    role: Role = Role.worker
+    pid: Annotated[int, Field(ge=0)] | None = None
+    exit_code: int | None = None
+    ts: Timestamp = Field(default_factory=now)
+
+
+class ActuatorCommand(Message):
+    subject_kind: ClassVar[str] = "actuator"
+    action: ActuatorAction
+    pod: PodId | None = None
+    role: Role = Role.spare
+    count: Annotated[int, Field(ge=1, le=1024)] = 1
+    reason: Text = ""
+
+
+class ActuatorReply(Message):
+    subject_kind: ClassVar[str] = "actuator_reply"
+    ok: bool
+    pods: Annotated[list[PodId], Field(max_length=1024)] = []
+    error: Text = ""
+
+
+# Message kinds by subject kind (``Subjects.kind_of``).
+BY_KIND: dict[str, type[Message]] = {
+    m.subject_kind: m
+    for m in (Heartbeat, Report, Recovery, Fault, Plan, Transfer, StateLost, Decision,
+              Capacity, Priority, Inject, Lifecycle, ActuatorCommand)
+}

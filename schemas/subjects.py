@@ -1,0 +1,129 @@
+"""Every NATS subject and KV name Ceaseless uses. The one place they are spelled.
+
+Subjects are ``ceaseless.<job>.<kind>[.<pod>]``. Job and pod ids are restricted to
+characters that are safe as NATS subject tokens and KV keys (see ``ID_PATTERN``).
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "ceaseless"
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+
+def check_id(value: str, what: str = "id") -> str:
+    if not _ID_RE.match(value):
+        raise ValueError(f"invalid {what} {value!r}: must match {ID_PATTERN}")
+    return value
+
+
+class Subjects:
+    """Subject names of one job."""
+
+    def __init__(self, job: str = "demo") -> None:
+        self.job = check_id(job, "job name")
+        self.base = f"{PREFIX}.{job}"
+
+    # -- agent -> control plane
+    def heartbeat(self, pod: str = "*") -> str:
+        return f"{self.base}.heartbeat.{pod}"
+
+    def report(self, pod: str = "*") -> str:
+        """Agent-reported errors (exception, peer reset, digest mismatch). Added to the contract."""
+        return f"{self.base}.report.{pod}"
+
+    @property
+    def recovery(self) -> str:
+        return f"{self.base}.recovery"
+
+    # -- control plane
+    @property
+    def fault(self) -> str:
+        return f"{self.base}.fault"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.base}.plan"
+
+    @property
+    def transfer(self) -> str:
+        return f"{self.base}.transfer"
+
+    @property
+    def state_lost(self) -> str:
+        return f"{self.base}.state_lost"
+
+    @property
+    def decision(self) -> str:
+        """Scaler's answer to capacity/priority requests (accepted or refused, with why)."""
+        return f"{self.base}.decision"
+
+    # -- infrastructure / operator
+    @property
+    def capacity(self) -> str:
+        return f"{self.base}.capacity"
+
+    @property
+    def priority(self) -> str:
+        return f"{self.base}.priority"
+
+    @property
+    def inject(self) -> str:
+        return f"{self.base}.inject"
+
+    def lifecycle(self, pod: str = "*") -> str:
+        """Actuator -> bus: a pod process started or exited."""
+        return f"{self.base}.lifecycle.{pod}"
+
+    @property
+    def actuator(self) -> str:
+        """Request/reply: commands to the actuator (start/stop/kill)."""
+        return f"{self.base}.actuator"
+
+    def service_status(self, service: str) -> str:
+        return f"{self.base}.svc.{service}.status"
+
+    @property
+    def all(self) -> str:
+        return f"{self.base}.>"
+
+    def audit_subjects(self) -> list[str]:
+        """Subjects kept in the job's JetStream stream (everything but heartbeats)."""
+        return [
+            self.report(), self.recovery, self.fault, self.plan, self.transfer,
+            self.state_lost, self.decision, self.capacity, self.priority, self.inject,
+            self.lifecycle(),
+        ]
+
+    # -- JetStream names
+    @property
+    def stream(self) -> str:
+        return f"CEASELESS_{self.job.replace('-', '_').upper()}"
+
+    @property
+    def kv_bucket(self) -> str:
+        return f"ceaseless_{self.job.replace('-', '_')}"
+
+    @property
+    def store_bucket(self) -> str:
+        """c10d store keys of every generation (sibling bucket with a TTL)."""
+        return f"ceaseless_{self.job.replace('-', '_')}_store"
+
+    def kind_of(self, subject: str) -> str | None:
+        """The message kind a subject carries, or None if it is not one of this job's."""
+        if not subject.startswith(self.base + "."):
+            return None
+        rest = subject[len(self.base) + 1:].split(".")
+        if rest[0] in ("heartbeat", "report", "lifecycle") and len(rest) == 2:
+            return rest[0]
+        if rest[0] == "svc":
+            return "svc"
+        if len(rest) == 1:
+            return rest[0]
+        return None
+
+
+PLAN_KEY = "plan"
+LEASE_KEY = "scaler_lease"

@@ -1,0 +1,244 @@
+"""The bus layer shared by services and the agent.
+
+* connect with reconnect and backoff;
+* typed publish (pydantic -> JSON, W3C trace context in NATS headers, optional
+  ``Nats-Msg-Id`` so the job's JetStream stream deduplicates);
+* typed subscribe that validates on receive: a malformed, oversized, wrong-version or
+  unknown message is logged with its subject and reason, counted, and dropped; a handler
+  that raises is logged and the subscription goes on;
+* idempotent creation of the job's audit stream and KV buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+from pydantic import ValidationError
+
+from schemas import MAX_PAYLOAD_BYTES, SCHEMA_VERSION, Message, Subjects
+
+from . import logs
+
+M = TypeVar("M", bound=Message)
+log = logs.get("bus")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Credentials":
+        data = json.loads(Path(path).read_text())
+        return cls(user=data["user"], password=data["password"])
+
+    def __repr__(self) -> str:  # never log a password
+        return f"Credentials(user={self.user!r}, password=***)"
+
+
+@dataclass
+class Envelope:
+    """What a handler gets besides the validated model."""
+
+    subject: str
+    headers: dict[str, str]
+    ctx: otel_context.Context
+    raw: Msg
+
+    @property
+    def msg_id(self) -> str | None:
+        return self.headers.get("Nats-Msg-Id")
+
+
+class DropError(ValueError):
+    """A message that does not satisfy the wire contract."""
+
+
+def decode(model: type[M], data: bytes, subject: str = "",
+           max_bytes: int = MAX_PAYLOAD_BYTES) -> M:
+    """Validate one payload or raise DropError with a short reason."""
+    if len(data) > max_bytes:
+        raise DropError(f"oversized payload ({len(data)} bytes > {max_bytes})")
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DropError(f"not JSON: {e.__class__.__name__}: {str(e)[:80]}") from None
+    if not isinstance(obj, dict):
+        raise DropError(f"payload is a JSON {type(obj).__name__}, not an object")
+    version = obj.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise DropError(f"schema_version {version!r} is not {SCHEMA_VERSION}")
+    try:
+        msg = model.model_validate(obj)
+    except ValidationError as e:
+        errs = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in e.errors()[:3]
+        )
+        raise DropError(f"invalid {model.subject_kind}: {errs}"[:400]) from None
+    # Per-pod subjects must agree with the payload (no spoofing another pod's heartbeat).
+    pod = getattr(msg, "pod", None)
+    tokens = subject.split(".")
+    if pod is not None and len(tokens) == 4 and tokens[2] in ("heartbeat", "report", "lifecycle"):
+        if tokens[3] != pod:
+            raise DropError(f"subject names pod {tokens[3]!r} but payload says {pod!r}")
+    return msg
+
+
+@dataclass
+class Bus:
+    nc: NATS
+    subjects: Subjects
+    name: str
+    dropped: Counter = field(default_factory=Counter)
+    received: Counter = field(default_factory=Counter)
+    handler_errors: int = 0
+
+    # ------------------------------------------------------------------ connection
+    @classmethod
+    async def connect(cls, url: str, job: str, name: str,
+                      creds: Credentials | None = None, **options: Any) -> "Bus":
+        async def _disconnected() -> None:
+            log.warning("nats disconnected", client=name)
+
+        async def _reconnected() -> None:
+            log.info("nats reconnected", client=name)
+
+        async def _error(e: Exception) -> None:
+            log.warning("nats error", client=name, error=str(e)[:200])
+
+        opts: dict[str, Any] = dict(
+            name=name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,      # forever: the control plane may be restarting
+            reconnect_time_wait=0.25,
+            connect_timeout=2,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            disconnected_cb=_disconnected,
+            reconnected_cb=_reconnected,
+            error_cb=_error,
+        )
+        if creds is not None:
+            opts.update(user=creds.user, password=creds.password)
+        opts.update(options)
+        nc = await nats.connect(servers=[url], **opts)
+        return cls(nc=nc, subjects=Subjects(job), name=name)
+
+    async def close(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception:
+            try:
+                await self.nc.close()
+            except Exception:
+                pass
+
+    @property
+    def js(self):
+        return self.nc.jetstream()
+
+    # ------------------------------------------------------------------ publish
+    @staticmethod
+    def headers_for(msg_id: str | None = None,
+                    ctx: otel_context.Context | None = None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        propagate.inject(headers, context=ctx)
+        if msg_id:
+            headers["Nats-Msg-Id"] = msg_id
+        return headers
+
+    async def publish(self, subject: str, msg: Message, *, msg_id: str | None = None,
+                      ctx: otel_context.Context | None = None) -> None:
+        data = msg.model_dump_json(by_alias=True).encode()
+        await self.nc.publish(subject, data, headers=self.headers_for(msg_id, ctx) or None)
+
+    async def request(self, subject: str, msg: Message, reply_model: type[M],
+                      timeout: float = 2.0) -> M:
+        data = msg.model_dump_json(by_alias=True).encode()
+        resp = await self.nc.request(subject, data, timeout=timeout,
+                                     headers=self.headers_for() or None)
+        return decode(reply_model, resp.data, resp.subject)
+
+    # ------------------------------------------------------------------ subscribe
+    def drop(self, subject: str, reason: str) -> None:
+        kind = self.subjects.kind_of(subject) or "unknown"
+        self.dropped[(kind, reason.split(":")[0])] += 1
+        log.warning("dropped message", subject=subject[:200], reason=reason, client=self.name)
+
+    async def subscribe(self, subject: str, model: type[M],
+                        handler: Callable[[M, Envelope], Awaitable[None]],
+                        queue: str = "") -> Any:
+        async def _cb(raw: Msg) -> None:
+            try:
+                msg = decode(model, raw.data, raw.subject)
+            except DropError as e:
+                self.drop(raw.subject, str(e))
+                return
+            headers = dict(raw.headers or {})
+            env = Envelope(subject=raw.subject, headers=headers,
+                           ctx=propagate.extract(headers), raw=raw)
+            self.received[model.subject_kind] += 1
+            try:
+                await handler(msg, env)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a handler bug must not kill the subscription
+                self.handler_errors += 1
+                log.exception("handler failed", subject=raw.subject, error=str(e)[:200],
+                              client=self.name)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=_cb)
+
+    # ------------------------------------------------------------------ JetStream
+    async def ensure_stream(self, storage: StorageType = StorageType.FILE,
+                            max_age: float = 7 * 24 * 3600) -> None:
+        """The job's audit log: every job subject but heartbeats, replayable."""
+        cfg = StreamConfig(
+            name=self.subjects.stream,
+            subjects=self.subjects.audit_subjects(),
+            storage=storage,
+            max_age=max_age,
+            max_msgs=1_000_000,
+            max_msg_size=MAX_PAYLOAD_BYTES,
+            duplicate_window=120.0,
+        )
+        try:
+            await self.js.add_stream(cfg)
+        except BadRequestError:
+            await self.js.update_stream(cfg)  # exists with another config: converge
+
+    async def kv(self, storage: StorageType = StorageType.FILE) -> KeyValue:
+        return await self._bucket(self.subjects.kv_bucket, history=16, ttl=None, storage=storage)
+
+    async def store_kv(self, ttl: float = 3600.0) -> KeyValue:
+        # Memory storage: c10d keys are hot and short-lived; the TTL stops them piling up.
+        return await self._bucket(self.subjects.store_bucket, history=1, ttl=ttl,
+                                  storage=StorageType.MEMORY)
+
+    async def _bucket(self, bucket: str, history: int, ttl: float | None,
+                      storage: StorageType) -> KeyValue:
+        try:
+            return await self.js.key_value(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            pass
+        try:
+            return await self.js.create_key_value(KeyValueConfig(
+                bucket=bucket, history=history, ttl=ttl, storage=storage,
+                max_value_size=MAX_PAYLOAD_BYTES))
+        except BadRequestError:
+            return await self.js.key_value(bucket)  # lost a creation race

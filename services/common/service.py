@@ -1,0 +1,125 @@
+"""What every control-plane service shares: CLI arguments, connection, NATS micro
+registration with a ``status`` endpoint, and a clean shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import nats.micro
+
+from schemas import check_id
+
+from . import logs
+from .bus import Bus, Credentials
+
+
+class Service:
+    """Base class: subclasses set ``name`` and implement ``start`` and ``status``."""
+
+    name: str = "service"
+    version: str = "0.1.0"
+    description: str = ""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.log = logs.get(self.name)
+        self.started_at = time.time()
+        self._micro: Any = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:  # subscribe, load state from KV, spawn loops
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def base_status(self) -> dict[str, Any]:
+        return {
+            "service": self.name,
+            "job": self.bus.subjects.job,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "received": dict(self.bus.received),
+            "dropped": {f"{k}:{r}": n for (k, r), n in self.bus.dropped.items()},
+            "handler_errors": self.bus.handler_errors,
+        }
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
+
+    async def register_micro(self) -> None:
+        """Discoverable with `nats micro ls|info|stats`; `status` answers `ceaseless status`."""
+
+        async def _status(req: Any) -> None:
+            try:
+                body = {**self.base_status(), **self.status()}
+            except Exception as e:  # status must answer even if a view is half-built
+                body = {"service": self.name, "error": str(e)[:200]}
+            await req.respond(json.dumps(body, default=str).encode())
+
+        self._micro = await nats.micro.add_service(
+            self.bus.nc, name=f"ceaseless_{self.name}", version=self.version,
+            description=self.description or self.name,
+            metadata={"job": self.bus.subjects.job},
+        )
+        await self._micro.add_endpoint(
+            name="status", subject=self.bus.subjects.service_status(self.name), handler=_status)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._micro is not None:
+            try:
+                await self._micro.stop()
+            except Exception:
+                pass
+
+
+def common_args(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--nats", default=os.environ.get("CEASELESS_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--creds", default=os.environ.get("CEASELESS_CREDS"),
+                   help="JSON file with user and password")
+    p.add_argument("--job", default=os.environ.get("CEASELESS_JOB", "demo"))
+    p.add_argument("--run-dir", default=os.environ.get("CEASELESS_RUN_DIR"))
+    p.add_argument("--log-level", default=os.environ.get("CEASELESS_LOG_LEVEL", "info"))
+    return p
+
+
+async def serve(service_cls: type[Service], args: argparse.Namespace, **kwargs: Any) -> None:
+    check_id(args.job, "job name")
+    logs.configure(service_cls.name, args.log_level)
+    try:
+        from . import telemetry
+
+        telemetry.init(service_cls.name, run_dir=args.run_dir, job=args.job)
+    except Exception as e:  # tracing is an aid, never a reason not to run
+        logs.get(service_cls.name).warning("telemetry disabled", error=str(e)[:200])
+    creds = Credentials.load(args.creds) if args.creds else None
+    bus = await Bus.connect(args.nats, args.job, service_cls.name, creds)
+    svc = service_cls(bus, **kwargs)
+    await svc.start()
+    await svc.register_micro()
+    svc.log.info("service started", nats=args.nats)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    svc.log.info("service stopping")
+    await svc.stop()
+    await bus.close()
+    try:
+        from . import telemetry
+
+        telemetry.shutdown()
+    except Exception:
+        pass

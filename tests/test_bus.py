@@ -1,0 +1,65 @@
+import asyncio
+import json
+
+import pytest
+
+from schemas import Heartbeat, Plan
+from schemas.messages import Member, Role
+from services.common.bus import DropError, decode
+
+
+def test_decode_reasons():
+    ok = Heartbeat(pod="p1", role=Role.worker, generation=0)
+    assert decode(Heartbeat, ok.model_dump_json().encode(), "ceaseless.j.heartbeat.p1") == ok
+    cases = {
+        b"\xff\xfe": "not JSON",
+        b"[1,2]": "JSON list",
+        b'{"schema_version": 2, "pod": "p1"}': "schema_version",
+        b'{"schema_version": 1, "pod": "p1", "role": "worker", "generation": 0, "x": 1}': "invalid",
+        b"x" * (2 * 1024 * 1024): "oversized",
+    }
+    for data, reason in cases.items():
+        with pytest.raises(DropError, match=reason):
+            decode(Heartbeat, data, "ceaseless.j.heartbeat.p1")
+    with pytest.raises(DropError, match="subject names pod"):
+        decode(Heartbeat, ok.model_dump_json().encode(), "ceaseless.j.heartbeat.other")
+
+
+def test_plan_validation():
+    members = [Member(pod="a", rank=0), Member(pod="b", rank=1)]
+    Plan(generation=1, members=members, world_size=2, global_batch_size=16,
+         micro_batch_size=4, shares={0: 2, 1: 2})
+    with pytest.raises(ValueError):  # ranks with a hole
+        Plan(generation=1, members=[Member(pod="a", rank=0), Member(pod="b", rank=2)],
+             world_size=2, global_batch_size=16, micro_batch_size=4, shares={0: 2, 1: 2})
+    with pytest.raises(ValueError):  # shares do not cover the batch
+        Plan(generation=1, members=members, world_size=2, global_batch_size=16,
+             micro_batch_size=4, shares={0: 2, 1: 1})
+
+
+async def test_roundtrip_and_drop(bus):
+    got: list[Heartbeat] = []
+
+    async def handler(msg, env):
+        got.append(msg)
+
+    await bus.subscribe(bus.subjects.heartbeat(), Heartbeat, handler)
+    await bus.publish(bus.subjects.heartbeat("p1"),
+                      Heartbeat(pod="p1", role=Role.spare, generation=3))
+    await bus.nc.publish(bus.subjects.heartbeat("p2"), b"garbage")
+    await bus.nc.publish(bus.subjects.heartbeat("p3"), json.dumps({"schema_version": 9}).encode())
+    await bus.nc.flush()
+    for _ in range(100):
+        if got and sum(bus.dropped.values()) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert [h.pod for h in got] == ["p1"]
+    assert sum(bus.dropped.values()) == 2
+
+
+async def test_kv_idempotent(bus):
+    kv1 = await bus.kv()
+    kv2 = await bus.kv()
+    rev = await kv1.put("plan", b"1")
+    assert (await kv2.get("plan")).revision == rev
+    await bus.ensure_stream()  # twice is fine
