@@ -1,0 +1,70 @@
+"""Agent configuration, from ``CEASELESS_*`` environment variables (set by ``ceaseless up``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from schemas import check_id
+from schemas.messages import Role
+
+FALLBACK_EXIT_CODE = 75  # "in-process recovery gave up / I was fenced: restart me as a spare"
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class AgentConfig:
+    nats_url: str
+    job: str = "demo"
+    pod: str = ""
+    role: Role = Role.worker
+    creds_path: str | None = None
+    run_dir: str | None = None
+    allow_inject: bool = False
+    heartbeat_interval: float = 0.25
+    collective_slice: float = 0.05     # abort flag checked between slices of a wait
+    collective_timeout: float = 30.0   # a collective that takes longer is a peer error
+    store_timeout: float = 30.0
+    recovery_timeout: float = 60.0     # one in-process attempt
+    max_attempts: int = 3              # then exit FALLBACK_EXIT_CODE
+    backend: str | None = None         # gloo | nccl | None (nccl when CUDA is available)
+
+    def __post_init__(self) -> None:
+        check_id(self.job, "job name")
+        check_id(self.pod, "pod id")
+        if not (0 < self.heartbeat_interval < 1.5):
+            raise ValueError("heartbeat_interval must be in (0, 1.5) s: below the fault timeout")
+        if not (0 < self.collective_slice < self.collective_timeout):
+            raise ValueError("collective_slice must be positive and below collective_timeout")
+        if self.collective_timeout > self.recovery_timeout:
+            raise ValueError("collective_timeout must not exceed recovery_timeout")
+
+    @classmethod
+    def from_env(cls) -> "AgentConfig | None":
+        """None when no bus is configured: the session then runs single-process."""
+        url = os.environ.get("CEASELESS_NATS_URL")
+        if not url:
+            return None
+        pod = os.environ.get("CEASELESS_POD") or os.environ.get("HOSTNAME") or socket.gethostname()
+        env = os.environ.get
+        return cls(
+            nats_url=url,
+            job=env("CEASELESS_JOB", "demo"),
+            pod=pod.replace(".", "-")[:64],
+            role=Role(env("CEASELESS_ROLE", "worker")),
+            creds_path=env("CEASELESS_CREDS"),
+            run_dir=env("CEASELESS_RUN_DIR"),
+            allow_inject=_flag("CEASELESS_ALLOW_INJECT"),
+            heartbeat_interval=float(env("CEASELESS_HEARTBEAT_INTERVAL", "0.25")),
+            collective_timeout=float(env("CEASELESS_COLLECTIVE_TIMEOUT", "30")),
+            recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", "60")),
+            max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
+            backend=env("CEASELESS_BACKEND") or None,
+        )

@@ -1,0 +1,253 @@
+"""The agent's background runtime: its own thread, asyncio loop and NATS connection.
+
+It sends heartbeats, receives plans, transfer plans and injections, and exposes them to
+the training thread through a condition variable. It never blocks the training thread:
+the training thread only reads fields and waits on the condition with timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from opentelemetry import context as otel_context
+
+from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan, Report,
+                              ReportKind, StateLost, Transfer)
+from services.common import logs
+from services.common.bus import Bus, Credentials, Envelope, decode
+
+from .config import AgentConfig
+
+log = logs.get("agent")
+DONE_KEY = "done"
+
+
+class Runtime:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.cond = threading.Condition()
+        self.abort = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.bus: Bus | None = None
+        self.store_kv: Any = None
+        self.kv: Any = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        # what the control plane told us (guarded by cond)
+        self.plan: Plan | None = None
+        self.plan_ctx: otel_context.Context | None = None
+        self.joined_generation = 0
+        self.transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
+        self.lost: dict[int, StateLost] = {}
+        self.done: dict | None = None
+        self.injections: list[Inject] = []
+        self.hang = threading.Event()  # set while an injected hang holds the training thread
+        # what we tell it (replaced whole, read by the heartbeat loop)
+        self.hb: dict[str, Any] = dict(role=cfg.role, generation=0, rank=None, step=-1,
+                                       digest="", state=AgentState.starting)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 15.0) -> None:
+        self._thread = threading.Thread(target=self._run, name="ceaseless-agent", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"agent could not connect to {self.cfg.nats_url} in {timeout}s")
+        if self._error is not None:
+            raise RuntimeError(f"agent could not start: {self._error}") from self._error
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.loop is None or self._stopping is None:
+            return
+        self.loop.call_soon_threadsafe(self._stopping.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as e:  # surfaced to start(); logged otherwise
+            self._error = e
+            self._ready.set()
+            log.exception("agent runtime stopped", error=str(e)[:200])
+
+    async def _main(self) -> None:
+        self._stopping = asyncio.Event()
+        creds = Credentials.load(self.cfg.creds_path) if self.cfg.creds_path else None
+        self.bus = bus = await Bus.connect(self.cfg.nats_url, self.cfg.job,
+                                           f"agent-{self.cfg.pod}", creds)
+        s = bus.subjects
+        self.kv = await bus.kv()
+        self.store_kv = await bus.store_kv()
+        await bus.subscribe(s.plan, Plan, self._on_plan)
+        await bus.subscribe(s.transfer, Transfer, self._on_transfer)
+        await bus.subscribe(s.state_lost, StateLost, self._on_lost)
+        await bus.subscribe(s.inject, Inject, self._on_inject)
+        await self._load_plan()
+        hb_task = asyncio.create_task(self._heartbeats())
+        done_task = asyncio.create_task(self._watch_done())
+        self._ready.set()
+        await self._stopping.wait()
+        for t in (hb_task, done_task):
+            t.cancel()
+        await asyncio.gather(hb_task, done_task, return_exceptions=True)
+        try:
+            await self._send_heartbeat()  # the final state (done / leaving)
+        except Exception:
+            pass
+        await bus.close()
+
+    # ------------------------------------------------------------------ inbound
+    async def _load_plan(self) -> None:
+        try:
+            entry = await self.kv.get("plan")
+        except Exception:
+            return  # no plan yet
+        try:
+            plan = decode(Plan, entry.value, self.bus.subjects.plan)
+        except Exception as e:
+            log.warning("stored plan unreadable", error=str(e)[:200])
+            return
+        self._adopt_plan(plan, otel_context.Context())
+
+    async def _on_plan(self, plan: Plan, env: Envelope) -> None:
+        self._adopt_plan(plan, env.ctx)
+
+    def _adopt_plan(self, plan: Plan, ctx: otel_context.Context) -> None:
+        with self.cond:
+            if self.plan is not None and plan.generation <= self.plan.generation:
+                return  # stale or replayed
+            self.plan, self.plan_ctx = plan, ctx
+            if plan.generation > self.joined_generation and self.joined_generation > 0:
+                self.abort.set()
+            self.cond.notify_all()
+
+    async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
+        with self.cond:
+            self.transfers.setdefault(t.generation, (t, env.ctx))
+            for g in [g for g in self.transfers if g < t.generation - 4]:
+                del self.transfers[g]
+            self.cond.notify_all()
+
+    async def _on_lost(self, m: StateLost, env: Envelope) -> None:
+        with self.cond:
+            self.lost[m.generation] = m
+            self.cond.notify_all()
+
+    async def _on_inject(self, inj: Inject, env: Envelope) -> None:
+        if inj.action == InjectAction.kill and inj.at_step is None:
+            return  # the supervisor executes kill
+        if inj.pod is not None and inj.pod != self.cfg.pod:
+            return
+        if inj.rank is not None and inj.rank != self.hb.get("rank"):
+            return
+        if not self.cfg.allow_inject:
+            log.warning("injection refused: this job does not allow injection",
+                        action=inj.action.value)
+            await self.report(ReportKind.exception, "injection refused (not enabled)", send=False)
+            return
+        log.info("injection received", action=inj.action.value, at_step=inj.at_step)
+        if inj.action == InjectAction.resume:
+            self.hang.clear()
+        with self.cond:
+            self.injections.append(inj)
+            self.cond.notify_all()
+
+    async def _watch_done(self) -> None:
+        """Spares leave when the job finished: any member writes KV ``done`` at the end."""
+        while True:
+            try:
+                entry = await self.kv.get(DONE_KEY)
+                with self.cond:
+                    self.done = json.loads(entry.value)
+                    self.cond.notify_all()
+                return
+            except Exception:
+                await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ outbound
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                await self._send_heartbeat()
+            except Exception as e:  # reconnecting: the next beat goes through
+                log.debug("heartbeat failed", error=str(e)[:200])
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _send_heartbeat(self) -> None:
+        hb = Heartbeat(pod=self.cfg.pod, pid=_pid(), **self.hb)
+        await self.bus.publish(self.bus.subjects.heartbeat(self.cfg.pod), hb)
+
+    def update(self, now: bool = False, **fields: Any) -> None:
+        """Set heartbeat fields (training thread); ``now`` sends one at once."""
+        self.hb = {**self.hb, **fields}
+        if now and self.loop is not None:
+            self.submit(self._send_heartbeat())
+
+    def submit(self, coro) -> Future:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def publish(self, subject: str, msg, ctx: otel_context.Context | None = None) -> Future:
+        return self.submit(self.bus.publish(subject, msg, ctx=ctx))
+
+    async def report(self, kind: ReportKind, error: str, send: bool = True) -> None:
+        if not send:
+            return
+        await self.bus.publish(self.bus.subjects.report(self.cfg.pod), Report(
+            pod=self.cfg.pod, report=kind, generation=self.hb.get("generation", 0),
+            rank=self.hb.get("rank"), step=self.hb.get("step", -1), error=error[:2000]))
+
+    def report_sync(self, kind: ReportKind, error: str, timeout: float = 2.0) -> None:
+        try:
+            self.submit(self.report(kind, error)).result(timeout)
+        except Exception as e:
+            log.warning("could not send report", error=str(e)[:200])
+
+    def put_done(self, step: int, generation: int) -> None:
+        data = json.dumps({"step": step, "generation": generation, "pod": self.cfg.pod}).encode()
+        try:
+            self.submit(self.kv.put(DONE_KEY, data)).result(5.0)
+        except Exception as e:
+            log.warning("could not record job completion", error=str(e)[:200])
+
+    # ------------------------------------------------------------------ training-thread waits
+    def wait(self, pred: Callable[[], Any], timeout: float | None) -> Any:
+        """Wait (training thread) until ``pred()`` is truthy; returns it or None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                v = pred()
+                if v:
+                    return v
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self.cond.wait(0.5 if left is None else min(left, 0.5))
+
+    def join(self, generation: int) -> None:
+        """The training thread now works in ``generation``: newer plans abort it."""
+        with self.cond:
+            self.joined_generation = generation
+            self.abort.clear()
+            if self.plan is not None and self.plan.generation > generation:
+                self.abort.set()
+
+    def take_injections(self) -> list[Inject]:
+        with self.cond:
+            out, self.injections = self.injections, []
+            return out
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()

@@ -1,0 +1,600 @@
+"""``Session``: the training loop's view of Ceaseless.
+
+The session owns membership, the process group of the current generation, the gradient
+all-reduce (abortable), commits, and in-process recovery with peer-to-peer state handoff.
+Without ``CEASELESS_*`` variables it runs single-process, so the same script works under
+plain ``python``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from opentelemetry import trace
+
+from schemas import micro_batch_range, num_micro_batches
+from schemas.messages import AgentState, InjectAction, Recovery, ReportKind, Role
+from services.common import logs
+
+from .config import FALLBACK_EXIT_CODE, AgentConfig
+
+log = logs.get("agent")
+tracer = trace.get_tracer("ceaseless.agent")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an injected ``exception`` (tests and demos)."""
+
+
+class JobStateLost(RuntimeError):
+    """No member holds the committed state: training cannot go on."""
+
+
+@dataclass
+class _Incident:
+    """Timestamps of one in-process recovery, for the recovery report and its spans."""
+
+    notice: float                      # when this rank noticed (abort flag, peer error)
+    last_commit: float | None
+    reason: str
+    generation: int = 0
+    incident: str | None = None
+    plan_ctx: Any = None
+    t_plan: float = 0.0
+    t_group: float = 0.0
+    t_sync: float = 0.0
+    t_data: float = 0.0
+    restore_step: int = -1
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    role: str = "survivor"
+    attempts: int = 1
+
+
+@dataclass
+class _Stats:
+    step_times: deque = field(default_factory=lambda: deque(maxlen=50))
+    losses: dict[int, float] = field(default_factory=dict)
+    lost_steps: int = 0
+
+
+def _seed_micro(seed: int, step: int, k: int) -> None:
+    h = hashlib.blake2b(f"{seed}:{step}:{k}".encode(), digest_size=8).digest()
+    v = int.from_bytes(h, "little") & ((1 << 63) - 1)
+    torch.manual_seed(v)
+    random.seed(v)
+
+
+class Session:
+    def __init__(self, global_batch_size: int, seed: int = 0,
+                 config: AgentConfig | None = None) -> None:
+        if global_batch_size <= 0:
+            raise ValueError("global_batch_size must be positive")
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.cfg = config
+        self.objs: dict[str, Any] = {}
+        self.rank = 0
+        self.world_size = 1
+        self.generation = 0
+        self.last_committed = -1
+        self.current_step: int | None = None
+        self.loss: float | None = None          # global mean loss of the last committed step
+        self.total: int | None = None
+        self.group: Any = None
+        self.runtime: Any = None
+        self.stats = _Stats()
+        self._micro_batch_size: int | None = None
+        self._loss_acc: torch.Tensor | None = None
+        self._interrupted = False
+        self._incident: _Incident | None = None
+        self._last_commit_time: float | None = None
+        self._seen_generation = 0
+        self._pending_inject: list = []
+        self._orders: dict[int, Any] = {}
+        self._entered = False
+        self._finished = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_env(cls, global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
+        cfg = AgentConfig.from_env()
+        if cfg is not None:
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+        return cls(global_batch_size, seed=seed, config=cfg)
+
+    @property
+    def distributed(self) -> bool:
+        return self.cfg is not None
+
+    @property
+    def pod(self) -> str:
+        return self.cfg.pod if self.cfg else "local"
+
+    def __enter__(self) -> "Session":
+        self._entered = True
+        if self.cfg is not None:
+            logs.configure("agent", os.environ.get("CEASELESS_LOG_LEVEL", "info"))
+            try:
+                from services.common import telemetry
+
+                telemetry.init("agent", run_dir=self.cfg.run_dir, job=self.cfg.job)
+            except Exception as e:
+                log.warning("telemetry disabled", error=str(e)[:200])
+            from .runtime import Runtime
+
+            self.runtime = Runtime(self.cfg)
+            self.runtime.start()
+            self.runtime.update(now=True, state=AgentState.waiting)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        rt = self.runtime
+        if rt is not None:
+            if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                rt.report_sync(ReportKind.exception, f"{exc_type.__name__}: {exc}")
+                rt.update(state=AgentState.leaving)
+            rt.stop()
+        try:
+            from services.common import telemetry
+
+            telemetry.shutdown()
+        except Exception:
+            pass
+
+    def register(self, **objs: Any) -> None:
+        """Register the training state: anything with ``state_dict()``/``load_state_dict()``."""
+        for name, obj in objs.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{name!r} has no state_dict()/load_state_dict()")
+            self.objs[name] = obj
+
+    # ------------------------------------------------------------------ registered state
+    def _modules(self) -> list[torch.nn.Module]:
+        return [o for o in self.objs.values() if isinstance(o, torch.nn.Module)]
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in self.objs.values() if isinstance(o, torch.optim.Optimizer)]
+
+    def _schedulers(self) -> list[Any]:
+        return [o for o in self.objs.values()
+                if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        out = []
+        for m in self._modules():
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _digest(self) -> str:
+        from .state import digest
+
+        mods = self._modules()
+        return digest(mods[0]) if mods else ""
+
+    def param_sha256(self) -> str:
+        """sha256 over every registered module's state_dict tensors (exact)."""
+        h = hashlib.sha256()
+        for name, m in sorted(((n, o) for n, o in self.objs.items()
+                               if isinstance(o, torch.nn.Module)), key=lambda x: x[0]):
+            for k, t in m.state_dict().items():
+                h.update(f"{name}.{k}".encode())
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps this pod computes, from the last committed one on. Survives faults:
+        after a recovery it continues at ``restore_step + 1``. A spare blocks until it is
+        promoted and returns without yielding if the job finishes first."""
+        if not self._entered:
+            raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
+        self.total = total
+        if not self.distributed:
+            yield from self._local_steps(total)
+            return
+        if not self._recover(first=True):
+            self._leave()
+            return
+        while True:
+            s = self.last_committed + 1
+            if s >= total:
+                break
+            self.current_step = s
+            self._interrupted = False
+            yield s
+            if self.last_committed != s:
+                if not self._interrupted:
+                    raise RuntimeError("call s.step() exactly once per step")
+                if not self._recover():
+                    self._leave()
+                    return
+        self._finish()
+
+    def _local_steps(self, total: int) -> Iterator[int]:
+        while self.last_committed + 1 < total:
+            s = self.last_committed + 1
+            self.current_step = s
+            yield s
+            if self.last_committed != s:
+                raise RuntimeError("call s.step() exactly once per step")
+        self._write_result()
+
+    def batches(self, dataset: Any, micro_batch_size: int) -> Iterator[Any]:
+        """This rank's share of the current step's global batch, one micro-batch at a time.
+        Micro-batch ``k`` of step ``s`` holds the same samples and draws the same randomness
+        whichever rank computes it."""
+        s = self.current_step
+        if s is None:
+            raise RuntimeError("batches() is called inside `for step in s.steps(...)`")
+        m = micro_batch_size
+        M = num_micro_batches(self.global_batch_size, m)
+        self._micro_batch_size = m
+        order = self._order(dataset)
+        for k in micro_batch_range(M, self.world_size, self.rank):
+            idx = order.indices(s, k, m)
+            _seed_micro(self.seed, s, k)
+            yield _collate(dataset, idx)
+
+    def _order(self, dataset: Any) -> Any:
+        key = id(dataset)
+        if key not in self._orders:
+            from .order import order_for
+
+            self._orders[key] = order_for(dataset, self.global_batch_size, self.seed)
+        return self._orders[key]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, scaled by m / B so that the sum over all
+        micro-batches of all ranks is the mean over the global batch."""
+        if self._micro_batch_size is None:
+            raise RuntimeError("call s.backward() on losses of micro-batches from s.batches()")
+        scale = self._micro_batch_size / self.global_batch_size
+        scaled = loss * scale
+        scaled.backward()
+        d = scaled.detach().reshape(1).to(torch.float64)
+        self._loss_acc = d if self._loss_acc is None else self._loss_acc + d
+
+    def step(self) -> bool:
+        """Gradient sync, optimizer and scheduler step, commit. Returns False when the step was
+        discarded because of a fault (``s.steps()`` then recovers and repeats nothing)."""
+        s = self.current_step
+        if s is None:
+            raise RuntimeError("step() is called inside `for step in s.steps(...)`")
+        t0 = time.perf_counter()
+        params = self._params()
+        loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
+        if self.distributed:
+            self._injections(s)
+            from .collectives import Aborted, PeerError
+
+            rt = self.runtime
+            if rt.abort.is_set():
+                return self._discard("a newer plan arrived")
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            try:
+                self.group.allreduce_(grads + [loss_t], rt.abort,
+                                      slice_s=self.cfg.collective_slice,
+                                      timeout_s=self.cfg.collective_timeout)
+            except Aborted:
+                return self._discard("aborted: a newer plan arrived")
+            except PeerError as e:
+                rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
+                return self._discard(f"peer error: {str(e)[:200]}")
+            for p, g in zip(params, grads):
+                if p.grad is None:
+                    p.grad = g
+        for opt in self._optimizers():
+            opt.step()
+        for sch in self._schedulers():
+            sch.step()
+        self._zero_grad()
+        self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
+        return True
+
+    # ------------------------------------------------------------------ commit / discard
+    def _zero_grad(self) -> None:
+        for opt in self._optimizers():
+            opt.zero_grad(set_to_none=True)
+        for m in self._modules():
+            m.zero_grad(set_to_none=True)
+        self._loss_acc = None
+
+    def _discard(self, reason: str) -> bool:
+        self._zero_grad()
+        self._interrupted = True
+        if self._incident is None:
+            self._incident = _Incident(notice=time.time(), last_commit=self._last_commit_time,
+                                       reason=reason)
+        log.info("step discarded", step=self.current_step, reason=reason)
+        return False
+
+    def _commit(self, s: int, loss: float, sync_s: float) -> None:
+        now = time.time()
+        if self._last_commit_time is not None and self._incident is None:
+            self.stats.step_times.append(now - self._last_commit_time)
+        self.last_committed = s
+        self.loss = loss
+        self.stats.losses[s] = loss
+        self._last_commit_time = now
+        if self.runtime is not None:
+            st = self.stats.step_times
+            self.runtime.update(step=s, digest=self._digest(), state=AgentState.training,
+                                loss=loss, step_time=(sorted(st)[len(st) // 2] if st else None))
+            if self._incident is not None:
+                self._report_recovery(now)
+
+    # ------------------------------------------------------------------ injections
+    def _injections(self, s: int) -> None:
+        rt = self.runtime
+        self._pending_inject.extend(rt.take_injections())
+        keep = []
+        for inj in self._pending_inject:
+            if inj.at_step is not None and inj.at_step > s:
+                keep.append(inj)
+                continue
+            if inj.action == InjectAction.exception:
+                self._pending_inject = keep
+                raise InjectedFault(f"injected exception at step {s}")
+            if inj.action == InjectAction.hang:
+                log.warning("injected hang: training thread blocks until resume", step=s)
+                rt.hang.set()
+                while rt.hang.is_set():
+                    time.sleep(0.05)
+            if inj.action == InjectAction.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+        self._pending_inject = keep
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, first: bool = False) -> bool:
+        """Wait for a plan that includes this pod and enter its generation. Returns False
+        when the job finished while this pod was not a member."""
+        from .collectives import Aborted, PeerError
+
+        rt = self.runtime
+        if self._incident is None and not first:
+            self._incident = _Incident(notice=time.time(), last_commit=self._last_commit_time,
+                                       reason="interrupted")
+        attempts = 0
+        while True:
+            rt.update(now=True, state=AgentState.waiting if first else AgentState.recovering)
+            plan_and_ctx = self._await_plan()
+            if plan_and_ctx is None:
+                return False
+            plan, ctx = plan_and_ctx
+            try:
+                self._enter(plan, ctx, first)
+                return True
+            except JobStateLost as e:
+                log.error("state lost: training cannot go on", reason=str(e))
+                rt.report_sync(ReportKind.recovery_failed, str(e))
+                self._close_group()
+                raise
+            except (Aborted, PeerError, TimeoutError, RuntimeError) as e:
+                attempts += 1
+                kind = type(e).__name__
+                log.warning("recovery attempt failed", attempt=attempts, generation=plan.generation,
+                            error=f"{kind}: {str(e)[:300]}")
+                self._close_group()
+                if kind == "StateMismatch":
+                    rt.report_sync(ReportKind.digest_mismatch, str(e))
+                if attempts >= self.cfg.max_attempts:
+                    rt.report_sync(ReportKind.recovery_failed,
+                                   f"{attempts} in-process attempts failed: {kind}: {e}")
+                    self._fallback(f"in-process recovery failed {attempts} times ({kind}: {e})")
+                if self._incident is not None:
+                    self._incident.attempts += 1
+
+    def _await_plan(self) -> tuple[Any, Any] | None:
+        rt = self.runtime
+        pod = self.cfg.pod
+        while True:
+            def ready():
+                p = rt.plan
+                if p is not None and p.generation > max(self.generation, self._seen_generation):
+                    return ("plan", p, rt.plan_ctx)
+                if rt.done is not None and (p is None or p.rank_of(pod) is None):
+                    return ("done", None, None)
+                return None
+
+            kind, plan, ctx = rt.wait(ready, None)
+            if kind == "done":
+                return None
+            if plan.rank_of(pod) is not None:
+                return plan, ctx
+            self._seen_generation = plan.generation
+            if self.generation > 0 and pod not in plan.spares:
+                # We were a member and the plan dropped us (fenced, e.g. after a hang).
+                rt.report_sync(ReportKind.fenced, f"not in plan {plan.generation}")
+                self._fallback(f"fenced: pod {pod} is not in plan generation {plan.generation}")
+            rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
+                      state=AgentState.waiting)
+
+    def _enter(self, plan: Any, plan_ctx: Any, first: bool) -> None:
+        from .collectives import Aborted, AbortableGroup, make_group
+        from .state import recv_state, send_state, snapshot
+        from .store import NatsStore
+
+        rt = self.runtime
+        g = plan.generation
+        inc = self._incident
+        if inc is not None:
+            inc.t_plan, inc.generation, inc.incident, inc.plan_ctx = (
+                time.time(), g, plan.incident, plan_ctx)
+        rt.join(g)
+        self._close_group()
+        self.generation = g
+        self.rank = plan.rank_of(self.cfg.pod)
+        self.world_size = plan.world_size
+        rt.update(now=True, generation=g, rank=self.rank, role=Role.worker,
+                  step=self.last_committed, digest=self._digest(), state=AgentState.recovering)
+        # rendezvous: ranks come from the plan; the store lives on NATS
+        store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=self.cfg.store_timeout)
+        pg = make_group(store, self.rank, self.world_size, timeout_s=self.cfg.collective_timeout,
+                        backend=self.cfg.backend)
+        self.group = AbortableGroup(pg)
+        if inc is not None:
+            inc.t_group = time.time()
+        # state_sync: the broker names sources and recipients
+        def transfer_ready():
+            if g in rt.lost:
+                return ("lost", rt.lost[g])
+            if g in rt.transfers:
+                return ("transfer", rt.transfers[g])
+            if rt.abort.is_set():
+                return ("abort", None)
+            return None
+
+        got = rt.wait(transfer_ready, self.cfg.recovery_timeout)
+        if got is None:
+            raise TimeoutError(f"no transfer plan for generation {g} in {self.cfg.recovery_timeout}s")
+        kind, val = got
+        if kind == "abort":
+            raise Aborted(f"plan {rt.plan.generation} superseded {g} during rendezvous")
+        if kind == "lost":
+            raise JobStateLost(val.reason)
+        transfer, _tctx = val
+        received = sent = 0
+        if self.rank in transfer.sources:
+            st = recv_state(self.group, self.rank, transfer.sources[self.rank], rt.abort)
+            st.restore(self.objs)
+            received = st.nbytes
+            extra = st.extra or {}
+            self.last_committed = int(extra.get("step", transfer.restore_step))
+            self.loss = extra.get("loss")
+            if self.last_committed != transfer.restore_step:
+                raise RuntimeError(f"received state of step {self.last_committed}, "
+                                   f"expected {transfer.restore_step}")
+        else:
+            if self.last_committed != transfer.restore_step:
+                raise RuntimeError(f"transfer plan restores step {transfer.restore_step} but this "
+                                   f"rank holds step {self.last_committed} and receives nothing")
+            mine = {r: srcs for r, srcs in transfer.sources.items() if self.rank in srcs}
+            if mine:
+                st = snapshot(self.objs, {"step": self.last_committed, "loss": self.loss})
+                sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
+        self._zero_grad()
+        if inc is not None:
+            inc.t_sync = time.time()
+            inc.restore_step = transfer.restore_step
+            inc.bytes_received, inc.bytes_sent = received, sent
+            inc.role = "recipient" if received else ("source" if sent else "survivor")
+        # data_resume: the loader position is a pure function of the step
+        if inc is not None:
+            inc.t_data = time.time()
+        rt.update(now=True, step=self.last_committed, digest=self._digest(),
+                  state=AgentState.training)
+        log.info("joined generation", generation=g, rank=self.rank, world_size=self.world_size,
+                 restore_step=transfer.restore_step, received=received, sent=sent)
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.close()
+            except Exception:
+                pass
+            self.group = None
+
+    def _report_recovery(self, first_step_end: float) -> None:
+        inc, self._incident = self._incident, None
+        if inc is None or self.runtime is None or not inc.t_plan:
+            return
+        phases = {
+            "abort": max(0.0, inc.t_plan - inc.notice),
+            "rendezvous": max(0.0, inc.t_group - inc.t_plan),
+            "state_sync": max(0.0, inc.t_sync - inc.t_group),
+            "data_resume": max(0.0, inc.t_data - inc.t_sync),
+            "first_step": max(0.0, first_step_end - inc.t_data),
+        }
+        downtime = (first_step_end - inc.last_commit) if inc.last_commit else None
+        msg = Recovery(incident=inc.incident or f"gen-{inc.generation}", generation=inc.generation,
+                       pod=self.cfg.pod, rank=self.rank, phases=phases,
+                       restore_step=inc.restore_step, lost_steps=0,
+                       bytes_received=inc.bytes_received, downtime=downtime)
+        self.runtime.publish(self.runtime.bus.subjects.recovery, msg, ctx=inc.plan_ctx)
+        self._trace_recovery(inc, phases, first_step_end)
+        log.info("recovered", **{k: round(v, 4) for k, v in phases.items()},
+                 downtime=downtime and round(downtime, 4), generation=inc.generation)
+
+    def _trace_recovery(self, inc: _Incident, phases: dict[str, float], end: float) -> None:
+        ns = lambda t: int(t * 1e9)  # noqa: E731
+        attrs = {"ceaseless.job": self.cfg.job, "ceaseless.pod": self.cfg.pod,
+                 "ceaseless.rank": self.rank, "ceaseless.generation": inc.generation,
+                 "ceaseless.world_size": self.world_size,
+                 "ceaseless.incident": inc.incident or "",
+                 "ceaseless.restore_step": inc.restore_step, "ceaseless.lost_steps": 0,
+                 "ceaseless.role": inc.role}
+        parent = tracer.start_span("recover", context=inc.plan_ctx, start_time=ns(inc.notice),
+                                   attributes=attrs)
+        pctx = trace.set_span_in_context(parent)
+        t = inc.notice
+        for name, dur in phases.items():
+            span = tracer.start_span(name, context=pctx, start_time=ns(t), attributes=attrs)
+            if name == "state_sync":
+                span.set_attribute("ceaseless.bytes", inc.bytes_received + inc.bytes_sent)
+                if dur > 0:
+                    span.set_attribute("ceaseless.throughput_mbps",
+                                       (inc.bytes_received + inc.bytes_sent) / dur / 1e6)
+            t += dur
+            span.end(end_time=ns(t))
+        parent.end(end_time=ns(end))
+
+    def _fallback(self, why: str) -> None:
+        log.error("leaving: the supervisor restarts this pod as a spare", reason=why)
+        print(f"ceaseless: {why}; exiting with {FALLBACK_EXIT_CODE} (restart as spare)",
+              file=sys.stderr, flush=True)
+        if self.runtime is not None:
+            self.runtime.update(state=AgentState.leaving)
+            self.runtime.stop()
+        os._exit(FALLBACK_EXIT_CODE)
+
+    # ------------------------------------------------------------------ end of job
+    def _finish(self) -> None:
+        self._finished = True
+        rt = self.runtime
+        rt.update(now=True, state=AgentState.done)
+        rt.put_done(self.last_committed, self.generation)
+        self._write_result()
+
+    def _leave(self) -> None:
+        log.info("job finished before this pod was promoted; leaving")
+        self.runtime.update(now=True, state=AgentState.done)
+
+    def _write_result(self) -> None:
+        run_dir = self.cfg.run_dir if self.cfg else os.environ.get("CEASELESS_RUN_DIR")
+        if not run_dir:
+            return
+        out = Path(run_dir) / "results"
+        out.mkdir(parents=True, exist_ok=True)
+        res = {"pod": self.pod, "rank": self.rank, "generation": self.generation,
+               "world_size": self.world_size, "final_step": self.last_committed,
+               "param_sha256": self.param_sha256(),
+               "losses": {str(k): v for k, v in sorted(self.stats.losses.items())}}
+        tmp = out / f".{self.pod}.json.tmp"
+        tmp.write_text(json.dumps(res))
+        tmp.replace(out / f"{self.pod}.json")
+
+
+def _collate(dataset: Any, idx: Any) -> Any:
+    fast = getattr(dataset, "batch", None)
+    if callable(fast):
+        return fast(idx)
+    from torch.utils.data import default_collate
+
+    return default_collate([dataset[int(i)] for i in idx])

@@ -1,0 +1,147 @@
+"""A small GPT trained with Ceaseless: the example `ceaseless up` runs.
+
+    python -m examples.train_gpt --steps 50              # single process, plain python
+    ceaseless up --workers 3 --spares 1 --steps 200      # a cluster that survives faults
+
+Prints step, loss and samples/s. Dropout is on, to show that randomness is reproducible:
+it is drawn from (seed, step, micro-batch), never from a process's RNG history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import agent
+
+MODELS = {
+    # name: (d_model, layers, heads, seq_len)
+    "tiny": (64, 2, 4, 32),
+    "small": (128, 4, 4, 64),
+    "10m": (384, 6, 6, 128),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads, self.dropout = heads, dropout
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq_len: int,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq_len, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # weight tying
+        self.drop = nn.Dropout(dropout)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        h = self.drop(self.tok(x) + self.pos(pos))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+class SyntheticTokens(torch.utils.data.Dataset):
+    """Fallback data when no data dir is given: a deterministic, learnable sequence."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int = 257, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randint(0, vocab - 1, (97,), generator=g)
+        idx = torch.arange(n * seq_len + 1)
+        self.tokens = base[(idx * 7 + idx // 97) % 97]
+        self.seq_len, self.n = seq_len, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        s = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+        return s[:-1], s[1:]
+
+
+def load_dataset(data: str | None, seq_len: int):
+    if data and (Path(data) / "index.json").exists():
+        from agent.data import TokenDataset
+
+        ds = TokenDataset(data, seq_len=seq_len)
+        return ds, ds.vocab_size
+    return SyntheticTokens(4096, seq_len), 257
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--data", help="a data dir from `ceaseless data prepare|generate`")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    p.add_argument("--log-every", type=int, default=1)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    d, layers, heads, seq_len = MODELS[a.model]
+    dataset, vocab = load_dataset(a.data, seq_len)
+    torch.manual_seed(a.seed)  # every rank builds the same model; rank 0's weights win anyway
+    model = GPT(vocab, d, layers, heads, seq_len, dropout=a.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
+    n_params = sum(p.numel() for p in model.parameters())
+    with agent.Session.from_env(global_batch_size=a.global_batch_size, seed=a.seed) as s:
+        s.register(model=model, optimizer=opt, scheduler=sched)
+        print(f"model {a.model}: {n_params / 1e6:.2f}M parameters; pod {s.pod}", flush=True)
+        t_last = time.perf_counter()
+        for step in s.steps(total=a.steps):
+            model.train()
+            for x, y in s.batches(dataset, micro_batch_size=a.micro_batch_size):
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                s.backward(loss)
+            if s.step() and step % a.log_every == 0:
+                now = time.perf_counter()
+                sps = a.global_batch_size / max(now - t_last, 1e-9)
+                t_last = now
+                print(f"step {step:5d}  loss {s.loss:.4f}  ppl {math.exp(min(s.loss, 20)):8.2f}  "
+                      f"{sps:8.1f} samples/s  rank {s.rank}/{s.world_size} gen {s.generation}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

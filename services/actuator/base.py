@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from schemas.messages import Role
+
+
+@dataclass
+class PodSpec:
+    pod: str
+    role: Role
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Actuator(Protocol):
+    async def start(self, role: Role, count: int = 1) -> list[str]:
+        """Start ``count`` pods of ``role``; returns their new pod ids."""
+
+    async def stop(self, pod: str, grace_s: float = 5.0) -> bool:
+        """Ask a pod to exit (SIGTERM), then kill it after ``grace_s``."""
+
+    async def kill(self, pod: str) -> bool:
+        """Kill a pod at once (fencing). Returns False if it was not running."""
+
+    def running(self) -> dict[str, int]:
+        """Pod id -> pid of every running pod."""

@@ -1,0 +1,186 @@
+"""Local process supervisor: pods are child processes of ``ceaseless up``.
+
+It answers ``ActuatorCommand`` requests on ``ceaseless.<job>.actuator``, executes
+``inject kill``, publishes a ``Lifecycle`` event for every start and exit, and restarts a
+pod that exits with ``FALLBACK_EXIT_CODE`` (in-process recovery gave up) as a fresh spare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Inject,
+                              InjectAction, Lifecycle, LifecycleEvent, Plan, Role)
+from services.common import logs
+from services.common.bus import Bus, Envelope
+
+from .base import PodSpec
+
+# The agent exits with this code when in-process recovery failed too often or it was
+# fenced: "restart me as a spare".
+FALLBACK_EXIT_CODE = 75
+
+log = logs.get("actuator")
+
+
+class LocalActuator:
+    def __init__(self, bus: Bus, argv: list[str], env: dict[str, str], log_dir: Path,
+                 restart_fallback: bool = True) -> None:
+        self.bus = bus
+        self.argv = argv
+        self.env = env
+        self.log_dir = log_dir
+        self.restart_fallback = restart_fallback
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.roles: dict[str, Role] = {}
+        self.exits: dict[str, int] = {}
+        self._counters = {Role.worker: itertools.count(), Role.spare: itertools.count()}
+        self._watchers: set[asyncio.Task] = set()
+        self.plan: Plan | None = None
+        self.on_exit: list[Callable[[str, int], None]] = []
+        self.killed: set[str] = set()
+
+    # ------------------------------------------------------------------ bus wiring
+    async def attach(self) -> None:
+        s = self.bus.subjects
+        await self.bus.subscribe(s.actuator, ActuatorCommand, self._on_command)
+        await self.bus.subscribe(s.inject, Inject, self._on_inject)
+        await self.bus.subscribe(s.plan, Plan, self._on_plan)
+
+    async def _on_plan(self, plan: Plan, env: Envelope) -> None:
+        if self.plan is None or plan.generation > self.plan.generation:
+            self.plan = plan
+
+    async def _on_command(self, cmd: ActuatorCommand, env: Envelope) -> None:
+        try:
+            if cmd.action == ActuatorAction.start:
+                pods = await self.start(cmd.role, cmd.count)
+                reply = ActuatorReply(ok=True, pods=pods)
+            elif cmd.pod is None:
+                reply = ActuatorReply(ok=False, error=f"{cmd.action.value} needs a pod")
+            elif cmd.action == ActuatorAction.kill:
+                reply = ActuatorReply(ok=await self.kill(cmd.pod), pods=[cmd.pod])
+            else:
+                reply = ActuatorReply(ok=await self.stop(cmd.pod), pods=[cmd.pod])
+        except Exception as e:
+            reply = ActuatorReply(ok=False, error=str(e)[:500])
+        if env.raw.reply:
+            await self.bus.nc.publish(env.raw.reply, reply.model_dump_json().encode())
+
+    async def _on_inject(self, inj: Inject, env: Envelope) -> None:
+        if inj.action != InjectAction.kill:
+            return  # exception / hang / resume are the agent's
+        pod = inj.pod
+        if pod is None and self.plan is not None:
+            pod = self.plan.pod_of(inj.rank)
+        if pod is None:
+            log.warning("inject kill: no such rank", rank=inj.rank)
+            return
+        if inj.at_step is not None:
+            log.info("inject kill at a step is executed by the agent", pod=pod)
+            return
+        log.info("inject kill", pod=pod)
+        await self.kill(pod)
+
+    # ------------------------------------------------------------------ interface
+    def new_pod_id(self, role: Role) -> str:
+        prefix = "w" if role == Role.worker else "s"
+        while True:
+            pod = f"{prefix}{next(self._counters[role])}"
+            if pod not in self.roles:
+                return pod
+
+    async def start(self, role: Role, count: int = 1) -> list[str]:
+        pods = []
+        for _ in range(count):
+            pod = self.new_pod_id(role)
+            await self.spawn(PodSpec(pod=pod, role=role, argv=self.argv))
+            pods.append(pod)
+        return pods
+
+    async def spawn(self, spec: PodSpec) -> None:
+        env = {**os.environ, **self.env, **spec.env,
+               "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{spec.pod}.log", "ab")
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv, env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True)
+        out.close()
+        self.procs[spec.pod] = proc
+        self.roles[spec.pod] = spec.role
+        log.info("pod started", pod=spec.pod, role=spec.role.value, pid=proc.pid)
+        await self.bus.publish(self.bus.subjects.lifecycle(spec.pod), Lifecycle(
+            pod=spec.pod, event=LifecycleEvent.started, role=spec.role, pid=proc.pid))
+        task = asyncio.create_task(self._watch(spec.pod, proc))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, pod: str, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self.procs.pop(pod, None)
+        self.exits[pod] = code
+        log.info("pod exited", pod=pod, exit_code=code)
+        try:
+            await self.bus.publish(self.bus.subjects.lifecycle(pod), Lifecycle(
+                pod=pod, event=LifecycleEvent.exited, role=self.roles[pod], pid=proc.pid,
+                exit_code=code), msg_id=f"exit-{pod}")
+        except Exception as e:  # the bus may be down; the monitor also sees silence
+            log.warning("could not publish exit", pod=pod, error=str(e)[:200])
+        for cb in self.on_exit:
+            cb(pod, code)
+        if code == FALLBACK_EXIT_CODE and self.restart_fallback and pod not in self.killed:
+            new = await self.start(Role.spare, 1)
+            log.info("restarted fallback pod as spare", old=pod, new=new)
+
+    async def stop(self, pod: str, grace_s: float = 5.0) -> bool:
+        proc = self.procs.get(pod)
+        if proc is None:
+            return False
+        _signal(proc, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except asyncio.TimeoutError:
+            _signal(proc, signal.SIGKILL)
+        return True
+
+    async def kill(self, pod: str) -> bool:
+        proc = self.procs.get(pod)
+        if proc is None:
+            return False
+        self.killed.add(pod)
+        _signal(proc, signal.SIGKILL)
+        return True
+
+    def signal(self, pod: str, sig: int) -> bool:
+        proc = self.procs.get(pod)
+        if proc is None:
+            return False
+        _signal(proc, sig)
+        return True
+
+    def running(self) -> dict[str, int]:
+        return {pod: p.pid for pod, p in self.procs.items()}
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        await asyncio.gather(*(self.stop(p, grace_s) for p in list(self.procs)),
+                             return_exceptions=True)
+        for t in list(self._watchers):
+            try:
+                await asyncio.wait_for(t, 2.0)
+            except Exception:
+                pass
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+        if sig == signal.SIGKILL:  # a stopped (SIGSTOP) process dies on SIGKILL too
+            pass
+    except ProcessLookupError:
+        pass

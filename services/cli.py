@@ -1,0 +1,270 @@
+"""The ``ceaseless`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from schemas import BY_KIND, Subjects
+from schemas.messages import (Capacity, CapacityChange, Inject, InjectAction, Plan, Priority)
+
+SERVICE_NAMES = ("health_monitor", "scaler", "state_broker")
+
+
+# ----------------------------------------------------------------------------- connection
+def _add_conn(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", help="a `ceaseless up` run dir (default: the most recent run)")
+    p.add_argument("--nats", help="bus URL (instead of --run-dir)")
+    p.add_argument("--creds", help="credentials JSON file (with --nats)")
+    p.add_argument("--job", help="job name (default: the run's, else demo)")
+
+
+async def _connect(args: argparse.Namespace, name: str):
+    from services.common.bus import Bus, Credentials
+
+    from .runinfo import ClusterInfo, find_run_dir
+
+    if args.nats:
+        creds = Credentials.load(args.creds) if args.creds else None
+        return await Bus.connect(args.nats, args.job or "demo", name, creds,
+                                 max_reconnect_attempts=2)
+    info = ClusterInfo.read(find_run_dir(args.run_dir))
+    return await Bus.connect(info.nats_url, args.job or info.job, name,
+                             Credentials.load(info.creds), max_reconnect_attempts=2)
+
+
+# ----------------------------------------------------------------------------- up
+def cmd_up(args: argparse.Namespace) -> int:
+    from .cluster import UpOptions, run
+
+    cmd = list(args.cmd or [])
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    opts = UpOptions(workers=args.workers, spares=args.spares, steps=args.steps, job=args.job,
+                     run_dir=args.run_dir, cmd=cmd, global_batch_size=args.global_batch_size,
+                     micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
+                     fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
+                     allow_inject=not args.no_inject, timeout=args.timeout,
+                     live=not args.quiet, model=args.model)
+    if opts.workers < 1:
+        print("ceaseless up: --workers must be at least 1", file=sys.stderr)
+        return 2
+    return asyncio.run(run(opts))
+
+
+# ----------------------------------------------------------------------------- status
+async def _status(args: argparse.Namespace) -> dict[str, Any]:
+    bus = await _connect(args, "ceaseless-status")
+    try:
+        out: dict[str, Any] = {"job": bus.subjects.job, "services": {}}
+        for name in SERVICE_NAMES:
+            try:
+                r = await bus.nc.request(bus.subjects.service_status(name), b"", timeout=1.0)
+                out["services"][name] = json.loads(r.data)
+            except Exception as e:
+                out["services"][name] = {"error": f"no answer ({type(e).__name__})"}
+        try:
+            kv = await bus.js.key_value(bus.subjects.kv_bucket)
+            entry = await kv.get("plan")
+            out["plan"] = json.loads(entry.value)
+            out["plan_revision"] = entry.revision
+        except Exception:
+            out["plan"] = None
+        return out
+    finally:
+        await bus.close()
+
+
+def _render_status(st: dict[str, Any]) -> str:
+    lines = [f"job {st['job']}"]
+    plan = st.get("plan")
+    if plan:
+        members = sorted(plan["members"], key=lambda m: m["rank"])
+        lines.append(f"plan generation {plan['generation']} (revision {st.get('plan_revision')}): "
+                     f"world size {plan['world_size']}, global batch {plan['global_batch_size']} "
+                     f"= {plan['micro_batch_size']} x {sum(plan['shares'].values())} micro-batches, "
+                     f"reason: {plan['reason']}")
+        lines.append("  ranks: " + ", ".join(f"{m['rank']}={m['pod']}" for m in members))
+        if plan.get("spares"):
+            lines.append("  spares: " + ", ".join(plan["spares"]))
+    else:
+        lines.append("no plan yet")
+    mon = st["services"].get("health_monitor", {})
+    pods = mon.get("pods") or {}
+    if pods:
+        lines.append(f"{'pod':<10}{'role':<8}{'state':<12}{'gen':>4}{'rank':>5}{'step':>7}{'age s':>8}  health")
+        for pod, p in sorted(pods.items()):
+            lines.append(f"{pod:<10}{str(p.get('role')):<8}{str(p.get('state')):<12}"
+                         f"{p.get('generation', '-'):>4}{str(p.get('rank', '-')):>5}"
+                         f"{p.get('step', '-'):>7}{p.get('age', 0):>8.2f}  {p.get('health', '')}")
+    for name, s in st["services"].items():
+        state = s.get("error") or f"up {s.get('uptime_s', 0):.0f}s, dropped {sum(s.get('dropped', {}).values())}"
+        lines.append(f"service {name}: {state}")
+    sc = st["services"].get("scaler", {})
+    if sc.get("policy"):
+        lines.append(f"policy: {json.dumps(sc['policy'])}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        while True:
+            st = asyncio.run(_status(args))
+            if args.json:
+                print(json.dumps(st, indent=2, default=str))
+            else:
+                if args.watch:
+                    print("\x1b[2J\x1b[H", end="")
+                print(_render_status(st), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(1.0)
+    except FileNotFoundError as e:
+        print(f"ceaseless status: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        print(f"ceaseless status: cannot reach the cluster: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+# ----------------------------------------------------------------------------- inject
+def build_inject(args: argparse.Namespace) -> tuple[str, Any]:
+    """The subject and message an inject command publishes (what `nats pub` would)."""
+    s = Subjects(args.job or "demo")
+    if args.action == "capacity":
+        n = int(args.amount)
+        if n == 0:
+            raise ValueError("capacity change must be +N or -N, not 0")
+        return s.capacity, Capacity(change=CapacityChange.add if n > 0 else CapacityChange.remove,
+                                    count=abs(n), reason=args.reason or "operator")
+    if args.action == "priority":
+        if not args.release:
+            raise ValueError("priority needs --release N")
+        return s.priority, Priority(release=args.release, priority=args.priority,
+                                    reason=args.reason or "operator")
+    if (args.rank is None) == (args.pod is None):
+        raise ValueError(f"inject {args.action} needs exactly one of --rank R or --pod P")
+    return s.inject, Inject(action=InjectAction(args.action), rank=args.rank, pod=args.pod,
+                            at_step=args.at_step)
+
+
+async def _inject(args: argparse.Namespace) -> None:
+    bus = await _connect(args, "ceaseless-inject")
+    try:
+        if not args.job:
+            args.job = bus.subjects.job
+        subject, msg = build_inject(args)
+        await bus.publish(subject, msg)
+        await bus.nc.flush()
+        print(f"published on {subject}: {msg.model_dump_json()}")
+    finally:
+        await bus.close()
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(_inject(args))
+        return 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ceaseless inject: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        print(f"ceaseless inject: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+# ----------------------------------------------------------------------------- schemas
+def cmd_schemas_export(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    index = {}
+    for kind, model in sorted(BY_KIND.items()):
+        schema = model.model_json_schema(by_alias=True)
+        (out / f"{kind}.schema.json").write_text(json.dumps(schema, indent=2) + "\n")
+        index[kind] = f"{kind}.schema.json"
+    (out / "index.json").write_text(json.dumps({
+        "subjects": {
+            "heartbeat": "ceaseless.<job>.heartbeat.<pod>", "report": "ceaseless.<job>.report.<pod>",
+            "lifecycle": "ceaseless.<job>.lifecycle.<pod>", "fault": "ceaseless.<job>.fault",
+            "plan": "ceaseless.<job>.plan", "transfer": "ceaseless.<job>.transfer",
+            "state_lost": "ceaseless.<job>.state_lost", "decision": "ceaseless.<job>.decision",
+            "capacity": "ceaseless.<job>.capacity", "priority": "ceaseless.<job>.priority",
+            "inject": "ceaseless.<job>.inject", "recovery": "ceaseless.<job>.recovery",
+            "actuator": "ceaseless.<job>.actuator",
+        },
+        "schemas": index}, indent=2) + "\n")
+    print(f"wrote {len(index)} JSON Schemas to {out}/")
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ceaseless", description=__doc__.strip() + " Checkpointless, "
+                                "elastic training for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a local cluster: nats, services, workers, spares")
+    up.add_argument("--workers", type=int, default=3)
+    up.add_argument("--spares", type=int, default=1)
+    up.add_argument("--steps", type=int, default=100)
+    up.add_argument("--job", default="demo")
+    up.add_argument("--run-dir")
+    up.add_argument("--global-batch-size", type=int, default=32)
+    up.add_argument("--micro-batch-size", type=int, default=4)
+    up.add_argument("--min-replicas", type=int, default=1)
+    up.add_argument("--fault-timeout", type=float, default=1.5)
+    up.add_argument("--stall-timeout", type=float, default=30.0)
+    up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")
+    up.add_argument("--timeout", type=float, help="give up after this many seconds")
+    up.add_argument("--no-inject", action="store_true", help="refuse fault injection")
+    up.add_argument("--quiet", action="store_true", help="no live table")
+    up.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ... (default: the example)")
+    up.set_defaults(func=cmd_up)
+
+    st = sub.add_parser("status", help="membership, generation, per-rank step and health")
+    _add_conn(st)
+    st.add_argument("--watch", action="store_true")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    inj = sub.add_parser("inject", help="publish a fault, capacity or priority event")
+    _add_conn(inj)
+    inj.add_argument("action", choices=["kill", "hang", "resume", "exception", "capacity", "priority"])
+    inj.add_argument("amount", nargs="?", help="capacity: +N or -N")
+    inj.add_argument("--rank", type=int)
+    inj.add_argument("--pod")
+    inj.add_argument("--at-step", type=int)
+    inj.add_argument("--release", type=int)
+    inj.add_argument("--priority", type=int, default=0)
+    inj.add_argument("--reason")
+    inj.set_defaults(func=cmd_inject)
+
+    sc = sub.add_parser("schemas", help="the wire contract")
+    scs = sc.add_subparsers(dest="schemas_cmd", required=True)
+    ex = scs.add_parser("export", help="write every message's JSON Schema to DIR")
+    ex.add_argument("dir")
+    ex.set_defaults(func=cmd_schemas_export)
+
+    for mod in ("services.cli_trace", "services.cli_data", "bench.cli"):
+        try:
+            module = __import__(mod, fromlist=["register"])
+        except ImportError:
+            continue
+        module.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""``ceaseless up``: a whole cluster on this machine.
+
+An embedded nats-server (JetStream, authentication on), the three services (restarted by
+the supervisor if they die), N workers + S spares running the training command, a live
+view, and ``summary.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schemas.messages import (Fault, Heartbeat, Lifecycle, LifecycleEvent, Plan, Recovery,
+                              Role, StateLost)
+from services.actuator import LocalActuator
+from services.common import logs
+from services.common.bus import Bus, Envelope
+from services.common.natsserver import NatsServer, write_credentials
+
+from .runinfo import ClusterInfo, new_run_dir
+
+log = logs.get("up")
+SERVICES = ("health_monitor", "scaler", "state_broker")
+
+
+@dataclass
+class UpOptions:
+    workers: int = 3
+    spares: int = 1
+    steps: int = 100
+    job: str = "demo"
+    run_dir: str | None = None
+    cmd: list[str] = field(default_factory=list)
+    global_batch_size: int = 32
+    micro_batch_size: int = 4
+    min_replicas: int = 1
+    fault_timeout: float = 1.5
+    stall_timeout: float = 30.0
+    allow_inject: bool = True
+    timeout: float | None = None
+    live: bool = True
+    model: str = "tiny"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class ServiceSupervisor:
+    """Runs each control-plane service as a child process; restarts one that dies."""
+
+    def __init__(self, base: list[str], log_dir: Path, flags: dict[str, list[str]]) -> None:
+        self.base, self.log_dir, self.flags = base, log_dir, flags
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self.stopping = False
+
+    def start(self, name: str) -> None:
+        out = open(self.log_dir / f"{name}.log", "ab")
+        argv = [sys.executable, "-m", f"services.{name}", *self.base, *self.flags.get(name, [])]
+        self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=out,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+
+    def start_all(self) -> None:
+        for name in SERVICES:
+            self.start(name)
+
+    async def watch(self) -> None:
+        while not self.stopping:
+            for name, p in list(self.procs.items()):
+                if p.poll() is not None and not self.stopping:
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    log.warning("service died; restarting", service=name, code=p.returncode,
+                                restarts=self.restarts[name])
+                    self.start(name)
+            await asyncio.sleep(0.2)
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        self.stopping = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class Observer:
+    """Everything the live view and the summary need, from the bus."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.hb: dict[str, Heartbeat] = {}
+        self.faults: list[Fault] = []
+        self.recoveries: list[Recovery] = []
+        self.lost: StateLost | None = None
+        self.events: list[str] = []
+
+    async def attach(self, bus: Bus) -> None:
+        s = bus.subjects
+        await bus.subscribe(s.plan, Plan, self._plan)
+        await bus.subscribe(s.heartbeat(), Heartbeat, self._hb)
+        await bus.subscribe(s.fault, Fault, self._fault)
+        await bus.subscribe(s.recovery, Recovery, self._recovery)
+        await bus.subscribe(s.state_lost, StateLost, self._lost)
+
+    async def _plan(self, p: Plan, env: Envelope) -> None:
+        if self.plan is None or p.generation > self.plan.generation:
+            self.plan = p
+            members = " ".join(f"{m.rank}:{m.pod}" for m in sorted(p.members, key=lambda m: m.rank))
+            self.events.append(f"plan g{p.generation} W={p.world_size} [{members}] ({p.reason})")
+
+    async def _hb(self, h: Heartbeat, env: Envelope) -> None:
+        self.hb[h.pod] = h
+
+    async def _fault(self, f: Fault, env: Envelope) -> None:
+        self.faults.append(f)
+        self.events.append(f"fault {f.incident}: {f.kind.value} of {f.pod} "
+                           f"(detected in {f.detection_latency or 0:.3f}s) {f.reason}")
+
+    async def _recovery(self, r: Recovery, env: Envelope) -> None:
+        self.recoveries.append(r)
+        if r.downtime is not None:
+            self.events.append(f"recovered {r.incident}: rank {r.rank} ({r.pod}) back at step "
+                               f"{r.restore_step + 1}, downtime {r.downtime:.3f}s")
+
+    async def _lost(self, m: StateLost, env: Envelope) -> None:
+        self.lost = m
+        self.events.append(f"STATE LOST g{m.generation}: {m.reason}")
+
+    def table(self, B: int) -> str:
+        rows = [f"{'pod':<8}{'role':<8}{'state':<12}{'gen':>4}{'rank':>5}{'step':>7}"
+                f"{'loss':>10}{'samples/s':>11}"]
+        now = time.time()
+        for pod, h in sorted(self.hb.items()):
+            stale = now - h.ts > 2.0 and h.state.value not in ("done",)
+            sps = f"{B / h.step_time:.1f}" if h.step_time else "-"
+            loss = f"{h.loss:.4f}" if h.loss is not None else "-"
+            rows.append(f"{pod:<8}{h.role.value:<8}{(h.state.value + ('?' if stale else '')):<12}"
+                        f"{h.generation:>4}{h.rank if h.rank is not None else '-':>5}{h.step:>7}"
+                        f"{loss:>10}{sps:>11}")
+        return "\n".join(rows)
+
+
+def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "examples.train_gpt", "--steps", str(opts.steps),
+            "--global-batch-size", str(opts.global_batch_size),
+            "--micro-batch-size", str(opts.micro_batch_size),
+            "--model", opts.model, "--data", str(data_dir)]
+
+
+async def run(opts: UpOptions) -> int:
+    run_dir = Path(opts.run_dir) if opts.run_dir else new_run_dir(opts.job)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    creds_path = run_dir / "creds.json"
+    creds = write_credentials(creds_path)
+    srv = NatsServer.start(run_dir / "nats", creds=creds)
+    info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
+                       run_dir=str(run_dir), pid=os.getpid(), started=time.time())
+    info.write()
+    out = sys.stdout
+    print(f"ceaseless up: job {opts.job!r}, {opts.workers} workers + {opts.spares} spares, "
+          f"{opts.steps} steps\n  run dir: {run_dir}\n  bus:     {srv.url} (creds {creds_path})\n"
+          f"  logs:    {log_dir}/\n  traces:  {run_dir / 'traces'}/", file=out, flush=True)
+    bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
+    await bus.ensure_stream()
+    await bus.kv()
+    await bus.store_kv()
+    base = ["--nats", srv.url, "--creds", str(creds_path), "--job", opts.job,
+            "--run-dir", str(run_dir)]
+    flags = {
+        "scaler": ["--workers", str(opts.workers), "--min-replicas", str(opts.min_replicas),
+                   "--global-batch-size", str(opts.global_batch_size),
+                   "--micro-batch-size", str(opts.micro_batch_size)],
+        "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
+                           "--stall-timeout", str(opts.stall_timeout)],
+    }
+    sup = ServiceSupervisor(base, log_dir, flags)
+    sup.start_all()
+    sup_task = asyncio.create_task(sup.watch())
+    cmd = opts.cmd
+    if not cmd:
+        data_dir = run_dir / "data"
+        _prepare_default_data(data_dir)
+        cmd = default_cmd(opts, data_dir)
+    env = {"CEASELESS_NATS_URL": srv.url, "CEASELESS_CREDS": str(creds_path),
+           "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
+           "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
+           "PYTHONUNBUFFERED": "1", **opts.extra_env}
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    act = LocalActuator(bus, cmd, env, log_dir)
+    await act.attach()
+    obs = Observer()
+    await obs.attach(bus)
+    exits: dict[str, int] = {}
+    act.on_exit.append(lambda pod, code: exits.__setitem__(pod, code))
+    await act.start(Role.worker, opts.workers)
+    await act.start(Role.spare, opts.spares)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    interrupted = False
+
+    def _sigint() -> None:
+        nonlocal interrupted
+        interrupted = True
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _sigint)
+    started = time.monotonic()
+    shown = 0
+    last_table = 0.0
+    code, reason = 1, "unknown"
+    tty = out.isatty() and opts.live
+    try:
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+            for ev in obs.events[shown:]:
+                print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
+            shown = len(obs.events)
+            if opts.live and time.monotonic() - last_table > (1.0 if tty else 5.0):
+                last_table = time.monotonic()
+                print(obs.table(opts.global_batch_size) + "\n", file=out, flush=True)
+            plan = obs.plan
+            if obs.lost is not None:
+                code, reason = 2, f"training state lost: {obs.lost.reason}"
+                break
+            if plan is not None and all(exits.get(m.pod) == 0 for m in plan.members):
+                code, reason = 0, f"all {plan.world_size} members finished {opts.steps} steps"
+                break
+            if exits and not act.running():
+                code, reason = 1, f"every pod exited ({exits}) before training finished"
+                break
+            if opts.timeout and time.monotonic() - started > opts.timeout:
+                code, reason = 3, f"timed out after {opts.timeout}s"
+                break
+        if interrupted:
+            code, reason = 130, "interrupted"
+    finally:
+        # Spares leave by themselves when the job is done; give them a moment.
+        deadline = time.monotonic() + (3.0 if code == 0 else 0.0)
+        while act.running() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await act.shutdown(grace_s=3.0)
+        summary = _summary(run_dir, obs, exits, code, reason)
+        sup.stopping = True
+        sup_task.cancel()
+        await asyncio.gather(sup_task, return_exceptions=True)
+        await bus.close()
+        sup.stop_all()
+        srv.stop()
+    print(f"ceaseless up: {reason} (exit {code})", file=out, flush=True)
+    if summary.get("final_step") is not None:
+        print(f"  final step {summary['final_step']}, params sha256 "
+              f"{(summary.get('param_sha256') or '')[:16]}…, incidents "
+              f"{len(summary['incidents'])}, lost steps {summary['lost_steps']}", file=out)
+    print(f"  summary: {run_dir / 'summary.json'}", file=out, flush=True)
+    return code
+
+
+def _prepare_default_data(data_dir: Path) -> None:
+    if (data_dir / "index.json").exists():
+        return
+    try:
+        from agent.data import corpus
+
+        corpus.generate(data_dir, n_tokens=2_000_000, seed=0)
+    except ImportError:
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
+             reason: str) -> dict[str, Any]:
+    results = []
+    for p in sorted((run_dir / "results").glob("*.json")):
+        try:
+            results.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass
+    finals = [r for r in results if r.get("final_step") is not None]
+    digests = {r["param_sha256"] for r in finals}
+    final_step = max((r["final_step"] for r in finals), default=None)
+    losses: dict[str, float] = {}
+    for r in results:
+        losses.update(r.get("losses", {}))
+    incidents = []
+    for f in obs.faults:
+        recs = [r for r in obs.recoveries if r.incident == f.incident]
+        downs = [r.downtime for r in recs if r.downtime is not None]
+        incidents.append({"incident": f.incident, "kind": f.kind.value, "pod": f.pod,
+                          "detection_latency": f.detection_latency,
+                          "downtime": max(downs) if downs else None,
+                          "ranks_recovered": len(recs)})
+    summary = {
+        "exit_code": code, "reason": reason, "final_step": final_step,
+        "param_sha256": digests.pop() if len(digests) == 1 else None,
+        "param_sha256_consistent": len({r["param_sha256"] for r in finals}) <= 1,
+        "lost_steps": sum(r.lost_steps for r in obs.recoveries),
+        "incidents": incidents, "pod_exits": exits,
+        "generation": obs.plan.generation if obs.plan else 0,
+        "world_size": obs.plan.world_size if obs.plan else 0,
+        "losses": dict(sorted(losses.items(), key=lambda kv: int(kv[0]))),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,515 @@
+"""The scaler: the only writer of membership plans.
+
+* Lease ``scaler_lease`` in the job's KV bucket (``{holder, expires}``), taken by create
+  when absent or by compare-and-set when expired, renewed every ``lease_ttl / 3``. Only the
+  holder acts; a standby tracks heartbeats and faults and keeps trying.
+* The plan lives in KV key ``plan``. It advances only by compare-and-set on the revision
+  the decision was based on (the first plan by create) and is published on the ``plan``
+  subject only after the write succeeded. A lost race reloads the plan and decides again,
+  so two scalers can never produce two different plans of one generation.
+* Decisions are pure functions in ``policy``; this module does I/O, timing and tracing.
+* No hidden state: the plan is in KV; liveness is rebuilt from heartbeats. After a (re)start
+  members of the stored plan that stay silent for the grace period are handled as faulted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from schemas import LEASE_KEY, PLAN_KEY
+from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
+                              Capacity, Decision, Fault, Heartbeat, Lifecycle, LifecycleEvent,
+                              Plan, Priority, Role)
+from services.common.bus import Bus, Envelope
+from services.common.plans import PlanFollower
+from services.common.service import Service
+
+from . import policy
+from .policy import PolicyConfig, Wait
+
+tracer = trace.get_tracer("ceaseless")
+GONE_STATES = (AgentState.done, AgentState.leaving)
+MAX_TRACKED = 4096
+
+
+@dataclass
+class PodSeen:
+    role: Role
+    generation: int
+    state: AgentState
+    rank: int | None
+    last: float  # monotonic time of the last heartbeat
+
+
+@dataclass
+class Pending:
+    """A member fault not yet turned into a plan."""
+
+    pod: str
+    incident: str
+    kind: str
+    ctx: otel_context.Context | None
+    since: float
+
+
+class _Bounded(OrderedDict):
+    def add(self, key: str) -> None:
+        self[key] = None
+        self.move_to_end(key)
+        while len(self) > MAX_TRACKED:
+            self.popitem(last=False)
+
+
+class Scaler(Service):
+    name = "scaler"
+    description = "single writer of membership plans (faults, capacity, priority)"
+
+    def __init__(self, bus: Bus, *, workers: int = 2, min_replicas: int = 1,
+                 max_replicas: int = 64, global_batch_size: int = 64, micro_batch_size: int = 8,
+                 lease_ttl: float = 3.0, start_timeout: float = 30.0, fault_timeout: float = 1.5,
+                 fence_timeout: float = 0.5, tick_interval: float = 0.05,
+                 scaler_id: str | None = None) -> None:
+        super().__init__(bus)
+        self.cfg = PolicyConfig(workers=workers, min_replicas=min_replicas,
+                                max_replicas=max_replicas, global_batch_size=global_batch_size,
+                                micro_batch_size=micro_batch_size)
+        self.lease_ttl = lease_ttl
+        self.start_timeout = start_timeout
+        self.fault_timeout = fault_timeout
+        self.fence_timeout = fence_timeout
+        self.tick_interval = tick_interval
+        self.scaler_id = scaler_id or f"scaler-{uuid.uuid4().hex[:8]}"
+        self.log = self.log.bind(scaler_id=self.scaler_id)
+        self.plans = PlanFollower(bus, self.log, poll_interval=1.0)
+        self.kv: Any = None
+        self.t0 = time.monotonic()
+        # lease
+        self.holder = False
+        self.lease_holder: str | None = None
+        self.lease_expires = 0.0
+        self.holder_since: float | None = None
+        self._reconciled = False
+        # liveness, rebuilt from heartbeats / lifecycle
+        self.pods: dict[str, PodSeen] = {}
+        self.dead = _Bounded()       # faulted or exited non-zero: never used again
+        self.done = _Bounded()       # exited 0
+        self.pending: dict[str, Pending] = {}
+        self.waiting: str = ""       # why the last decision was Wait
+        self.fence_requested = _Bounded()
+        self.plans_written = 0
+        self.cas_conflicts = 0
+        self.ignored: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._subs: list[Any] = []
+        self._last_wait_log = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        try:
+            await self.bus.ensure_stream()
+        except Exception as e:
+            self.log.warning("could not ensure the job stream", error=str(e)[:200])
+        self.kv = await self.bus.kv()
+        await self.plans.start()
+        s, b = self.bus.subjects, self.bus
+        self._subs += [
+            await b.subscribe(s.heartbeat(), Heartbeat, self._on_heartbeat),
+            await b.subscribe(s.lifecycle(), Lifecycle, self._on_lifecycle),
+            await b.subscribe(s.fault, Fault, self._on_fault),
+            await b.subscribe(s.capacity, Capacity, self._on_capacity),
+            await b.subscribe(s.priority, Priority, self._on_priority),
+        ]
+        self.t0 = time.monotonic()
+        self.spawn(self._lease_loop())
+        self.spawn(self._tick_loop())
+        self.log.info("scaler started", generation=self.plans.generation,
+                      workers=self.cfg.workers, min_replicas=self.cfg.min_replicas)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs.clear()
+        await super().stop()
+        await self.plans.stop()
+        await self._release_lease()
+
+    # ------------------------------------------------------------------ lease
+    async def _lease_loop(self) -> None:
+        while True:
+            try:
+                await self._lease_tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._set_holder(False)
+                self.log.warning("lease check failed", error=str(e)[:200])
+            await asyncio.sleep(self.lease_ttl / 3)
+
+    def _set_holder(self, value: bool) -> None:
+        if value and not self.holder:
+            self.holder_since = time.monotonic()
+            self._reconciled = False
+            self.log.info("lease acquired", lease_ttl=self.lease_ttl)
+            self._kick.set()
+        elif not value and self.holder:
+            self.holder_since = None
+            self.log.info("lease lost", holder=self.lease_holder)
+        self.holder = value
+
+    async def _lease_tick(self) -> None:
+        now = time.time()
+        mine = json.dumps({"holder": self.scaler_id, "expires": now + self.lease_ttl}).encode()
+        try:
+            entry = await self.kv.get(LEASE_KEY)
+        except (KeyNotFoundError, NotFoundError):
+            entry = None
+        try:
+            if entry is None or entry.value is None:
+                await self.kv.create(LEASE_KEY, mine)
+            else:
+                holder, expires = _parse_lease(entry.value)
+                self.lease_holder = holder
+                if holder != self.scaler_id and expires > now:
+                    self._set_holder(False)
+                    return
+                await self.kv.update(LEASE_KEY, mine, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            self._set_holder(False)  # somebody else took or renewed it first
+            return
+        self.lease_holder = self.scaler_id
+        self.lease_expires = now + self.lease_ttl
+        self._set_holder(True)
+
+    @property
+    def acting(self) -> bool:
+        return self.holder and time.time() < self.lease_expires
+
+    async def _release_lease(self) -> None:
+        if not self.holder or self.kv is None:
+            return
+        self.holder = False
+        try:
+            entry = await self.kv.get(LEASE_KEY)
+            holder, _ = _parse_lease(entry.value or b"")
+            if holder == self.scaler_id:
+                await self.kv.update(
+                    LEASE_KEY, json.dumps({"holder": None, "expires": 0}).encode(),
+                    last=entry.revision)
+                self.log.info("lease released")
+        except Exception as e:
+            self.log.warning("lease release failed", error=str(e)[:200])
+
+    # ------------------------------------------------------------------ inputs
+    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
+        key = reason.split(":")[0][:60]
+        self.ignored[key] = self.ignored.get(key, 0) + 1
+        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
+
+    async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
+        seen = self.pods.get(hb.pod)
+        if hb.pod in self.dead:
+            return  # fenced/faulted pods heartbeat until killed; not worth a log line each
+        if seen is not None and hb.generation < seen.generation:
+            self._ignore(env.subject, f"stale generation {hb.generation} < {seen.generation}",
+                         level="debug", pod=hb.pod)
+            return
+        new = seen is None or now_alive(seen, self.fault_timeout) is False
+        if seen is None and len(self.pods) >= MAX_TRACKED:
+            self._forget_silent()
+        self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
+                                    rank=hb.rank, last=time.monotonic())
+        if new and (self.pending or self.plans.plan is None):
+            self._kick.set()  # a pod appeared: capacity may now suffice
+
+    def _forget_silent(self) -> None:
+        now = time.monotonic()
+        for pod in [p for p, s in self.pods.items() if now - s.last > 10 * self.fault_timeout]:
+            del self.pods[pod]
+
+    async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
+        if ev.event != LifecycleEvent.exited:
+            return
+        self.pods.pop(ev.pod, None)
+        if ev.exit_code == 0:
+            self.done.add(ev.pod)
+        else:
+            self.dead.add(ev.pod)  # the health monitor's fault triggers the plan
+        self.log.info("pod exited", pod=ev.pod, exit_code=ev.exit_code)
+
+    async def _on_fault(self, f: Fault, env: Envelope) -> None:
+        plan = self.plans.plan
+        if plan is not None and f.generation > plan.generation:
+            await self.plans.refresh()
+            plan = self.plans.plan
+        if plan is None:
+            self.dead.add(f.pod)
+            self.pods.pop(f.pod, None)
+            self._ignore(env.subject, "fault before the first plan: pod dropped", pod=f.pod,
+                         incident=f.incident)
+            return
+        if f.generation > plan.generation:
+            self._ignore(env.subject, f"fault of future generation {f.generation} > "
+                         f"{plan.generation}", level="warning", pod=f.pod, incident=f.incident)
+            return
+        if f.pod in plan.fenced or f.pod in self.pending:
+            self._ignore(env.subject, "already handled", pod=f.pod, incident=f.incident)
+            return
+        if plan.rank_of(f.pod) is None:
+            self.dead.add(f.pod)
+            was_spare = f.pod in self.pods or f.pod in plan.spares
+            self.pods.pop(f.pod, None)
+            self._ignore(env.subject, "spare dropped from the pool" if was_spare
+                         else "not a member", pod=f.pod, incident=f.incident)
+            return
+        seen = self.pods.get(f.pod)
+        if (f.generation < plan.generation and seen is not None
+                and seen.generation >= plan.generation
+                and time.monotonic() - seen.last <= self.fault_timeout):
+            self._ignore(env.subject, f"stale fault: generation {f.generation} but the pod "
+                         f"heartbeats generation {seen.generation}", level="warning",
+                         pod=f.pod, incident=f.incident)
+            return
+        self.dead.add(f.pod)
+        self.pending[f.pod] = Pending(pod=f.pod, incident=f.incident, kind=f.kind.value,
+                                      ctx=env.ctx, since=time.monotonic())
+        self.log.info("fault accepted", subject=env.subject, pod=f.pod, incident=f.incident,
+                      kind=f.kind.value, generation=plan.generation, acting=self.acting)
+        self._kick.set()
+
+    async def _on_capacity(self, msg: Capacity, env: Envelope) -> None:
+        await self._refuse(env.subject, msg.request_id,
+                           f"elastic scaling not implemented yet: capacity {msg.change.value} "
+                           f"{msg.count} ({msg.reason or 'no reason given'}) was not acted on")
+
+    async def _on_priority(self, msg: Priority, env: Envelope) -> None:
+        await self._refuse(env.subject, msg.request_id,
+                           f"elastic scaling not implemented yet: release of {msg.release} "
+                           f"replica(s) at priority {msg.priority} "
+                           f"({msg.reason or 'no reason given'}) was not acted on")
+
+    async def _refuse(self, subject: str, request_id: str, reason: str) -> None:
+        if not self.acting:
+            self._ignore(subject, "not the lease holder; the holder answers",
+                         request_id=request_id)
+            return
+        self.log.info("request refused", subject=subject, request_id=request_id, reason=reason)
+        await self.bus.publish(self.bus.subjects.decision, Decision(
+            request_id=request_id, accepted=False, reason=reason,
+            generation=self.plans.generation or None))
+
+    # ------------------------------------------------------------------ liveness views
+    def _alive(self, pod: str, now: float) -> bool:
+        s = self.pods.get(pod)
+        return (s is not None and pod not in self.dead and pod not in self.done
+                and s.state not in GONE_STATES and now - s.last <= self.fault_timeout)
+
+    def alive_spares(self, plan: Plan | None, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        members = {m.pod for m in plan.members} if plan else set()
+        fenced = set(plan.fenced) if plan else set()
+        return sorted(
+            p for p, s in self.pods.items()
+            if self._alive(p, now) and p not in members and p not in fenced
+            and s.state == AgentState.waiting
+            and (plan is not None or s.role == Role.spare))
+
+    def alive_waiting_workers(self, now: float) -> list[str]:
+        return sorted(p for p, s in self.pods.items()
+                      if self._alive(p, now) and s.role == Role.worker
+                      and s.state == AgentState.waiting)
+
+    # ------------------------------------------------------------------ decisions
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.tick_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._kick.clear()
+            if not self.acting:
+                continue
+            try:
+                async with self._lock:
+                    await self._decide()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.exception("decision failed", error=str(e)[:200])
+                await asyncio.sleep(self.tick_interval)
+
+    async def _decide(self) -> None:
+        if self.plans.problem:
+            return  # KV holds a plan that does not validate: never write over it blindly
+        now = time.monotonic()
+        plan = self.plans.plan
+        if plan is None:
+            if self.plans.revision is not None:
+                return
+            timed_out = now - self.t0 >= self.start_timeout
+            d = policy.initial_plan(self.alive_waiting_workers(now), self.alive_spares(None, now),
+                                    self.cfg, timed_out=timed_out)
+            if isinstance(d, Wait):
+                self._note_wait(d.reason)
+                return
+            await self._commit(d, None, [])
+            return
+        self._reconcile(plan, now)
+        for pod in [p for p in self.pending if plan.rank_of(p) is None]:
+            del self.pending[pod]  # handled by a plan (possibly another scaler's)
+        if not self.pending:
+            self.waiting = ""
+            return
+        pend = sorted(self.pending.values(), key=lambda p: p.since)
+        for p in pend:
+            if p.pod not in self.fence_requested:
+                self.fence_requested.add(p.pod)
+                self.spawn(self._fence(p.pod, p.incident))
+        d = policy.on_fault(plan, [p.pod for p in pend], self.alive_spares(plan, now), self.cfg,
+                            incident=pend[0].incident)
+        if d is None:
+            self.pending.clear()
+            return
+        if isinstance(d, Wait):
+            self._note_wait(d.reason)
+            return
+        await self._commit(d, self.plans.revision, pend)
+
+    def _note_wait(self, reason: str) -> None:
+        self.waiting = reason
+        if reason != self._last_wait_log:
+            self._last_wait_log = reason
+            self.log.info("waiting", reason=reason, generation=self.plans.generation)
+
+    def _reconcile(self, plan: Plan, now: float) -> None:
+        """Once per lease term, after the grace period: silent members count as faulted."""
+        if self._reconciled or self.holder_since is None:
+            return
+        if now - max(self.t0, 0.0) < 2 * self.fault_timeout:
+            return
+        self._reconciled = True
+        for m in plan.members:
+            s = self.pods.get(m.pod)
+            if m.pod in self.pending or m.pod in self.done:
+                continue
+            if s is not None and s.state in GONE_STATES:
+                continue
+            if s is not None and now - s.last <= self.fault_timeout and m.pod not in self.dead:
+                continue
+            incident = f"inc-{m.pod}-g{plan.generation}"
+            self.log.warning("member silent after restart; handled as faulted", pod=m.pod,
+                             rank=m.rank, incident=incident, generation=plan.generation)
+            self.dead.add(m.pod)
+            self.pending[m.pod] = Pending(pod=m.pod, incident=incident, kind="lost", ctx=None,
+                                          since=now)
+
+    async def _commit(self, new: Plan, revision: int | None, pend: list[Pending]) -> bool:
+        new = new.model_copy(update={"ts": time.time()})
+        parent = pend[0].ctx if pend and pend[0].ctx is not None else None
+        links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())
+                 for p in pend[1:] if p.ctx is not None]
+        attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": new.generation,
+                 "ceaseless.world_size": new.world_size, "ceaseless.reason": new.reason}
+        if new.incident:
+            attrs["ceaseless.incident"] = new.incident
+        if pend:
+            attrs["ceaseless.pod"] = ",".join(p.pod for p in pend)
+        with tracer.start_as_current_span("plan", context=parent, links=links,
+                                          attributes=attrs) as span:
+            data = new.model_dump_json().encode()
+            try:
+                if revision is None:
+                    rev = await self.kv.create(PLAN_KEY, data)
+                else:
+                    rev = await self.kv.update(PLAN_KEY, data, last=revision)
+            except KeyWrongLastSequenceError:
+                self.cas_conflicts += 1
+                span.set_attribute("ceaseless.cas_conflict", True)
+                self.log.warning("plan compare-and-set lost; reloading", generation=new.generation,
+                                 revision=revision)
+                await self.plans.refresh()
+                self._kick.set()
+                return False
+            ctx = trace.set_span_in_context(span)
+            self.plans.set_local(new, rev, ctx)
+            self.plans_written += 1
+            for p in pend:
+                self.pending.pop(p.pod, None)
+            self.waiting = ""
+            self.log.info("plan committed", generation=new.generation, revision=rev,
+                          world_size=new.world_size, reason=new.reason, incident=new.incident,
+                          members={m.rank: m.pod for m in new.members}, spares=new.spares)
+            await self.bus.publish(self.bus.subjects.plan, new,
+                                   msg_id=f"plan-g{new.generation}-r{rev}", ctx=ctx)
+        return True
+
+    async def _fence(self, pod: str, incident: str) -> None:
+        cmd = ActuatorCommand(action=ActuatorAction.kill, pod=pod, reason=f"fenced: {incident}")
+        try:
+            reply = await self.bus.request(self.bus.subjects.actuator, cmd, ActuatorReply,
+                                           timeout=self.fence_timeout)
+            self.log.info("fence requested", pod=pod, incident=incident, ok=reply.ok,
+                          error=reply.error or None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.warning("fence failed (best effort)", pod=pod, incident=incident,
+                             error=f"{type(e).__name__}: {str(e)[:160]}")
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        plan = self.plans.plan
+        now = time.monotonic()
+        return {
+            "scaler_id": self.scaler_id,
+            "lease_holder": self.acting,
+            "lease": {"holder": self.lease_holder, "ttl": self.lease_ttl},
+            "plan": None if plan is None else {
+                "generation": plan.generation, "revision": self.plans.revision,
+                "members": {m.rank: m.pod for m in plan.members},
+                "world_size": plan.world_size, "shares": plan.shares, "reason": plan.reason,
+                "incident": plan.incident, "spares": plan.spares, "fenced": plan.fenced[-16:],
+            },
+            "plan_problem": self.plans.problem or None,
+            "alive_spares": self.alive_spares(plan, now),
+            "alive_pods": sorted(p for p in self.pods if self._alive(p, now)),
+            "pending": {p.pod: {"incident": p.incident, "kind": p.kind,
+                                "age": round(now - p.since, 3)} for p in self.pending.values()},
+            "waiting": self.waiting or None,
+            "plans_written": self.plans_written,
+            "cas_conflicts": self.cas_conflicts,
+            "ignored": dict(self.ignored),
+            "config": {"workers": self.cfg.workers, "min_replicas": self.cfg.min_replicas,
+                       "max_replicas": self.cfg.max_replicas,
+                       "global_batch_size": self.cfg.global_batch_size,
+                       "micro_batch_size": self.cfg.micro_batch_size,
+                       "fault_timeout": self.fault_timeout, "start_timeout": self.start_timeout},
+        }
+
+
+def now_alive(seen: PodSeen, fault_timeout: float) -> bool:
+    return time.monotonic() - seen.last <= fault_timeout
+
+
+def _parse_lease(value: bytes) -> tuple[str | None, float]:
+    """(holder, expires); a lease value that does not parse counts as expired."""
+    try:
+        obj = json.loads(value)
+        holder = obj.get("holder")
+        expires = float(obj.get("expires", 0))
+        return (holder if isinstance(holder, str) else None), expires
+    except Exception:
+        return None, 0.0
