@@ -106,6 +106,7 @@ class Scaler(Service):
         self.pending: dict[str, Pending] = {}
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = _Bounded()
+        self._dead_logged = _Bounded()
         self.plans_written = 0
         self.cas_conflicts = 0
         self.ignored: dict[str, int] = {}
@@ -222,7 +223,10 @@ class Scaler(Service):
     async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
         seen = self.pods.get(hb.pod)
         if hb.pod in self.dead:
-            return  # fenced/faulted pods heartbeat until killed; not worth a log line each
+            if hb.pod not in self._dead_logged:  # it heartbeats until killed: log once
+                self._dead_logged.add(hb.pod)
+                self._ignore(env.subject, "heartbeat of a faulted pod", pod=hb.pod)
+            return
         if seen is not None and hb.generation < seen.generation:
             self._ignore(env.subject, f"stale generation {hb.generation} < {seen.generation}",
                          level="debug", pod=hb.pod)
@@ -365,6 +369,11 @@ class Scaler(Service):
             if isinstance(d, Wait):
                 self._note_wait(d.reason)
                 return
+            last = await self._last_generation()
+            if last > 0:  # the key was deleted: never reuse a generation agents have seen
+                d = d.model_copy(update={
+                    "generation": last + 1,
+                    "reason": f"initial (plan key was deleted after generation {last})"})
             await self._commit(d, None, [])
             return
         self._reconcile(plan, now)
@@ -377,6 +386,7 @@ class Scaler(Service):
         for p in pend:
             if p.pod not in self.fence_requested:
                 self.fence_requested.add(p.pod)
+                self._tasks = [t for t in self._tasks if not t.done()]
                 self.spawn(self._fence(p.pod, p.incident))
         d = policy.on_fault(plan, [p.pod for p in pend], self.alive_spares(plan, now), self.cfg,
                             incident=pend[0].incident)
@@ -388,6 +398,20 @@ class Scaler(Service):
             return
         await self._commit(d, self.plans.revision, pend)
 
+    async def _last_generation(self) -> int:
+        """The highest plan generation in the KV history of ``plan`` (0 if none)."""
+        try:
+            hist = await self.kv.history(PLAN_KEY)
+        except Exception:  # NoKeysError: no history at all
+            return 0
+        best = 0
+        for e in hist:
+            try:
+                best = max(best, int(json.loads(e.value or b"{}").get("generation", 0)))
+            except Exception:
+                continue
+        return best
+
     def _note_wait(self, reason: str) -> None:
         self.waiting = reason
         if reason != self._last_wait_log:
@@ -398,7 +422,7 @@ class Scaler(Service):
         """Once per lease term, after the grace period: silent members count as faulted."""
         if self._reconciled or self.holder_since is None:
             return
-        if now - max(self.t0, 0.0) < 2 * self.fault_timeout:
+        if now - self.t0 < 2 * self.fault_timeout:
             return
         self._reconciled = True
         for m in plan.members:
@@ -492,7 +516,7 @@ class Scaler(Service):
             "plans_written": self.plans_written,
             "cas_conflicts": self.cas_conflicts,
             "ignored": dict(self.ignored),
-            "config": {"workers": self.cfg.workers, "min_replicas": self.cfg.min_replicas,
+            "policy": {"workers": self.cfg.workers, "min_replicas": self.cfg.min_replicas,
                        "max_replicas": self.cfg.max_replicas,
                        "global_batch_size": self.cfg.global_batch_size,
                        "micro_batch_size": self.cfg.micro_batch_size,

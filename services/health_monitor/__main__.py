@@ -1,0 +1,35 @@
+"""python -m services.health_monitor [--nats URL --creds FILE --job J --run-dir D] [flags]"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.service import common_args, serve
+
+from .monitor import HealthMonitor
+
+
+def parser():
+    p = common_args("Ceaseless health monitor: liveness and progress -> fault events")
+    p.add_argument("--fault-timeout", type=float, default=1.5,
+                   help="seconds without a heartbeat before a pod is lost (default 1.5)")
+    p.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="seconds a training member's step may stand still while others "
+                        "advance before it hangs (default 10)")
+    p.add_argument("--suspect-timeout", type=float, default=0.5,
+                   help="after a peer_error report, members silent this long are lost at once "
+                        "(default 0.5)")
+    p.add_argument("--check-interval", type=float, default=0.05,
+                   help="seconds between liveness checks (default 0.05)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    asyncio.run(serve(HealthMonitor, args, fault_timeout=args.fault_timeout,
+                      stall_timeout=args.stall_timeout, suspect_timeout=args.suspect_timeout,
+                      check_interval=args.check_interval))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""The health monitor: heartbeats, lifecycle events and agent reports -> one ``fault`` per
+incident.
+
+Rules (docs/architecture.md, recovery step 1):
+
+* lifecycle ``exited`` with a non-zero code -> ``crash`` (exit 0: the pod is done, forgotten);
+* no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving);
+* a member in state ``training`` whose step did not advance for ``stall_timeout`` while
+  another member's did -> ``hang``;
+* a report of kind exception / digest_mismatch / recovery_failed -> ``exception``;
+* a ``peer_error`` report makes every member of the current generation whose heartbeat is
+  older than ``suspect_timeout`` ``lost`` at once.
+
+Every pod that heartbeats is watched (members and spares alike), and so are members of the
+current plan (from KV) that have not heartbeated yet, after a grace period. After a fault
+for pod P, P is no longer watched. The incident id is ``inc-<pod>-g<generation>`` with the
+current plan's generation; a fault is published once, with ``Nats-Msg-Id`` = incident.
+Nothing here survives a restart, and nothing needs to: the plan is in KV (its ``fenced``
+list says who was already handled), the rest comes back with the next heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, Lifecycle,
+                              LifecycleEvent, Plan, Report, ReportKind, Role)
+from services.common.bus import Bus, Envelope
+from services.common.plans import PlanFollower
+from services.common.service import Service
+
+tracer = trace.get_tracer("ceaseless")
+GONE_STATES = (AgentState.done, AgentState.leaving)
+EXCEPTION_REPORTS = (ReportKind.exception, ReportKind.digest_mismatch, ReportKind.recovery_failed)
+MAX_PODS = 4096
+
+
+@dataclass
+class PodView:
+    pod: str
+    role: Role
+    generation: int = 0
+    rank: int | None = None
+    step: int = -1
+    state: AgentState = AgentState.waiting
+    last_hb: float = 0.0          # monotonic
+    last_seen: float = 0.0        # wall clock, for Fault.last_seen
+    last_advance: float = 0.0     # monotonic: last step change (or generation/state change)
+    last_advance_wall: float = 0.0
+    heartbeated: bool = False     # False: seeded from the plan, never heard from
+    deadline_extra: float = 0.0   # grace added to fault_timeout (seeded members)
+
+
+class _Bounded(OrderedDict):
+    def add(self, key: str) -> None:
+        self[key] = None
+        self.move_to_end(key)
+        while len(self) > MAX_PODS:
+            self.popitem(last=False)
+
+
+class HealthMonitor(Service):
+    name = "health_monitor"
+    description = "liveness and progress -> fault events"
+
+    def __init__(self, bus: Bus, *, fault_timeout: float = 1.5, stall_timeout: float = 10.0,
+                 suspect_timeout: float = 0.5, check_interval: float = 0.05) -> None:
+        super().__init__(bus)
+        self.fault_timeout = fault_timeout
+        self.stall_timeout = stall_timeout
+        self.suspect_timeout = suspect_timeout
+        self.check_interval = check_interval
+        self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
+        self.pods: dict[str, PodView] = {}
+        self.faulted = _Bounded()     # pods a fault was declared for: not watched any more
+        self.gone = _Bounded()        # exited 0: done
+        self.incidents = _Bounded()   # incident ids declared (dedupe)
+        self.faults: deque[dict[str, Any]] = deque(maxlen=200)
+        self.latencies: deque[float] = deque(maxlen=1000)
+        self.ignored: dict[str, int] = {}
+        self._subs: list[Any] = []
+        self._stale_logged: set[tuple[str, int]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        try:
+            await self.bus.ensure_stream()
+        except Exception as e:
+            self.log.warning("could not ensure the job stream", error=str(e)[:200])
+        await self.plans.start()
+        s, b = self.bus.subjects, self.bus
+        self._subs += [
+            await b.subscribe(s.heartbeat(), Heartbeat, self._on_heartbeat),
+            await b.subscribe(s.report(), Report, self._on_report),
+            await b.subscribe(s.lifecycle(), Lifecycle, self._on_lifecycle),
+        ]
+        self.spawn(self._check_loop())
+        self.log.info("health monitor started", generation=self.plans.generation,
+                      fault_timeout=self.fault_timeout, stall_timeout=self.stall_timeout,
+                      suspect_timeout=self.suspect_timeout)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs.clear()
+        await super().stop()
+        await self.plans.stop()
+
+    # ------------------------------------------------------------------ plan
+    @property
+    def plan(self) -> Plan | None:
+        return self.plans.plan
+
+    @property
+    def generation(self) -> int:
+        return self.plans.generation
+
+    def _is_member(self, pod: str) -> bool:
+        return self.plan is not None and self.plan.rank_of(pod) is not None
+
+    def _on_plan(self, old: Plan | None, new: Plan) -> None:
+        now, wall = time.monotonic(), time.time()
+        for pod in new.fenced:  # handled by the scaler: never watch again
+            if pod not in self.faulted:
+                self.faulted.add(pod)
+            self.pods.pop(pod, None)
+        for m in new.members:
+            v = self.pods.get(m.pod)
+            if v is None:
+                if m.pod in self.faulted or m.pod in self.gone:
+                    continue
+                # never heard from: watch it, with a grace period to start heartbeating
+                self.pods[m.pod] = PodView(pod=m.pod, role=Role.worker, rank=m.rank,
+                                           last_hb=now, last_seen=wall, last_advance=now,
+                                           last_advance_wall=wall,
+                                           deadline_extra=self.fault_timeout)
+            else:
+                v.rank = m.rank
+                v.last_advance, v.last_advance_wall = now, wall  # recovery is not a stall
+        self.log.info("plan adopted", generation=new.generation, world_size=new.world_size,
+                      members={m.rank: m.pod for m in new.members})
+
+    # ------------------------------------------------------------------ inputs
+    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
+        key = reason.split(":")[0][:60]
+        self.ignored[key] = self.ignored.get(key, 0) + 1
+        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
+
+    async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
+        if hb.pod in self.faulted or hb.pod in self.gone:
+            key = (hb.pod, -1)
+            if key not in self._stale_logged and len(self._stale_logged) < MAX_PODS:
+                self._stale_logged.add(key)
+                self._ignore(env.subject, "pod already faulted or done: not watched", pod=hb.pod)
+            return
+        now, wall = time.monotonic(), time.time()
+        v = self.pods.get(hb.pod)
+        if v is not None and hb.generation < v.generation:
+            key = (hb.pod, hb.generation)
+            if key not in self._stale_logged and len(self._stale_logged) < MAX_PODS:
+                self._stale_logged.add(key)
+                self._ignore(env.subject, f"stale generation {hb.generation} < {v.generation}",
+                             pod=hb.pod)
+            return
+        if v is None:
+            if len(self.pods) >= MAX_PODS:
+                self._ignore(env.subject, "too many pods tracked", level="warning", pod=hb.pod)
+                return
+            v = self.pods[hb.pod] = PodView(pod=hb.pod, role=hb.role, generation=hb.generation,
+                                            step=hb.step, state=hb.state, last_advance=now,
+                                            last_advance_wall=wall)
+            self.log.info("watching pod", pod=hb.pod, role=hb.role.value,
+                          generation=hb.generation, member=self._is_member(hb.pod))
+        if (hb.step != v.step or hb.generation != v.generation
+                or (hb.state != v.state and hb.state == AgentState.training)):
+            v.last_advance, v.last_advance_wall = now, wall
+        plan_rank = self.plan.rank_of(hb.pod) if self.plan else None
+        if (plan_rank is not None and hb.rank is not None and hb.rank != plan_rank
+                and hb.generation == self.generation):
+            self._ignore(env.subject, f"rank {hb.rank} differs from the plan's {plan_rank}; "
+                         "using the plan's", level="debug", pod=hb.pod)
+        v.role, v.generation, v.step, v.state = hb.role, hb.generation, hb.step, hb.state
+        v.rank = plan_rank if plan_rank is not None else hb.rank
+        v.last_hb, v.last_seen, v.heartbeated, v.deadline_extra = now, wall, True, 0.0
+
+    async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
+        if ev.event != LifecycleEvent.exited:
+            return
+        if ev.pod in self.faulted:
+            self._ignore(env.subject, "pod already faulted", pod=ev.pod)
+            return
+        if ev.exit_code == 0:
+            self.pods.pop(ev.pod, None)
+            self.gone.add(ev.pod)
+            self.log.info("pod done", pod=ev.pod)
+            return
+        if ev.pod not in self.pods and not self._is_member(ev.pod):
+            self._ignore(env.subject, "exit of a pod that is not watched", pod=ev.pod,
+                         exit_code=ev.exit_code)
+            return
+        v = self.pods.get(ev.pod)
+        await self._declare(ev.pod, FaultKind.crash, last_seen=v.last_seen if v else ev.ts,
+                            since=ev.ts, reason=f"process exited with code {ev.exit_code}",
+                            role=ev.role if v is None else None)
+
+    async def _on_report(self, r: Report, env: Envelope) -> None:
+        if r.generation < self.generation:
+            self._ignore(env.subject, f"stale generation {r.generation} < {self.generation}",
+                         pod=r.pod, report=r.report.value)
+            return
+        if r.report in EXCEPTION_REPORTS:
+            if r.pod in self.faulted:
+                self._ignore(env.subject, "pod already faulted", pod=r.pod)
+                return
+            if r.pod not in self.pods and not self._is_member(r.pod):
+                self._ignore(env.subject, "report from a pod that is not watched", pod=r.pod,
+                             report=r.report.value)
+                return
+            v = self.pods.get(r.pod)
+            await self._declare(r.pod, FaultKind.exception,
+                                last_seen=v.last_seen if v else r.ts, since=r.ts,
+                                reason=f"{r.report.value}: {r.error}"[:2000])
+        elif r.report == ReportKind.peer_error:
+            await self._suspect(r, env)
+        else:
+            self.log.info("report", subject=env.subject, pod=r.pod, report=r.report.value,
+                          error=r.error[:200])
+
+    async def _suspect(self, r: Report, env: Envelope) -> None:
+        plan = self.plan
+        if plan is None or r.generation != plan.generation:
+            self._ignore(env.subject, f"peer_error of generation {r.generation}, current "
+                         f"{self.generation}", pod=r.pod)
+            return
+        now = time.monotonic()
+        suspects = []
+        for m in plan.members:
+            if m.pod == r.pod or m.pod in self.faulted:
+                continue
+            v = self.pods.get(m.pod)
+            if v is None or v.state in GONE_STATES:
+                continue
+            if now - v.last_hb > self.suspect_timeout:
+                suspects.append(v)
+        self.log.info("peer error reported", subject=env.subject, pod=r.pod, error=r.error[:200],
+                      suspects=[v.pod for v in suspects])
+        for v in suspects:
+            await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen, since=v.last_seen,
+                                reason=f"peer_error from {r.pod} and no heartbeat for "
+                                       f"{now - v.last_hb:.3f}s")
+
+    # ------------------------------------------------------------------ checks
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval)
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.exception("check failed", error=str(e)[:200])
+
+    async def check(self) -> None:
+        now = time.monotonic()
+        plan = self.plan
+        members = {m.pod for m in plan.members} if plan else set()
+        for v in list(self.pods.values()):
+            if v.pod in self.faulted or v.state in GONE_STATES:
+                continue
+            silent = now - v.last_hb
+            if silent > self.fault_timeout + v.deadline_extra:
+                what = "no heartbeat" if v.heartbeated else "never heartbeated"
+                await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen,
+                                    since=v.last_seen, reason=f"{what} for {silent:.3f}s")
+        # hang: a training member stalled while another member advanced in the window
+        window_start = now - self.stall_timeout
+        views = [self.pods[p] for p in members if p in self.pods and p not in self.faulted]
+        for v in views:
+            if v.state != AgentState.training or v.last_advance > window_start:
+                continue
+            advanced = [o.pod for o in views if o is not v and o.last_advance >= window_start
+                        and o.heartbeated]
+            if advanced:
+                await self._declare(
+                    v.pod, FaultKind.hang, last_seen=v.last_seen, since=v.last_advance_wall,
+                    reason=f"step {v.step} not advanced for {now - v.last_advance:.3f}s while "
+                           f"{', '.join(sorted(advanced)[:8])} advanced")
+
+    # ------------------------------------------------------------------ faults
+    async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
+                       reason: str, role: Role | None = None) -> None:
+        gen = self.generation
+        incident = f"inc-{pod}-g{gen}"
+        if incident in self.incidents or pod in self.faulted:
+            return
+        self.incidents.add(incident)
+        self.faulted.add(pod)
+        v = self.pods.pop(pod, None)
+        plan = self.plan
+        rank = plan.rank_of(pod) if plan else None
+        if rank is not None:
+            role = Role.worker
+        elif role is None:
+            role = v.role if v is not None else Role.spare
+        if rank is None and v is not None and v.generation == gen:
+            rank = v.rank
+        detected = time.time()
+        latency = max(0.0, detected - since)
+        fault = Fault(incident=incident, pod=pod, kind=kind, detected_at=detected,
+                      last_seen=max(0.0, last_seen), generation=gen, rank=rank, role=role,
+                      detection_latency=latency, reason=reason[:2048])
+        attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.incident": incident,
+                 "ceaseless.generation": gen, "ceaseless.pod": pod,
+                 "ceaseless.reason": f"{kind.value}: {reason}"[:512],
+                 "ceaseless.fault_kind": kind.value, "ceaseless.role": role.value,
+                 "ceaseless.detection_latency": latency}
+        if rank is not None:
+            attrs["ceaseless.rank"] = rank
+        with tracer.start_as_current_span("detect", attributes=attrs) as span:
+            self.faults.append({"incident": incident, "pod": pod, "kind": kind.value,
+                                "role": role.value, "rank": rank, "generation": gen,
+                                "detection_latency": round(latency, 4), "reason": reason[:200],
+                                "detected_at": detected})
+            self.latencies.append(latency)
+            self.log.warning("fault declared", incident=incident, pod=pod, kind=kind.value,
+                             role=role.value, rank=rank, generation=gen,
+                             detection_latency=round(latency, 4), reason=reason[:200])
+            await self.bus.publish(self.bus.subjects.fault, fault, msg_id=incident,
+                                   ctx=trace.set_span_in_context(span))
+
+    # ------------------------------------------------------------------ status
+    def _health(self, v: PodView, now: float) -> str:
+        if v.state in GONE_STATES:
+            return v.state.value
+        silent = now - v.last_hb
+        if not v.heartbeated:
+            return f"never heartbeated ({silent:.1f}s)"
+        if silent > self.suspect_timeout:
+            return f"silent {silent:.1f}s"
+        stalled = now - v.last_advance
+        if v.state == AgentState.training and stalled > self.stall_timeout / 2:
+            return f"step {v.step} for {stalled:.1f}s"
+        return "ok"
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        plan = self.plan
+        members = {m.pod for m in plan.members} if plan else set()
+        lat = sorted(self.latencies)
+        return {
+            "generation": self.generation,
+            "pods": {
+                v.pod: {"role": v.role.value, "member": v.pod in members, "gen": v.generation,
+                        "generation": v.generation, "rank": v.rank, "step": v.step,
+                        "age": round(now - v.last_hb, 3),
+                        "since_advance": round(now - v.last_advance, 3),
+                        "state": v.state.value, "heartbeated": v.heartbeated,
+                        "health": self._health(v, now)}
+                for v in sorted(self.pods.values(), key=lambda v: v.pod)
+            },
+            "faults_declared": len(self.incidents),
+            "faults": list(self.faults)[-50:],
+            "detection_latency": None if not lat else {
+                "count": len(lat), "min": round(lat[0], 4), "max": round(lat[-1], 4),
+                "median": round(lat[len(lat) // 2], 4),
+                "last": round(self.latencies[-1], 4)},
+            "ignored": dict(self.ignored),
+            "config": {"fault_timeout": self.fault_timeout, "stall_timeout": self.stall_timeout,
+                       "suspect_timeout": self.suspect_timeout,
+                       "check_interval": self.check_interval},
+        }

@@ -1,0 +1,303 @@
+"""The state broker: who holds which committed state -> one ``transfer`` (or ``state_lost``)
+per plan generation.
+
+For plan generation ``g`` it waits (up to ``member_wait``) until every member heartbeated
+``generation == g`` (agents do so at once on adopting a plan, with ``step`` = the last
+committed step and its ``digest``). Then ``restore_step`` = the highest step among them;
+sources = the members at ``restore_step`` whose digest is the majority digest there;
+recipients = every other member, each given all sources, rotated by the recipient's index
+so the load spreads. At ``restore_step == -1`` (nothing committed: generation 1) rank 0 is
+the source so every rank starts from identical weights -- unless some member once reported
+a committed step (the high-water mark): then the state died with the old members and a
+``state_lost`` goes out instead.
+
+No hidden state: after a restart the broker handles the current plan again unless the job
+stream already holds a transfer/state_lost of that generation (transfers are idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from schemas.messages import Heartbeat, Plan, StateLost, Transfer
+from services.common.bus import Bus, Envelope
+from services.common.plans import PlanFollower
+from services.common.service import Service
+
+tracer = trace.get_tracer("ceaseless")
+MAX_PODS = 4096
+
+
+@dataclass
+class Committed:
+    generation: int
+    step: int
+    digest: str
+    rank: int | None
+    ts: float  # wall clock of the last heartbeat
+
+
+def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water: int,
+                    incident: str | None = None) -> Transfer | StateLost | None:
+    """Pure: the transfer (or state_lost) for ``plan`` given each reporting member's
+    ``rank -> (step, digest)``. None if nobody reported."""
+    if not reported:
+        return None
+    steps = {r: s for r, (s, _) in sorted(reported.items())}
+    restore = max(steps.values())
+    ranks = sorted(m.rank for m in plan.members)
+    if restore == -1:
+        if high_water >= 0:
+            return StateLost(
+                generation=plan.generation, incident=incident, best_step=-1,
+                reason=(f"no member of generation {plan.generation} holds committed state "
+                        f"(all at step -1) but step {high_water} was committed before: the "
+                        "state died with the previous members; restart from a checkpoint or "
+                        "from scratch"))
+        source = 0 if 0 in reported else min(reported)
+        sources, digest = [source], reported[source][1]
+    else:
+        top = [r for r in sorted(reported) if reported[r][0] == restore]
+        votes = Counter(reported[r][1] for r in top)  # ties: the lowest rank's digest wins
+        digest = max(votes, key=lambda d: (votes[d], -min(r for r in top
+                                                           if reported[r][1] == d)))
+        sources = [r for r in top if reported[r][1] == digest]
+    recipients = [r for r in ranks if r not in sources]
+    n = len(sources)
+    plan_sources = {r: sources[i % n:] + sources[:i % n] for i, r in enumerate(recipients)}
+    return Transfer(generation=plan.generation, restore_step=restore, sources=plan_sources,
+                    steps=steps, digest=digest, incident=incident)
+
+
+class StateBroker(Service):
+    name = "state_broker"
+    description = "committed state per pod -> transfer plans"
+
+    def __init__(self, bus: Bus, *, member_wait: float = 10.0) -> None:
+        super().__init__(bus)
+        self.member_wait = member_wait
+        self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
+        self.pods: dict[str, Committed] = {}
+        self.high_water = -1
+        self.handled_generation = 0
+        self.last_result: dict[str, Any] | None = None
+        self.ignored: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+        self._task_gen = 0
+        self._changed = asyncio.Event()
+        self._subs: list[Any] = []
+        self._published: set[int] = set()
+        self.transfers_published = 0
+        self.state_lost_published = 0
+
+    async def start(self) -> None:
+        try:
+            await self.bus.ensure_stream()
+        except Exception as e:
+            self.log.warning("could not ensure the job stream", error=str(e)[:200])
+        self._subs.append(await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat,
+                                                   self._on_heartbeat))
+        await self.plans.start()  # adopts the KV plan -> _on_plan
+        self.log.info("state broker started", generation=self.plans.generation,
+                      member_wait=self.member_wait)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await super().stop()
+        await self.plans.stop()
+
+    # ------------------------------------------------------------------ inputs
+    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
+        key = reason.split(":")[0][:60]
+        self.ignored[key] = self.ignored.get(key, 0) + 1
+        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
+
+    async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
+        cur = self.pods.get(hb.pod)
+        if cur is not None and hb.generation < cur.generation:
+            self._ignore(env.subject, f"stale generation {hb.generation} < {cur.generation}",
+                         level="debug", pod=hb.pod)
+            return
+        if cur is None and len(self.pods) >= MAX_PODS:
+            self._forget_old()
+        self.pods[hb.pod] = Committed(generation=hb.generation, step=hb.step, digest=hb.digest,
+                                      rank=hb.rank, ts=time.time())
+        plan = self.plans.plan
+        # the high-water mark counts members only: a stray pod cannot invent progress
+        if plan is not None and plan.rank_of(hb.pod) is not None and hb.step > self.high_water:
+            self.high_water = hb.step
+        self._changed.set()
+
+    def _forget_old(self) -> None:
+        plan = self.plans.plan
+        keep = {m.pod for m in plan.members} if plan else set()
+        for pod in sorted((p for p in self.pods if p not in keep),
+                          key=lambda p: self.pods[p].ts)[: len(self.pods) // 4 + 1]:
+            del self.pods[pod]
+
+    async def _on_plan(self, old: Plan | None, new: Plan) -> None:
+        if new.generation <= self.handled_generation:
+            return
+        if old is None and await self._already_published(new):
+            self.handled_generation = max(self.handled_generation, new.generation)
+            self.log.info("transfer of the current generation already published",
+                          generation=new.generation)
+            return
+        if self.plans.generation != new.generation:
+            return  # a newer plan arrived while we looked at the stream
+        if self._task is not None and not self._task.done():
+            self.log.info("generation superseded before its transfer", generation=self._task_gen,
+                          by=new.generation)
+            self._task.cancel()
+        self._task_gen = new.generation
+        self._task = asyncio.create_task(self._handle(new))
+
+    async def _already_published(self, plan: Plan) -> bool:
+        """After a restart: does the job stream already hold this plan's outcome? (Same
+        generation and not older than the plan, so a previous run of the job does not count.)"""
+        s = self.bus.subjects
+        for subject in (s.transfer, s.state_lost):
+            try:
+                msg = await self.bus.js.get_last_msg(s.stream, subject)
+                obj = json.loads(msg.data)
+                ours = (msg.headers or {}).get("Nats-Msg-Id", "").startswith(
+                    f"{subject.rsplit('.', 1)[-1]}-g")
+                if ours and obj.get("generation") == plan.generation and \
+                        float(obj.get("ts", 0)) >= plan.ts:
+                    return True
+            except Exception:
+                continue
+        return False
+
+    # ------------------------------------------------------------------ one generation
+    def _reported(self, plan: Plan) -> tuple[dict[int, tuple[int, str]], list[str]]:
+        got, missing = {}, []
+        for m in plan.members:
+            c = self.pods.get(m.pod)
+            if c is not None and c.generation == plan.generation:
+                got[m.rank] = (c.step, c.digest)
+            else:
+                missing.append(m.pod)
+        return got, missing
+
+    async def _handle(self, plan: Plan) -> None:
+        try:
+            await self._handle_generation(plan)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.exception("transfer planning failed", generation=plan.generation,
+                               error=str(e)[:200])
+
+    async def _handle_generation(self, plan: Plan) -> None:
+        g = plan.generation
+        deadline = time.monotonic() + self.member_wait
+        while True:
+            reported, missing = self._reported(plan)
+            if not missing:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log.warning("members did not report the generation in time",
+                                 generation=g, missing=missing, waited=self.member_wait)
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        if self.plans.generation != g:
+            return  # superseded while waiting
+        result = decide_transfer(plan, reported, self.high_water, plan.incident)
+        self.handled_generation = max(self.handled_generation, g)
+        if result is None:
+            self.log.error("no member reported the generation; no transfer", generation=g)
+            self.last_result = {"generation": g, "kind": "none", "missing": missing}
+            return
+        for attempt in range(3):
+            try:
+                await self._publish(plan, result, missing)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._published.discard(g)
+                self.log.warning("publishing the transfer failed", generation=g,
+                                 attempt=attempt + 1, error=str(e)[:200])
+                await asyncio.sleep(0.2)
+
+    async def _publish(self, plan: Plan, result: Transfer | StateLost, missing: list[str]) -> None:
+        g = plan.generation
+        if g in self._published:
+            return
+        self._published.add(g)
+        parent: otel_context.Context | None = self.plans.contexts.get(g)
+        attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": g,
+                 "ceaseless.world_size": plan.world_size}
+        if plan.incident:
+            attrs["ceaseless.incident"] = plan.incident
+        s = self.bus.subjects
+        with tracer.start_as_current_span("transfer_plan", context=parent,
+                                          attributes=attrs) as span:
+            ctx = trace.set_span_in_context(span)
+            if isinstance(result, StateLost):
+                span.set_attribute("ceaseless.reason", result.reason[:512])
+                span.set_attribute("ceaseless.restore_step", -1)
+                self.log.error("state lost", generation=g, reason=result.reason,
+                               high_water=self.high_water)
+                self.last_result = {"generation": g, "kind": "state_lost",
+                                    "reason": result.reason, "missing": missing}
+                await self.bus.publish(s.state_lost, result, msg_id=f"state_lost-g{g}", ctx=ctx)
+                self.state_lost_published += 1
+                return
+            span.set_attribute("ceaseless.restore_step", result.restore_step)
+            n_src = len(set().union(*result.sources.values())) if result.sources else 0
+            span.set_attribute("ceaseless.reason",
+                               f"{len(result.sources)} recipient(s) from {n_src} source(s)")
+            self.last_result = {
+                "generation": g, "kind": "transfer", "restore_step": result.restore_step,
+                "sources": {r: v for r, v in result.sources.items()}, "steps": result.steps,
+                "digest": result.digest, "missing": missing, "ts": result.ts}
+            self.log.info("transfer plan", generation=g, restore_step=result.restore_step,
+                          sources=result.sources, steps=result.steps, missing=missing or None)
+            await self.bus.publish(s.transfer, result, msg_id=f"transfer-g{g}", ctx=ctx)
+            self.transfers_published += 1
+        for old in [x for x in self._published if x < g - 16]:
+            self._published.discard(old)
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        plan = self.plans.plan
+        members = {m.pod: m.rank for m in plan.members} if plan else {}
+        return {
+            "generation": self.plans.generation,
+            "handled_generation": self.handled_generation,
+            "waiting_for": (None if self._task is None or self._task.done()
+                            else {"generation": self._task_gen,
+                                  "missing": self._reported(plan)[1] if plan else []}),
+            "high_water": self.high_water,
+            "pods": {p: {"rank": members.get(p, c.rank), "member": p in members,
+                         "gen": c.generation, "step": c.step, "digest": c.digest[:16],
+                         "age": round(time.time() - c.ts, 3)}
+                     for p, c in sorted(self.pods.items())},
+            "last_transfer": self.last_result,
+            "transfers_published": self.transfers_published,
+            "state_lost_published": self.state_lost_published,
+            "ignored": dict(self.ignored),
+        }

@@ -1,0 +1,247 @@
+"""Health monitor on a real nats-server: fake agents heartbeat as the agent does; the plan
+is written to KV as the scaler would; faults are read off the bus and the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas import PLAN_KEY, Plan
+from schemas.messages import (AgentState, Fault, Heartbeat, Lifecycle, Member, Report, Role)
+from services.common.bus import Bus
+from services.health_monitor import HealthMonitor
+
+FT = 0.3
+
+
+async def until(pred, timeout: float = 5.0, what: str = "condition"):
+    async def _loop():
+        while True:
+            v = pred()
+            if v:
+                return v
+            await asyncio.sleep(0.02)
+    try:
+        return await asyncio.wait_for(_loop(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+class Beater:
+    """Heartbeats of one pod; ``advance`` makes its committed step grow."""
+
+    def __init__(self, bus: Bus, pod: str, role=Role.worker, generation=1, rank=None,
+                 state=AgentState.training, advance=True, interval=0.05):
+        self.bus, self.pod, self.role, self.generation, self.rank = bus, pod, role, generation, rank
+        self.state, self.advance, self.interval = state, advance, interval
+        self.step, self.alive = -1, True
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self):
+        while True:
+            if self.alive:
+                if self.advance:
+                    self.step += 1
+                await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
+                    pod=self.pod, role=self.role, generation=self.generation, rank=self.rank,
+                    step=self.step, state=self.state))
+            await asyncio.sleep(self.interval)
+
+    async def stop(self):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def make_plan(pods, generation=1, spares=(), fenced=()):
+    n = len(pods)
+    return Plan(generation=generation, members=[Member(pod=p, rank=i) for i, p in enumerate(pods)],
+                world_size=n, global_batch_size=8 * n, micro_batch_size=8,
+                shares={i: 1 for i in range(n)}, spares=list(spares), fenced=list(fenced),
+                reason="test")
+
+
+@pytest.fixture
+async def env(nats_server, bus):
+    items: list = []
+    faults: list[Fault] = []
+
+    async def on_fault(f, _e):
+        faults.append(f)
+    await bus.subscribe(bus.subjects.fault, Fault, on_fault)
+
+    class Env:
+        async def monitor(self, plan: Plan | None = None, **kw) -> HealthMonitor:
+            if plan is not None:
+                kv = await bus.kv()
+                await kv.put(PLAN_KEY, plan.model_dump_json().encode())
+            b = await Bus.connect(nats_server.url, "test", "health_monitor", nats_server.creds)
+            kw.setdefault("fault_timeout", FT)
+            kw.setdefault("suspect_timeout", 0.1)
+            kw.setdefault("stall_timeout", 5.0)
+            kw.setdefault("check_interval", 0.02)
+            m = HealthMonitor(b, **kw)
+            await m.start()
+            items.append((m, b))
+            return m
+
+        def beat(self, pod, **kw) -> Beater:
+            bt = Beater(bus, pod, **kw)
+            items.append(bt)
+            return bt
+
+    e = Env()
+    e.faults = faults
+    try:
+        yield e
+    finally:
+        for it in reversed(items):
+            if isinstance(it, Beater):
+                await it.stop()
+            else:
+                await it[0].stop()
+                await it[1].close()
+
+
+def by_pod(faults):
+    return {f.pod: f for f in faults}
+
+
+async def test_crash_via_lifecycle(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]))
+    for i, p in enumerate(["w0", "w1", "w2"]):
+        env.beat(p, rank=i)
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    await bus.publish(bus.subjects.lifecycle("w1"), Lifecycle(
+        pod="w1", event="exited", exit_code=-9, ts=time.time() - 0.01))
+    # exit 0: done, forgotten; its silence is no fault
+    await bus.publish(bus.subjects.lifecycle("w2"), Lifecycle(pod="w2", event="exited",
+                                                              exit_code=0))
+    await until(lambda: env.faults, what="crash fault")
+    f = env.faults[0]
+    assert (f.pod, f.kind.value, f.incident, f.generation, f.rank, f.role.value) == \
+        ("w1", "crash", "inc-w1-g1", 1, 1, "worker")
+    assert 0 <= f.detection_latency < 1.0 and "exited with code -9" in f.reason
+    await asyncio.sleep(0.2)
+    assert "w2" not in m.pods and [x.pod for x in env.faults] == ["w1"]
+
+
+async def test_lost_via_silence_and_dedupe(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2, what="pods watched")
+    w1.alive = False
+    t0 = time.monotonic()
+    await until(lambda: env.faults, what="lost fault")
+    assert FT * 0.9 <= time.monotonic() - t0 < FT + 1.0
+    f = env.faults[0]
+    assert (f.pod, f.kind.value, f.incident) == ("w1", "lost", "inc-w1-g1")
+    assert f.detection_latency >= FT and f.detected_at - f.last_seen >= FT
+    # more evidence about the same pod: still one fault per incident
+    await bus.publish(bus.subjects.lifecycle("w1"), Lifecycle(pod="w1", event="exited",
+                                                              exit_code=1))
+    await bus.publish(bus.subjects.report("w1"), Report(pod="w1", report="exception",
+                                                        generation=1, error="boom"))
+    w1.alive = True  # heartbeats of a faulted pod do not bring it back
+    await asyncio.sleep(0.4)
+    assert len(env.faults) == 1 and m.status()["faults_declared"] == 1
+    assert "w1" not in m.status()["pods"]
+    # the stream holds the fault once (Nats-Msg-Id = incident)
+    info = await bus.js.stream_info(bus.subjects.stream, subjects_filter=bus.subjects.fault)
+    assert info.state.subjects == {bus.subjects.fault: 1}
+
+
+async def test_hang_via_stall(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1"]), stall_timeout=0.6)
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2, what="pods watched")
+    w1.advance = False
+    await until(lambda: env.faults, timeout=3, what="hang fault")
+    f = env.faults[0]
+    assert (f.pod, f.kind.value) == ("w1", "hang") and f.detection_latency >= 0.6
+    assert len(env.faults) == 1
+
+
+async def test_no_hang_when_everyone_stalls_or_not_training(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.3)
+    env.beat("w0", rank=0, advance=False)
+    env.beat("w1", rank=1, advance=False)
+    env.beat("w2", rank=2, state=AgentState.recovering, advance=False)
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    await asyncio.sleep(0.8)
+    assert env.faults == []
+
+
+async def test_exception_report(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    env.beat("w0", rank=0)
+    env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2, what="pods watched")
+    # a report of an old generation is stale: ignored
+    await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="exception",
+                                                        generation=0, error="old"))
+    await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="digest_mismatch",
+                                                        generation=1, error="abc != def"))
+    await until(lambda: env.faults, what="exception fault")
+    f = env.faults[0]
+    assert (f.pod, f.kind.value, f.incident) == ("w0", "exception", "inc-w0-g1")
+    assert "digest_mismatch: abc != def" in f.reason
+    await asyncio.sleep(0.1)
+    assert len(env.faults) == 1 and m.ignored.get("stale generation 0 < 1") == 1
+
+
+async def test_peer_error_accelerates(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), fault_timeout=5.0, suspect_timeout=0.2)
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    env.beat("w2", rank=2)
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    w1.alive = False
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    await bus.publish(bus.subjects.report("w0"), Report(
+        pod="w0", report="peer_error", generation=1, error="Connection reset by peer"))
+    await until(lambda: env.faults, timeout=2, what="accelerated lost fault")
+    assert time.monotonic() - t0 < 1.0
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "lost")]
+    # a peer_error of an older generation, or with nobody silent, declares nothing
+    await bus.publish(bus.subjects.report("w2"), Report(pod="w2", report="peer_error",
+                                                        generation=1))
+    await asyncio.sleep(0.2)
+    assert len(env.faults) == 1
+
+
+async def test_dead_spare_reported(env, bus):
+    m = await env.monitor(make_plan(["w0"], spares=["s0"]))
+    env.beat("w0", rank=0)
+    s0 = env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)
+    await until(lambda: len(m.pods) == 2, what="pods watched")
+    s0.alive = False
+    await until(lambda: env.faults, what="spare fault")
+    f = env.faults[0]
+    assert (f.pod, f.kind.value, f.role.value, f.rank) == ("s0", "lost", "spare", None)
+
+
+async def test_plan_members_and_fenced(env, bus):
+    """A member that never heartbeats is lost after a grace period; fenced pods are not
+    watched; done pods are not lost; a new plan moves the incident generation."""
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]))
+    env.beat("w0", rank=0)
+    env.beat("w2", rank=2, state=AgentState.done, advance=False)
+    await until(lambda: env.faults, timeout=3, what="silent member lost")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "lost")]
+    kv = await bus.kv()
+    p2 = make_plan(["w0", "s0", "w2"], generation=2, fenced=["w1"])
+    await kv.put(PLAN_KEY, p2.model_dump_json().encode())
+    await bus.publish(bus.subjects.plan, p2)
+    await until(lambda: m.generation == 2, what="plan g2 adopted")
+    s0 = env.beat("s0", rank=1, generation=2)
+    await until(lambda: "s0" in m.pods, what="s0 watched")
+    s0.alive = False
+    await until(lambda: len(env.faults) == 2, what="second fault")
+    assert env.faults[1].incident == "inc-s0-g2" and env.faults[1].rank == 1
+    await asyncio.sleep(0.3)
+    assert len(env.faults) == 2  # w2 (done) never faulted

@@ -1,0 +1,399 @@
+"""Scaler: policy (pure) and the service on a real nats-server, driven by fake agents'
+heartbeats and by fault messages as the health monitor would publish them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from schemas import LEASE_KEY, PLAN_KEY, Plan, num_micro_batches
+from schemas.messages import (ActuatorCommand, ActuatorReply, AgentState, Capacity, Decision,
+                              Fault, FaultKind, Heartbeat, Priority, Role)
+from services.common.bus import Bus, decode
+from services.scaler import PolicyConfig, Scaler, Wait, initial_plan, on_fault
+
+FT = 0.3  # fault_timeout in these tests
+
+
+# ----------------------------------------------------------------------------- helpers
+async def until(pred, timeout: float = 5.0, what: str = "condition"):
+    async def _loop():
+        while True:
+            v = pred()
+            if v:
+                return v
+            await asyncio.sleep(0.02)
+    try:
+        return await asyncio.wait_for(_loop(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+class FakeAgent:
+    """The wire behaviour of an agent: heartbeats, and adopting plans (generation, rank)."""
+
+    def __init__(self, bus: Bus, pod: str, role: Role = Role.worker, interval: float = 0.05):
+        self.bus, self.pod, self.role, self.interval = bus, pod, role, interval
+        self.generation, self.rank, self.step, self.state = 0, None, -1, AgentState.waiting
+        self.alive = True
+        self._task = None
+        self._sub = None
+
+    async def start(self):
+        self._sub = await self.bus.subscribe(self.bus.subjects.plan, Plan, self._on_plan)
+        self._task = asyncio.create_task(self._beat())
+        return self
+
+    async def _on_plan(self, plan: Plan, env):
+        if plan.generation <= self.generation:
+            return
+        self.generation = plan.generation
+        r = plan.rank_of(self.pod)
+        if r is not None:
+            self.rank, self.role, self.state = r, Role.worker, AgentState.training
+        else:
+            self.rank, self.state = None, AgentState.waiting
+        await self.beat()
+
+    async def beat(self):
+        if self.alive:
+            await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
+                pod=self.pod, role=self.role, generation=self.generation, rank=self.rank,
+                step=self.step, state=self.state))
+
+    async def _beat(self):
+        while True:
+            await self.beat()
+            await asyncio.sleep(self.interval)
+
+    def kill(self):
+        self.alive = False
+
+    async def stop(self):
+        self.alive = False
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub:
+            await self._sub.unsubscribe()
+
+
+@pytest.fixture
+async def env(nats_server, bus):
+    """Factory for services (own connection each) and fake agents; cleans up after."""
+    started: list = []
+    agents: list[FakeAgent] = []
+    buses: list[Bus] = []
+
+    class Env:
+        srv = nats_server
+        plans: list[Plan] = []
+        actuator: list[ActuatorCommand] = []
+
+        async def scaler(self, **kw) -> Scaler:
+            b = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+            buses.append(b)
+            kw.setdefault("fault_timeout", FT)
+            kw.setdefault("lease_ttl", 0.6)
+            kw.setdefault("tick_interval", 0.02)
+            s = Scaler(b, **kw)
+            await s.start()
+            started.append(s)
+            return s
+
+        async def agent(self, pod, role=Role.worker) -> FakeAgent:
+            a = await FakeAgent(bus, pod, role).start()
+            agents.append(a)
+            return a
+
+        async def fault(self, pod, generation, kind=FaultKind.lost, incident=None):
+            now = time.time()
+            await bus.publish(bus.subjects.fault, Fault(
+                incident=incident or f"inc-{pod}-g{generation}", pod=pod, kind=kind,
+                detected_at=now, last_seen=now - FT, generation=generation))
+
+        async def stop(self, svc):
+            await svc.stop()
+            started.remove(svc)
+
+    e = Env()
+    e.plans = []
+    e.actuator = []
+
+    async def on_plan(p, _env):
+        e.plans.append(p)
+
+    async def on_actuator(raw):
+        e.actuator.append(decode(ActuatorCommand, raw.data, raw.subject))
+        await raw.respond(ActuatorReply(ok=True, pods=[e.actuator[-1].pod]).model_dump_json()
+                          .encode())
+
+    await bus.subscribe(bus.subjects.plan, Plan, on_plan)
+    await bus.nc.subscribe(bus.subjects.actuator, cb=on_actuator)
+    try:
+        yield e
+    finally:
+        for s in started:
+            await s.stop()
+        for a in agents:
+            await a.stop()
+        for b in buses:
+            await b.close()
+
+
+async def kv_plans(bus: Bus) -> list[Plan]:
+    kv = await bus.kv()
+    hist = await kv.history(PLAN_KEY)
+    return [Plan.model_validate_json(e.value) for e in hist if e.value]
+
+
+def gens(plans):
+    return [p.generation for p in plans]
+
+
+def members(plan):
+    return {m.rank: m.pod for m in plan.members}
+
+
+# ----------------------------------------------------------------------------- policy
+def test_policy_initial_and_wait():
+    cfg = PolicyConfig(workers=3, min_replicas=2)
+    assert isinstance(initial_plan(["w0", "w1"], [], cfg), Wait)
+    p = initial_plan(["w3", "w1", "w0", "w2"], ["s0"], cfg)
+    assert members(p) == {0: "w0", 1: "w1", 2: "w2"} and p.generation == 1
+    assert p.spares == ["s0", "w3"] and p.reason == "initial"
+    assert sum(p.shares.values()) * p.micro_batch_size == p.global_batch_size
+    p2 = initial_plan(["w0", "w1"], [], cfg, timed_out=True)
+    assert members(p2) == {0: "w0", 1: "w1"}
+    assert isinstance(initial_plan(["w0"], [], cfg, timed_out=True), Wait)
+    # capped by the number of micro-batches
+    small = PolicyConfig(workers=8, global_batch_size=16, micro_batch_size=8)
+    assert initial_plan([f"w{i}" for i in range(8)], [], small).world_size == 2
+
+
+def test_policy_fault_replace_shrink_wait():
+    cfg = PolicyConfig(workers=4, min_replicas=2)
+    p = initial_plan(["w0", "w1", "w2", "w3"], [], cfg)
+    assert on_fault(p, "nobody", ["s0"], cfg) is None
+    r = on_fault(p, "w1", ["s1", "s0"], cfg, incident="inc-w1-g1")
+    assert members(r) == {0: "w0", 1: "s0", 2: "w2", 3: "w3"}
+    assert r.generation == 2 and r.spares == ["s1"] and r.fenced == ["w1"]
+    assert r.incident == "inc-w1-g1" and r.reason == "replace w1 with s0"
+    s = on_fault(p, "w1", [], cfg)
+    assert members(s) == {0: "w0", 1: "w3", 2: "w2"} and s.world_size == 3
+    assert s.reason.startswith("shrink") and s.shares == {0: 3, 1: 3, 2: 2}
+    # the highest rank failing: nobody moves
+    s3 = on_fault(p, "w3", [], cfg)
+    assert members(s3) == {0: "w0", 1: "w1", 2: "w2"}
+    # two at once, one spare: replace the lower rank, shrink the other
+    t = on_fault(p, ["w2", "w0"], ["s0"], cfg)
+    assert members(t) == {0: "s0", 1: "w1", 2: "w3"} and t.fenced == ["w0", "w2"]
+    # below min_replicas: wait
+    q = on_fault(on_fault(s, "w0", [], cfg), "w3", [], cfg)
+    assert isinstance(q, Wait) and q.reason.startswith("waiting for capacity")
+    # a fenced pod or a member is never a spare
+    assert isinstance(on_fault(on_fault(p, "w1", [], cfg), "w0", ["w1"],
+                               PolicyConfig(workers=4, min_replicas=3)), Wait)
+    assert num_micro_batches(p.global_batch_size, p.micro_batch_size) == 8
+
+
+# ----------------------------------------------------------------------------- service
+async def test_fault_replaced_by_spare(env, bus):
+    sc = await env.scaler(workers=2)
+    w0, w1 = await env.agent("w0"), await env.agent("w1")
+    await env.agent("s0", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    p1 = env.plans[0]
+    assert p1.generation == 1 and members(p1) == {0: "w0", 1: "w1"}
+    await until(lambda: "s0" in sc.alive_spares(sc.plans.plan), what="spare alive")
+    w1.kill()
+    await env.fault("w1", 1, FaultKind.crash)
+    await until(lambda: len(env.plans) >= 2, what="plan g2")
+    p2 = env.plans[1]
+    assert p2.generation == 2 and members(p2) == {0: "w0", 1: "s0"}
+    assert p2.fenced == ["w1"] and p2.incident == "inc-w1-g1" and p2.spares == []
+    assert p2.reason == "replace w1 with s0"
+    await until(lambda: env.actuator, what="fence request")
+    assert env.actuator[0].action.value == "kill" and env.actuator[0].pod == "w1"
+    # the same fault again, and a fault of the fenced pod: idempotent
+    await env.fault("w1", 1, FaultKind.crash)
+    await env.fault("w1", 2, FaultKind.lost)
+    await asyncio.sleep(0.3)
+    assert gens(env.plans) == [1, 2] and gens(await kv_plans(bus)) == [1, 2]
+    st = sc.status()
+    assert st["lease_holder"] and st["plan"]["generation"] == 2 and w0.generation == 2
+
+
+async def test_fault_without_spare_shrinks(env, bus):
+    await env.scaler(workers=3)
+    agents = [await env.agent(f"w{i}") for i in range(3)]
+    await until(lambda: env.plans, what="initial plan")
+    agents[0].kill()
+    await env.fault("w0", 1)
+    await until(lambda: len(env.plans) >= 2, what="shrink plan")
+    p2 = env.plans[1]
+    assert members(p2) == {0: "w2", 1: "w1"} and p2.world_size == 2
+    assert p2.shares == {0: 4, 1: 4} and p2.reason.startswith("shrink")
+    await until(lambda: agents[2].rank == 0, what="w2 adopts rank 0")
+
+
+async def test_below_min_waits_then_spare(env, bus):
+    sc = await env.scaler(workers=2, min_replicas=2)
+    w0, w1 = await env.agent("w0"), await env.agent("w1")
+    await until(lambda: env.plans, what="initial plan")
+    w1.kill()
+    await env.fault("w1", 1)
+    await until(lambda: sc.status()["pending"], what="pending fault")
+    await asyncio.sleep(0.3)
+    assert gens(env.plans) == [1]
+    assert sc.status()["waiting"].startswith("waiting for capacity")
+    await env.agent("s9", Role.spare)
+    await until(lambda: len(env.plans) >= 2, what="plan after a spare appears")
+    assert members(env.plans[1]) == {0: "w0", 1: "s9"} and not sc.status()["pending"]
+
+
+async def test_non_member_faults(env, bus):
+    sc = await env.scaler(workers=1)
+    await env.agent("w0")
+    s0 = await env.agent("s0", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    await until(lambda: sc.alive_spares(sc.plans.plan) == ["s0"], what="spare alive")
+    s0.kill()
+    await env.fault("s0", 1)                      # a spare: dropped from the pool
+    await env.fault("ghost", 1)                   # unknown: ignored
+    await env.fault("w0", 7)                      # future generation: ignored
+    await env.fault("w0", 0, incident="old")      # stale, and w0 heartbeats generation 1
+    await until(lambda: sc.ignored.get("not a member") and sc.ignored.get("stale fault")
+                and sc.ignored.get("spare dropped from the pool"), what="faults ignored")
+    await asyncio.sleep(0.2)
+    assert sc.alive_spares(sc.plans.plan) == [] and gens(env.plans) == [1]
+
+
+async def test_capacity_and_priority_refused(env, bus):
+    await env.scaler(workers=1)
+    await env.agent("w0")
+    got: list[Decision] = []
+
+    async def on_decision(d, _e):
+        got.append(d)
+    await bus.subscribe(bus.subjects.decision, Decision, on_decision)
+    await until(lambda: env.plans, what="initial plan")
+    await bus.publish(bus.subjects.capacity, Capacity(change="add", count=2, request_id="c1"))
+    await bus.publish(bus.subjects.priority, Priority(release=1, request_id="p1"))
+    await until(lambda: len(got) == 2, what="two decisions")
+    assert {d.request_id for d in got} == {"c1", "p1"}
+    assert all(not d.accepted and d.reason.startswith("elastic scaling not implemented yet")
+               for d in got)
+
+
+async def test_two_scalers_one_plan_per_generation(env, bus):
+    a = await env.scaler(workers=2, scaler_id="A")
+    b = await env.scaler(workers=2, scaler_id="B")
+    await until(lambda: a.acting or b.acting, what="a lease holder")
+    await asyncio.sleep(0.3)
+    assert a.acting != b.acting
+    for pod in ("w0", "w1"):
+        await env.agent(pod)
+    for pod in ("s0", "s1"):
+        await env.agent(pod, Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    holder, standby = (a, b) if a.acting else (b, a)
+    await until(lambda: len(standby.alive_spares(standby.plans.plan)) == 2, what="spares")
+    await env.fault("w1", 1)
+    await until(lambda: len(env.plans) >= 2, what="plan g2")
+    # the holder stops (crash-like: its lease is released); the standby takes over
+    await env.stop(holder)
+    await until(lambda: standby.acting, timeout=5, what="standby takes the lease")
+    await env.fault("w0", 2)
+    await until(lambda: len(env.plans) >= 3, what="plan g3")
+    await asyncio.sleep(0.3)
+    hist = await kv_plans(bus)
+    assert gens(env.plans) == [1, 2, 3] and gens(hist) == [1, 2, 3]
+    assert members(hist[-1]) == {0: "s1", 1: "s0"}
+
+
+async def test_concurrent_writers_cas(env, bus, monkeypatch):
+    """Even with both scalers acting at once (lease bypassed) the compare-and-set lets only
+    one plan per generation through; the loser reloads and agrees."""
+    monkeypatch.setattr(Scaler, "acting", property(lambda self: True))
+    for pod in ("w0", "w1", "w2"):
+        await env.agent(pod)
+    for pod in ("s0", "s1"):
+        await env.agent(pod, Role.spare)
+    await asyncio.sleep(0.15)
+    a = await env.scaler(workers=3, scaler_id="A")
+    b = await env.scaler(workers=3, scaler_id="B")
+    await until(lambda: a.plans.generation == b.plans.generation == 1, what="both at g1")
+    for i, pod in enumerate(("w1", "w0", "w2")):
+        await env.fault(pod, i + 1)
+        await until(lambda: a.plans.generation == b.plans.generation == i + 2,
+                    what=f"both at g{i + 2}")
+    await asyncio.sleep(0.3)
+    hist = await kv_plans(bus)
+    assert gens(hist) == [1, 2, 3, 4]
+    by_gen: dict[int, set] = {}
+    for p in env.plans:
+        by_gen.setdefault(p.generation, set()).add(p.model_dump_json())
+    assert sorted(by_gen) == [1, 2, 3, 4] and all(len(v) == 1 for v in by_gen.values())
+    assert members(hist[-1]) == {0: "s1", 1: "s0"}  # w1->s0, w0->s1, w2 shrinks away
+    assert a.cas_conflicts + b.cas_conflicts >= 1  # the race really happened
+
+
+async def test_restart_keeps_plan_and_reconciles(env, bus):
+    sc = await env.scaler(workers=2, scaler_id="first")
+    w0 = await env.agent("w0")
+    await env.agent("w1")
+    await env.agent("s0", Role.spare)
+    await env.agent("s1", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    await env.fault("w1", 1)
+    await until(lambda: len(env.plans) >= 2, what="plan g2")
+    kv = await bus.kv()
+    rev = (await kv.get(PLAN_KEY)).revision
+    await env.stop(sc)
+    # restart with different flags: the stored plan wins, nothing is republished
+    sc2 = await env.scaler(workers=4, scaler_id="second")
+    await until(lambda: sc2.acting, what="new scaler holds the lease")
+    await asyncio.sleep(3 * FT)  # past the reconcile grace period
+    assert (await kv.get(PLAN_KEY)).revision == rev and gens(env.plans) == [1, 2]
+    assert sc2.plans.generation == 2 and not sc2.pending
+    # a member dies while no scaler runs: the next one handles it after the grace period
+    await env.stop(sc2)
+    w0.kill()
+    await asyncio.sleep(FT + 0.1)
+    sc3 = await env.scaler(workers=2, scaler_id="third")
+    await until(lambda: len(env.plans) >= 3, timeout=5, what="reconciled plan g3")
+    p3 = env.plans[2]
+    assert p3.generation == 3 and members(p3) == {0: "s1", 1: "s0"}
+    assert p3.incident == "inc-w0-g2" and p3.fenced == ["w1", "w0"]
+    assert gens(await kv_plans(bus)) == [1, 2, 3]
+    lease = json.loads((await kv.get(LEASE_KEY)).value)
+    assert lease["holder"] == "third" and sc3.status()["plan"]["generation"] == 3
+
+
+async def test_no_plan_until_enough_workers_then_start_timeout(env, bus):
+    sc = await env.scaler(workers=3, min_replicas=2, start_timeout=1.0)
+    await env.agent("w0")
+    await asyncio.sleep(0.3)
+    assert not env.plans and sc.status()["waiting"].startswith("waiting for workers")
+    await env.agent("w1")
+    await until(lambda: env.plans, timeout=3, what="plan after the start timeout")
+    assert members(env.plans[0]) == {0: "w0", 1: "w1"}
+
+
+async def test_deleted_plan_key_never_reuses_a_generation(env, bus):
+    sc = await env.scaler(workers=1)
+    w0 = await env.agent("w0")
+    await env.agent("s0", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    await env.stop(sc)
+    kv = await bus.kv()
+    await kv.delete(PLAN_KEY)
+    w0.state = AgentState.waiting  # say the job's pods were started afresh
+    await env.scaler(workers=1)
+    await until(lambda: len(env.plans) >= 2, what="a fresh plan")
+    p = env.plans[1]
+    assert p.generation == 2 and p.reason.startswith("initial (plan key was deleted")

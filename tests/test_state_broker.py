@@ -1,0 +1,275 @@
+"""State broker: the pure transfer decision, and the service on a real nats-server (members
+heartbeat the new generation with their committed step and digest, as agents do). Also the
+whole control plane in one trace: detect -> plan -> transfer_plan."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from opentelemetry import trace
+
+from schemas import PLAN_KEY, Plan
+from schemas.messages import (AgentState, Heartbeat, Lifecycle, Member, Role, StateLost,
+                              Transfer)
+from services.common.bus import Bus
+from services.health_monitor import HealthMonitor
+from services.scaler import Scaler
+from services.state_broker import StateBroker, decide_transfer
+
+
+async def until(pred, timeout: float = 5.0, what: str = "condition"):
+    async def _loop():
+        while True:
+            v = pred()
+            if v:
+                return v
+            await asyncio.sleep(0.02)
+    try:
+        return await asyncio.wait_for(_loop(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+def make_plan(pods, generation=1, incident=None):
+    n = len(pods)
+    return Plan(generation=generation, members=[Member(pod=p, rank=i) for i, p in enumerate(pods)],
+                world_size=n, global_batch_size=8 * n, micro_batch_size=8,
+                shares={i: 1 for i in range(n)}, reason="test", incident=incident)
+
+
+# ----------------------------------------------------------------------------- pure
+def test_decide_mixed_steps_and_digest_majority():
+    plan = make_plan(["a", "b", "c", "d", "e", "f"], generation=3)
+    reported = {0: (10, "aa"), 1: (10, "aa"), 2: (10, "bb"), 3: (9, "cc"), 4: (-1, ""),
+                5: (10, "aa")}
+    t = decide_transfer(plan, reported, high_water=10, incident="inc-x-g2")
+    assert isinstance(t, Transfer)
+    assert t.restore_step == 10 and t.digest == "aa" and t.incident == "inc-x-g2"
+    # rank 2 is at the top step with a minority digest: it receives too
+    assert t.sources == {2: [0, 1, 5], 3: [1, 5, 0], 4: [5, 0, 1]}
+    assert t.steps == {0: 10, 1: 10, 2: 10, 3: 9, 4: -1, 5: 10}
+    # a tie of digests: the lowest rank's digest wins
+    t2 = decide_transfer(make_plan(["a", "b", "c"]), {0: (4, "bb"), 1: (4, "aa"), 2: (3, "")}, 4)
+    assert t2.digest == "bb" and t2.sources == {1: [0], 2: [0]}
+
+
+def test_decide_generation_one_and_state_lost():
+    plan = make_plan(["a", "b", "c"])
+    t = decide_transfer(plan, {0: (-1, ""), 1: (-1, ""), 2: (-1, "")}, high_water=-1)
+    assert t.restore_step == -1 and t.sources == {1: [0], 2: [0]}
+    lost = decide_transfer(make_plan(["x", "y"], generation=4),
+                           {0: (-1, ""), 1: (-1, "")}, high_water=12)
+    assert isinstance(lost, StateLost) and lost.best_step == -1 and "12" in lost.reason
+    assert decide_transfer(plan, {}, -1) is None
+    # everyone already at the top with one digest: nobody receives
+    same = decide_transfer(plan, {0: (5, "aa"), 1: (5, "aa"), 2: (5, "aa")}, 5)
+    assert same.sources == {} and same.restore_step == 5
+
+
+# ----------------------------------------------------------------------------- service
+@pytest.fixture
+async def env(nats_server, bus):
+    items: list = []
+    out: list = []
+
+    async def on_out(m, _e):
+        out.append(m)
+    await bus.subscribe(bus.subjects.transfer, Transfer, on_out)
+    await bus.subscribe(bus.subjects.state_lost, StateLost, on_out)
+
+    class Env:
+        async def broker(self, **kw) -> StateBroker:
+            b = await Bus.connect(nats_server.url, "test", "state_broker", nats_server.creds)
+            s = StateBroker(b, **kw)
+            await s.start()
+            items.append((s, b))
+            return s
+
+        async def plan(self, plan: Plan):
+            kv = await bus.kv()
+            await kv.put(PLAN_KEY, plan.model_dump_json().encode())
+            await bus.publish(bus.subjects.plan, plan)
+
+        async def hb(self, pod, generation, step=-1, digest="", rank=None, role=Role.worker):
+            await bus.publish(bus.subjects.heartbeat(pod), Heartbeat(
+                pod=pod, role=role, generation=generation, step=step, digest=digest, rank=rank,
+                state=AgentState.recovering))
+
+        async def close(self):
+            for s, b in items:
+                await s.stop()
+                await b.close()
+            items.clear()
+
+    e = Env()
+    e.out = out
+    try:
+        yield e
+    finally:
+        await e.close()
+
+
+async def test_transfer_restore_step_and_sources(env, bus):
+    br = await env.broker()
+    await env.plan(make_plan(["w0", "w1"]))
+    await env.hb("w0", 1)
+    await env.hb("w1", 1)
+    await until(lambda: env.out, what="generation-1 transfer")
+    t1 = env.out[0]
+    assert (t1.generation, t1.restore_step, t1.sources) == (1, -1, {1: [0]})
+    # training happened; then w1 died and s0 replaced it; members heartbeat generation 2
+    await env.hb("w0", 1, step=7, digest="ab")
+    await env.hb("w1", 1, step=7, digest="ab")
+    await env.plan(make_plan(["w0", "s0", "w2"], generation=2, incident="inc-w1-g1"))
+    await env.hb("w0", 2, step=7, digest="ab")
+    await asyncio.sleep(0.1)
+    assert len(env.out) == 1  # still waiting for s0 and w2
+    await env.hb("s0", 2, step=-1)
+    await env.hb("w2", 2, step=6, digest="cd")
+    await until(lambda: len(env.out) == 2, what="generation-2 transfer")
+    t2 = env.out[1]
+    assert (t2.generation, t2.restore_step, t2.digest, t2.incident) == (2, 7, "ab", "inc-w1-g1")
+    assert t2.sources == {1: [0], 2: [0]} and t2.steps == {0: 7, 1: -1, 2: 6}
+    st = br.status()
+    assert st["last_transfer"]["restore_step"] == 7 and st["high_water"] == 7
+    assert st["pods"]["w0"]["step"] == 7
+
+
+async def test_wait_timeout_uses_who_reported(env, bus):
+    await env.broker(member_wait=0.4)
+    await env.plan(make_plan(["w0", "w1", "w2"], generation=5))
+    await env.hb("w0", 5, step=3, digest="aa")
+    await env.hb("w1", 4, step=9, digest="bb")  # an old generation does not count
+    t0 = time.monotonic()
+    await until(lambda: env.out, timeout=3, what="transfer after the wait")
+    assert time.monotonic() - t0 >= 0.3
+    t = env.out[0]
+    assert t.restore_step == 3 and t.sources == {1: [0], 2: [0]} and t.steps == {0: 3}
+
+
+async def test_state_lost(env, bus):
+    await env.broker()
+    await env.plan(make_plan(["w0", "w1"]))
+    await env.hb("w0", 1)
+    await env.hb("w1", 1)
+    await until(lambda: env.out, what="g1 transfer")
+    await env.hb("w0", 1, step=4, digest="aa")
+    await env.hb("w1", 1, step=4, digest="aa")
+    await asyncio.sleep(0.1)
+    await env.plan(make_plan(["s0", "s1"], generation=2))
+    await env.hb("s0", 2)
+    await env.hb("s1", 2)
+    await until(lambda: len(env.out) == 2, what="state_lost")
+    lost = env.out[1]
+    assert isinstance(lost, StateLost) and lost.generation == 2 and "step 4" in lost.reason
+
+
+async def test_one_transfer_per_generation_across_restart(env, bus):
+    await env.broker()
+    await env.plan(make_plan(["w0", "w1"], generation=3))
+    await env.hb("w0", 3, step=2, digest="aa")
+    await env.hb("w1", 3, step=1, digest="bb")
+    await until(lambda: env.out, what="transfer")
+    for _ in range(3):  # heartbeats go on; the plan message is repeated
+        await env.hb("w0", 3, step=2, digest="aa")
+        await bus.publish(bus.subjects.plan, make_plan(["w0", "w1"], generation=3))
+    await env.close()
+    br = await env.broker()  # restart: the stream already holds generation 3's transfer
+    await asyncio.sleep(0.4)
+    assert len(env.out) == 1 and br.handled_generation == 3
+
+
+# ----------------------------------------------------------------------------- one trace
+def _collector():
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Collect(SpanProcessor):
+        def __init__(self):
+            self.spans = []
+
+        def on_end(self, span):
+            self.spans.append(span)
+
+    return Collect()
+
+
+def _sdk_provider():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    prov = trace.get_tracer_provider()
+    if not isinstance(prov, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        prov = trace.get_tracer_provider()
+    return prov if isinstance(prov, TracerProvider) else None
+
+
+async def test_control_plane_pipeline_one_trace(nats_server, bus):
+    """crash -> fault (detect) -> plan g2 with the spare (plan) -> transfer (transfer_plan),
+    all spans in one trace, each the parent of the next."""
+    prov = _sdk_provider()
+    if prov is None:
+        pytest.skip("a non-SDK tracer provider is installed")
+    col = _collector()
+    prov.add_span_processor(col)
+    buses = [await Bus.connect(nats_server.url, "test", n, nats_server.creds)
+             for n in ("health_monitor", "scaler", "state_broker")]
+    svcs = [HealthMonitor(buses[0], fault_timeout=0.3, check_interval=0.02),
+            Scaler(buses[1], workers=2, fault_timeout=0.3, lease_ttl=0.6, tick_interval=0.02),
+            StateBroker(buses[2])]
+    transfers: list[Transfer] = []
+
+    async def on_transfer(t, _e):
+        transfers.append(t)
+    await bus.subscribe(bus.subjects.transfer, Transfer, on_transfer)
+    state = {"w0": [0, None, 5], "w1": [0, None, 5], "s0": [0, None, -1]}  # gen, rank, step
+
+    async def on_plan(p, _e):
+        for pod, st in state.items():
+            st[0], st[1] = p.generation, p.rank_of(pod)
+            await beat(pod)
+
+    async def beat(pod):
+        g, r, s = state[pod]
+        await bus.publish(bus.subjects.heartbeat(pod), Heartbeat(
+            pod=pod, role=Role.spare if pod == "s0" and r is None else Role.worker,
+            generation=g, rank=r, step=s, digest="ab" if s >= 0 else "",
+            state=AgentState.waiting if r is None else AgentState.training))
+
+    await bus.subscribe(bus.subjects.plan, Plan, on_plan)
+    alive = {"w0", "w1", "s0"}
+
+    async def beats():
+        while True:
+            for pod in list(alive):
+                await beat(pod)
+            await asyncio.sleep(0.05)
+    task = asyncio.create_task(beats())
+    try:
+        for s in svcs:
+            await s.start()
+        await until(lambda: len(transfers) == 1, what="generation-1 transfer")
+        alive.discard("w1")
+        await bus.publish(bus.subjects.lifecycle("w1"), Lifecycle(pod="w1", event="exited",
+                                                                  exit_code=137))
+        await until(lambda: len(transfers) == 2, what="generation-2 transfer")
+        t = transfers[1]
+        assert t.generation == 2 and t.incident == "inc-w1-g1" and t.restore_step == 5
+        assert t.sources == {1: [0]}
+        await asyncio.sleep(0.1)
+        named = {s.name: s for s in col.spans
+                 if s.attributes.get("ceaseless.incident") == "inc-w1-g1"}
+        assert {"detect", "plan", "transfer_plan"} <= set(named)
+        d, p, x = named["detect"], named["plan"], named["transfer_plan"]
+        assert d.context.trace_id == p.context.trace_id == x.context.trace_id
+        assert p.parent.span_id == d.context.span_id and x.parent.span_id == p.context.span_id
+        assert x.attributes["ceaseless.restore_step"] == 5
+        assert d.attributes["ceaseless.pod"] == "w1"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for s in svcs:
+            await s.stop()
+        for b in buses:
+            await b.close()
