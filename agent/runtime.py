@@ -48,7 +48,6 @@ class Runtime:
         self.lost: dict[int, StateLost] = {}
         self.done: dict | None = None
         self.injections: list[Inject] = []
-        self.hang = threading.Event()  # set while an injected hang holds the training thread
         # what we tell it (replaced whole, read by the heartbeat loop)
         self.hb: dict[str, Any] = dict(role=cfg.role, generation=0, rank=None, step=-1,
                                        digest="", state=AgentState.starting)
@@ -143,8 +142,9 @@ class Runtime:
             self.cond.notify_all()
 
     async def _on_inject(self, inj: Inject, env: Envelope) -> None:
-        if inj.action == InjectAction.kill and inj.at_step is None:
-            return  # the supervisor executes kill
+        if inj.action == InjectAction.resume or (
+                inj.action != InjectAction.exception and inj.at_step is None):
+            return  # the supervisor executes kill / hang / resume (signals)
         if inj.pod is not None and inj.pod != self.cfg.pod:
             return
         if inj.rank is not None and inj.rank != self.hb.get("rank"):
@@ -155,8 +155,6 @@ class Runtime:
             await self.report(ReportKind.exception, "injection refused (not enabled)", send=False)
             return
         log.info("injection received", action=inj.action.value, at_step=inj.at_step)
-        if inj.action == InjectAction.resume:
-            self.hang.clear()
         with self.cond:
             self.injections.append(inj)
             self.cond.notify_all()

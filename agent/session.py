@@ -353,10 +353,8 @@ class Session:
                 self._pending_inject = keep
                 raise InjectedFault(f"injected exception at step {s}")
             if inj.action == InjectAction.hang:
-                log.warning("injected hang: training thread blocks until resume", step=s)
-                rt.hang.set()
-                while rt.hang.is_set():
-                    time.sleep(0.05)
+                log.warning("injected hang: stopping this process (SIGSTOP)", step=s)
+                os.kill(os.getpid(), signal.SIGSTOP)
             if inj.action == InjectAction.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
         self._pending_inject = keep

@@ -21,6 +21,7 @@ from typing import Any
 from schemas.messages import (Fault, Heartbeat, Lifecycle, LifecycleEvent, Plan, Recovery,
                               Role, StateLost)
 from services.actuator import LocalActuator
+from services.actuator.local import record_pid
 from services.common import logs
 from services.common.bus import Bus, Envelope
 from services.common.natsserver import NatsServer, write_credentials
@@ -66,6 +67,7 @@ class ServiceSupervisor:
         self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=out,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
+        record_pid(self.log_dir.parent, name, self.procs[name].pid)
 
     def start_all(self) -> None:
         for name in SERVICES:
@@ -167,6 +169,7 @@ async def run(opts: UpOptions) -> int:
     creds_path = run_dir / "creds.json"
     creds = write_credentials(creds_path)
     srv = NatsServer.start(run_dir / "nats", creds=creds)
+    record_pid(run_dir, "nats-server", srv.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time())
     info.write()
@@ -201,7 +204,7 @@ async def run(opts: UpOptions) -> int:
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    act = LocalActuator(bus, cmd, env, log_dir)
+    act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)

@@ -89,7 +89,9 @@ def generate(out_dir: str | os.PathLike, n_tokens: int = 1_000_000, seed: int = 
     try:
         slot = 0
         while writer.n_tokens < n_tokens:
-            t = np.arange(slot, slot + _CHUNK_SLOTS, dtype=np.uint64)
+            # Every slot is hashed by its global position: output is independent of chunking.
+            n_slots = min(_CHUNK_SLOTS, (n_tokens - writer.n_tokens) // 16 + 16)
+            t = np.arange(slot, slot + n_slots, dtype=np.uint64)
             pick = (hash64(seed, 0x5E, t) % np.uint64(_POOL)).astype(np.int64)
             # A slot is an end of document with p = 1/8, never twice in a row.
             is_eos = hash64(seed, 0xD0, t) % np.uint64(8) == 0
@@ -108,7 +110,7 @@ def generate(out_dir: str | os.PathLike, n_tokens: int = 1_000_000, seed: int = 
             chunk = chunk[:need]
             writer.write(chunk)
             writer.n_documents += int(np.count_nonzero(chunk == BYTE_EOS))
-            slot += _CHUNK_SLOTS
+            slot += n_slots
         return writer.finish(tokenizer="byte", eos_id=BYTE_EOS, seq_len=seq_len,
                              sources=[f"generated:ceaseless-corpus-v1:seed={seed}"])
     except BaseException:

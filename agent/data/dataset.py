@@ -32,6 +32,7 @@ from .format import (
     read_index,
     verify_hash,
 )
+from .order import GlobalOrder
 
 _PAGE = mmap.PAGESIZE
 
@@ -194,6 +195,16 @@ class TokenDataset(torch.utils.data.Dataset):
         np.copyto(x.numpy(), rows[:, :-1], casting="unsafe")  # the only conversion copy
         np.copyto(y.numpy(), rows[:, 1:], casting="unsafe")
         return x, y
+
+    def global_order(self, global_batch_size: int, seed: int = 0,
+                     cache_dir: str | os.PathLike | None = None) -> GlobalOrder:
+        """The :class:`GlobalOrder` of this dataset, its permutations cached next to the data
+        (or in the node cache when the data directory is read-only). ``agent.Session``
+        picks this hook up through ``agent.order.order_for``."""
+        if cache_dir is None:
+            cache_dir = self.data_dir if os.access(self.data_dir, os.W_OK) else node_cache_dir() / "orders"
+        return GlobalOrder(self.n_samples, global_batch_size, seed, cache_dir=cache_dir,
+                           data_hash=self.content_hash)
 
     def warm(self, touch: bool = True) -> None:
         """Ask the kernel to read the whole file ahead and (``touch``) fault every page in."""

@@ -15,7 +15,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 from schemas.batching import num_micro_batches
 
 from .dataset import TokenDataset
-from .format import DataError, node_cache_dir
+from .format import DataError
 from .order import GlobalOrder
 
 Key = tuple[int, int]
@@ -85,10 +84,7 @@ class ElasticLoader:
                  pin_memory: bool = False) -> ElasticLoader:
         """Dataset + order + loader for a prepared directory (what a Session builds once)."""
         ds = TokenDataset(data_dir, seq_len, verify=verify, cache_to_shm=cache_to_shm)
-        if order_cache_dir is None:
-            order_cache_dir = data_dir if os.access(data_dir, os.W_OK) else node_cache_dir() / "orders"
-        order = GlobalOrder(len(ds), global_batch_size, seed, cache_dir=order_cache_dir,
-                            data_hash=f"{ds.content_hash}")
+        order = ds.global_order(global_batch_size, seed, cache_dir=order_cache_dir)
         return cls(ds, order, micro_batch_size, prefetch, pin_memory=pin_memory)
 
     # ---- position ---------------------------------------------------------------------
@@ -253,7 +249,7 @@ def _prefetch_loop(ref: weakref.ref, cond: threading.Condition) -> None:
             key = loader._next_prefetch_key()
             if key is None:
                 del loader
-                cond.wait(timeout=1.0)
+                cond.wait(timeout=0.5)
                 continue
             loader._inflight.add(key)
         try:

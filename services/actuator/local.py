@@ -30,7 +30,8 @@ log = logs.get("actuator")
 
 class LocalActuator:
     def __init__(self, bus: Bus, argv: list[str], env: dict[str, str], log_dir: Path,
-                 restart_fallback: bool = True) -> None:
+                 restart_fallback: bool = True, allow_inject: bool = False) -> None:
+        self.allow_inject = allow_inject
         self.bus = bus
         self.argv = argv
         self.env = env
@@ -73,19 +74,32 @@ class LocalActuator:
             await self.bus.nc.publish(env.raw.reply, reply.model_dump_json().encode())
 
     async def _on_inject(self, inj: Inject, env: Envelope) -> None:
-        if inj.action != InjectAction.kill:
-            return  # exception / hang / resume are the agent's
+        # The supervisor executes kill (SIGKILL), hang (SIGSTOP: the whole process stops,
+        # heartbeats included, as a stuck node would) and resume (SIGCONT). Exceptions, and
+        # anything scheduled at a step, are executed by the agent itself.
+        if inj.action == InjectAction.exception:
+            return
+        if not self.allow_inject:
+            log.warning("injection refused: the job does not enable injection",
+                        action=inj.action.value)
+            return
         pod = inj.pod
         if pod is None and self.plan is not None:
             pod = self.plan.pod_of(inj.rank)
         if pod is None:
             log.warning("inject kill: no such rank", rank=inj.rank)
             return
-        if inj.at_step is not None:
-            log.info("inject kill at a step is executed by the agent", pod=pod)
+        if inj.at_step is not None and inj.action != InjectAction.resume:
+            log.info("injection at a step is executed by the agent", pod=pod,
+                     action=inj.action.value)
             return
-        log.info("inject kill", pod=pod)
-        await self.kill(pod)
+        log.info("inject", action=inj.action.value, pod=pod)
+        if inj.action == InjectAction.kill:
+            await self.kill(pod)
+        elif inj.action == InjectAction.hang:
+            self.signal(pod, signal.SIGSTOP)
+        else:
+            self.signal(pod, signal.SIGCONT)
 
     # ------------------------------------------------------------------ interface
     def new_pod_id(self, role: Role) -> str:
@@ -114,6 +128,7 @@ class LocalActuator:
         out.close()
         self.procs[spec.pod] = proc
         self.roles[spec.pod] = spec.role
+        record_pid(self.log_dir.parent, spec.pod, proc.pid)
         log.info("pod started", pod=spec.pod, role=spec.role.value, pid=proc.pid)
         await self.bus.publish(self.bus.subjects.lifecycle(spec.pod), Lifecycle(
             pod=spec.pod, event=LifecycleEvent.started, role=spec.role, pid=proc.pid))
@@ -175,6 +190,12 @@ class LocalActuator:
                 await asyncio.wait_for(t, 2.0)
             except Exception:
                 pass
+
+
+def record_pid(run_dir: Path, name: str, pid: int) -> None:
+    """Every child's pid goes to <run_dir>/pids.txt, so a harness can clean up by PID."""
+    with open(run_dir / "pids.txt", "a") as f:
+        f.write(f"{name} {pid}\n")
 
 
 def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:

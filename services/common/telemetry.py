@@ -76,7 +76,9 @@ ATTR_GENERATION = "ceaseless.generation"      # the generation being formed (g+1
 ATTR_POD = "ceaseless.pod"                    # detect: the failed pod; agent: its own pod
 ATTR_RANK = "ceaseless.rank"                  # agent: its rank in generation g+1
 ATTR_WORLD_SIZE = "ceaseless.world_size"
-ATTR_REASON = "ceaseless.reason"              # detect: fault kind; plan: why (fault/capacity/...)
+ATTR_REASON = "ceaseless.reason"              # detect: "<kind>: <why>"; plan: why (fault/capacity/...)
+ATTR_FAULT_KIND = "ceaseless.fault_kind"      # detect: crash / hang / exception / lost
+ATTR_DETECTION_LATENCY = "ceaseless.detection_latency"  # detect: s from last evidence to fault
 ATTR_RESTORE_STEP = "ceaseless.restore_step"
 ATTR_BYTES = "ceaseless.bytes"                # state_sync: bytes received (recipient) / sent
 ATTR_THROUGHPUT_MBPS = "ceaseless.throughput_mbps"
@@ -89,6 +91,7 @@ _ATTR_BY_KEY = {
     "pod": ATTR_POD, "rank": ATTR_RANK, "world_size": ATTR_WORLD_SIZE, "reason": ATTR_REASON,
     "restore_step": ATTR_RESTORE_STEP, "bytes": ATTR_BYTES,
     "throughput_mbps": ATTR_THROUGHPUT_MBPS, "lost_steps": ATTR_LOST_STEPS, "role": ATTR_ROLE,
+    "fault_kind": ATTR_FAULT_KIND, "detection_latency": ATTR_DETECTION_LATENCY,
 }
 
 # Metrics.

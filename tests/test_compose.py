@@ -1,0 +1,244 @@
+"""compose.yaml, Dockerfile and deploy/: validated without a Docker engine where possible.
+
+* ``docker-compose config`` (Debian's ``docker-compose`` parses and validates without an
+  engine) when it is on PATH;
+* deploy/nats.conf run by the real nats-server binary from the venv (auth from env, JetStream);
+* deploy/entrypoint.sh turns the password into a 0600 credentials file;
+* with a reachable Docker engine only: NATS with JetStream in a container via testcontainers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.natsserver import find_binary, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+NATS_CONF = ROOT / "deploy" / "nats.conf"
+ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
+SERVICES = {"nats", "jaeger", "health_monitor", "scaler", "state_broker", "trainer", "spare"}
+PASSWORD = "pTest_only-0123456789abcdef"
+
+
+def _compose_cmd() -> list[str] | None:
+    exe = shutil.which("docker-compose")
+    return [exe] if exe else None
+
+
+def _compose_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    env.update(extra)
+    return env
+
+
+needs_compose = pytest.mark.skipif(
+    _compose_cmd() is None,
+    reason="docker-compose not on PATH (apt-get install -y docker-compose; it validates "
+           "compose files without a Docker engine)")
+
+
+@needs_compose
+def test_compose_config_is_valid_and_has_the_services():
+    cmd = _compose_cmd() + ["-f", str(COMPOSE)]
+    env = _compose_env(CEASELESS_NATS_PASSWORD=PASSWORD)
+    r = subprocess.run(cmd + ["config", "-q"], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(cmd + ["config", "--services"], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert set(r.stdout.split()) == SERVICES
+
+    yaml = pytest.importorskip("yaml")
+    r = subprocess.run(cmd + ["config"], env=env, capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)["services"]
+    nats = cfg["nats"]
+    assert re.match(r"nats:2\.(1\d|[2-9]\d)", nats["image"])       # 2.10+
+    cmdline = " ".join(nats["command"])
+    assert "-js" in cmdline and "-sd /data" in cmdline
+    assert any(str(v).endswith(":/data") or ":/data:" in str(v) for v in nats["volumes"])
+    assert "8222/healthz" in " ".join(nats["healthcheck"]["test"])
+    assert cfg["jaeger"]["image"].startswith("jaegertracing/all-in-one")
+    assert cfg["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert any("16686" in str(p) for p in cfg["jaeger"]["ports"])
+    for svc in ("health_monitor", "scaler", "state_broker"):
+        c = cfg[svc]
+        assert c["command"][:3] == ["python", "-m", f"services.{svc}"]
+        line = " ".join(c["command"])
+        assert "--nats nats://nats:4222" in line and "--job demo" in line
+        assert c["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert c["depends_on"]["nats"]["condition"] == "service_healthy"
+    for svc, role, n in (("trainer", "worker", 4), ("spare", "spare", 1)):
+        c = cfg[svc]
+        assert c["command"][:3] == ["python", "-m", "examples.train_gpt"]
+        assert c["deploy"]["replicas"] == n
+        e = c["environment"]
+        assert e["CEASELESS_ROLE"] == role and e["CEASELESS_JOB"] == "demo"
+        assert e["CEASELESS_NATS_URL"] == "nats://nats:4222"
+        assert "CEASELESS_POD" not in e                  # the agent falls back to HOSTNAME
+        assert c["depends_on"]["nats"]["condition"] == "service_healthy"
+
+
+@needs_compose
+def test_compose_refuses_to_run_without_a_password():
+    r = subprocess.run(_compose_cmd() + ["-f", str(COMPOSE), "config", "-q"],
+                       env=_compose_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode != 0
+    assert "CEASELESS_NATS_PASSWORD" in r.stderr
+
+
+def test_no_literal_secrets():
+    for f in (COMPOSE, NATS_CONF):
+        for line in f.read_text().splitlines():
+            code = line.split("#", 1)[0]
+            m = re.search(r"password\s*[:=]\s*(\S+)", code, re.I)
+            if m:
+                assert m[1].startswith(("$", "${")), f"{f.name}: literal password in {line!r}"
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"nats-server exited {proc.returncode}: "
+                                 f"{proc.stderr.read().decode()[-500:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not listening")
+
+
+@pytest.fixture
+def conf_server(tmp_path):
+    """deploy/nats.conf, as compose runs it, on free loopback ports."""
+    port, mon = free_port(), free_port()
+    env = {**os.environ, "CEASELESS_NATS_USER": "ceaseless", "CEASELESS_NATS_PASSWORD": PASSWORD}
+    t = subprocess.run([find_binary(), "-c", str(NATS_CONF), "-t"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert t.returncode == 0, t.stderr + t.stdout
+    proc = subprocess.Popen(
+        [find_binary(), "-c", str(NATS_CONF), "-js", "-sd", str(tmp_path / "js"),
+         "-a", "127.0.0.1", "-p", str(port), "-m", str(mon)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_port(port, proc)
+        yield port, mon
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def test_nats_conf_auth_from_env_and_jetstream(conf_server):
+    import urllib.request
+
+    import nats
+
+    port, mon = conf_server
+    with urllib.request.urlopen(f"http://127.0.0.1:{mon}/healthz?js-enabled-only=true",
+                                timeout=5) as resp:       # the compose healthcheck
+        assert resp.status == 200
+    nc = await nats.connect(f"nats://127.0.0.1:{port}", user="ceaseless", password=PASSWORD,
+                            connect_timeout=2, allow_reconnect=False)
+    try:
+        kv = await nc.jetstream().create_key_value(bucket="ceaseless_demo")
+        await kv.put("plan", b"{}")
+        assert (await kv.get("plan")).value == b"{}"
+    finally:
+        await nc.close()
+    async def _quiet(e: Exception) -> None:
+        pass
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        bad = await nats.connect(f"nats://127.0.0.1:{port}", user="ceaseless",
+                                 password="wrong", connect_timeout=2, allow_reconnect=False,
+                                 error_cb=_quiet)
+        await bad.close()
+
+
+def test_entrypoint_writes_private_credentials(tmp_path):
+    out = tmp_path / "out.json"
+    script = ('python -c "import json,os,stat,sys; p=os.environ[\'CEASELESS_CREDS\']; '
+              'json.dump({\'creds\': json.load(open(p)), \'mode\': stat.S_IMODE(os.stat(p).st_mode), '
+              '\'pw\': os.environ.get(\'CEASELESS_NATS_PASSWORD\'), '
+              '\'pod\': os.environ.get(\'CEASELESS_POD\')}, open(sys.argv[1], \'w\'))" ' + str(out))
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "TMPDIR": str(tmp_path), "HOSTNAME": "c0ffee123456",
+           "CEASELESS_NATS_PASSWORD": PASSWORD, "CEASELESS_POD_SUFFIX": "random"}
+    r = subprocess.run(["sh", str(ENTRYPOINT), "sh", "-c", script], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["creds"] == {"user": "ceaseless", "password": PASSWORD}
+    assert got["mode"] == 0o600 and got["pw"] is None
+    assert re.fullmatch(r"c0ffee123456-[0-9a-f]{6}", got["pod"])
+    assert ENTRYPOINT.stat().st_mode & stat.S_IXUSR
+
+
+def test_dockerfile():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/"
+                     r"whl/cpu", text)
+    assert re.search(r"^RUN pip install \.$", text, re.M)
+    assert re.search(r"^USER (?!root)\S+", text, re.M)
+    for src in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", text, re.M):
+        for part in src.split():
+            assert (ROOT / part).exists(), f"Dockerfile copies missing {part}"
+
+
+def _docker_engine() -> str | None:
+    """None if an engine answers, else why not (fast: no retries)."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=2)
+        client.ping()
+        client.close()
+        return None
+    except Exception as e:
+        return f"no Docker engine reachable ({type(e).__name__}: {str(e)[:80]})"
+
+
+def test_nats_jetstream_in_a_container():
+    why = _docker_engine()
+    if why:
+        pytest.skip(why)
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+
+    import nats
+
+    with DockerContainer("nats:2.10-alpine").with_command("-js").with_exposed_ports(4222) as c:
+        wait_for_logs(c, "Server is ready", timeout=60)
+        url = f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
+
+        async def check() -> None:
+            nc = await nats.connect(url, connect_timeout=5)
+            try:
+                kv = await nc.jetstream().create_key_value(bucket="ceaseless_demo")
+                await kv.put("plan", b"1")
+                assert (await kv.get("plan")).value == b"1"
+            finally:
+                await nc.close()
+
+        asyncio.run(check())

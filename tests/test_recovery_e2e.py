@@ -1,0 +1,129 @@
+"""End to end: real nats-server, real services, real gloo process groups, real faults.
+
+Each fault run is compared with a fault-free run of the same world size and steps: the
+final parameters must be bitwise identical (sha256), no committed step may be lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from .harness import Cluster
+
+STEPS = 16
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+async def _run(tmp_path, name, workers, spares, fault=None, steps=STEPS, extra=None):
+    async with Cluster(tmp_path / name, workers, spares, steps, extra=extra) as c:
+        if fault is not None:
+            await fault(c)
+        code = await c.finish()
+        assert code == 0, c.output()
+        s = c.summary()
+        s["plans"] = c.plans
+        return s
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Fault-free runs, one per world size, computed once."""
+    import asyncio
+
+    cache: dict[int, dict] = {}
+
+    def get(workers: int) -> dict:
+        if workers not in cache:
+            d = tmp_path_factory.mktemp(f"ref{workers}")
+            cache[workers] = asyncio.run(_run(d, "ref", workers, 0))
+            assert cache[workers]["param_sha256"], cache[workers]
+        return cache[workers]
+
+    return get
+
+
+def _kill(c: Cluster, rank: int, sig=signal.SIGKILL) -> int:
+    h = c.member(rank)
+    assert h is not None and h.pid
+    os.kill(h.pid, sig)
+    return h.pid
+
+
+def _assert_same(summary, ref):
+    assert summary["final_step"] == STEPS - 1
+    assert summary["param_sha256"] == ref["param_sha256"], (summary, ref)
+    assert summary["lost_steps"] == 0
+    assert summary["losses"] == ref["losses"]
+
+
+async def test_kill_worker_with_spare(tmp_path, reference):
+    async def fault(c):
+        await c.wait_rank_step(1, 4)
+        _kill(c, 1)
+
+    s = await _run(tmp_path, "kill1", 2, 1, fault)
+    _assert_same(s, reference(2))
+    assert len(s["incidents"]) == 1 and s["incidents"][0]["kind"] == "crash"
+    assert s["plans"][-1].world_size == 2
+
+
+async def test_kill_rank0(tmp_path, reference):
+    async def fault(c):
+        await c.wait_rank_step(0, 5)
+        _kill(c, 0)
+
+    s = await _run(tmp_path, "kill0", 2, 1, fault)
+    _assert_same(s, reference(2))
+
+
+async def test_hang_detected_fenced_replaced(tmp_path, reference):
+    stopped = []
+
+    async def fault(c):
+        await c.wait_rank_step(1, 4)
+        stopped.append(_kill(c, 1, signal.SIGSTOP))
+
+    try:
+        s = await _run(tmp_path, "hang", 2, 1, fault)
+    finally:
+        for pid in stopped:  # fenced processes are SIGKILLed by the scaler; make sure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    _assert_same(s, reference(2))
+    assert s["incidents"][0]["kind"] in ("lost", "hang")
+
+
+async def test_two_faults_in_a_row(tmp_path, reference):
+    async def fault(c):
+        await c.wait_rank_step(1, 3)
+        _kill(c, 1)
+        await c.wait_for(lambda: len(c.plans) >= 2, 60, "second plan")
+        gen = c.plans[-1].generation
+        await c.wait_for(lambda: (h := c.member(0)) and h.generation == gen and h.step >= 7,
+                         120, "training in the new generation")
+        _kill(c, 0)
+
+    s = await _run(tmp_path, "two", 2, 2, fault)
+    _assert_same(s, reference(2))
+    assert len(s["incidents"]) == 2
+
+
+async def test_fault_during_recovery(tmp_path, reference):
+    async def fault(c):
+        await c.wait_rank_step(1, 4)
+        _kill(c, 1)
+        # As soon as the replacement plan is out, kill the promoted spare too.
+        await c.wait_for(lambda: len(c.plans) >= 2, 60, "replacement plan")
+        promoted = c.plans[-1].pod_of(1)
+        await c.wait_for(lambda: (h := c.hb.get(promoted)) and h.generation == c.plans[-1].generation,
+                         30, "promoted spare adopting the plan")
+        os.kill(c.hb[promoted].pid, signal.SIGKILL)
+
+    s = await _run(tmp_path, "during", 2, 2, fault)
+    _assert_same(s, reference(2))
+    assert len(s["plans"]) >= 3
