@@ -59,7 +59,9 @@ def _assert_same(summary, ref):
     assert summary["final_step"] == STEPS - 1
     assert summary["param_sha256"] == ref["param_sha256"], (summary, ref)
     assert summary["lost_steps"] == 0
-    assert summary["losses"] == ref["losses"]
+    # Killed pods take their loss log with them; every step a survivor logged must match.
+    assert summary["losses"], summary
+    assert {k: ref["losses"][k] for k in summary["losses"]} == summary["losses"]
 
 
 async def test_kill_worker_with_spare(tmp_path, reference):
