@@ -130,7 +130,7 @@ class Session:
             try:
                 from services.common import telemetry
 
-                telemetry.init("agent", run_dir=self.cfg.run_dir, job=self.cfg.job)
+                telemetry.init("agent", run_dir=self.cfg.run_dir, job=self.cfg.job, pod=self.cfg.pod)
             except Exception as e:
                 log.warning("telemetry disabled", error=str(e)[:200])
             from .runtime import Runtime
