@@ -185,7 +185,8 @@ async def test_exception_report(env, bus):
                                                         generation=0, error="old"))
     await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="digest_mismatch",
                                                         generation=1, error="abc != def"))
-    await until(lambda: env.faults, what="exception fault")
+    await bus.nc.flush()
+    await until(lambda: env.faults, timeout=10, what="exception fault")
     f = env.faults[0]
     assert (f.pod, f.kind.value, f.incident) == ("w0", "exception", "inc-w0-g1")
     assert "digest_mismatch: abc != def" in f.reason
