@@ -13,7 +13,7 @@ import pytest
 
 from harness import Cluster
 
-STEPS = 16
+STEPS = 80  # long enough that heartbeats (0.25 s) see the fault step before the end
 pytestmark = [pytest.mark.timeout(300)]
 
 
