@@ -152,7 +152,6 @@ class Runtime:
         if not self.cfg.allow_inject:
             log.warning("injection refused: this job does not allow injection",
                         action=inj.action.value)
-            await self.report(ReportKind.exception, "injection refused (not enabled)", send=False)
             return
         log.info("injection received", action=inj.action.value, at_step=inj.at_step)
         with self.cond:
@@ -197,9 +196,7 @@ class Runtime:
     def publish(self, subject: str, msg, ctx: otel_context.Context | None = None) -> Future:
         return self.submit(self.bus.publish(subject, msg, ctx=ctx))
 
-    async def report(self, kind: ReportKind, error: str, send: bool = True) -> None:
-        if not send:
-            return
+    async def report(self, kind: ReportKind, error: str) -> None:
         await self.bus.publish(self.bus.subjects.report(self.cfg.pod), Report(
             pod=self.cfg.pod, report=kind, generation=self.hb.get("generation", 0),
             rank=self.hb.get("rank"), step=self.hb.get("step", -1), error=error[:2000]))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import BY_KIND, Subjects
-from schemas.messages import (Capacity, CapacityChange, Inject, InjectAction, Plan, Priority)
+from schemas.messages import Capacity, CapacityChange, Inject, InjectAction, Priority
 
 SERVICE_NAMES = ("health_monitor", "scaler", "state_broker")
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas.messages import (Fault, Heartbeat, Lifecycle, LifecycleEvent, Plan, Recovery,
-                              Role, StateLost)
+from schemas.messages import Fault, Heartbeat, Plan, Recovery, Role, StateLost
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
 from services.common import logs

@@ -148,3 +148,17 @@ def _ours(pid: int, marker: str) -> bool:
     except OSError:
         return False
     return marker in cmd or marker in env
+
+
+async def until(pred, timeout: float = 5.0, what: str = "condition"):
+    """Wait until ``pred()`` is truthy (bounded); returns its value."""
+    async def _loop():
+        while True:
+            v = pred()
+            if v:
+                return v
+            await asyncio.sleep(0.02)
+    try:
+        return await asyncio.wait_for(_loop(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None

@@ -17,23 +17,13 @@ from services.common.bus import Bus, DropError, decode
 from services.health_monitor import HealthMonitor
 from services.scaler import Scaler
 from services.state_broker import StateBroker
+from harness import until
 
 FT = 0.3
 N_MESSAGES = 1000
 MAX_BYTES = 1024 * 1024 - 256  # under the server's 1 MB max_payload
 
 
-async def until(pred, timeout: float = 5.0, what: str = "condition"):
-    async def _loop():
-        while True:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.02)
-    try:
-        return await asyncio.wait_for(_loop(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 def _matches(pattern: str, subject: str) -> bool:

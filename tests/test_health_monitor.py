@@ -12,21 +12,11 @@ from schemas import PLAN_KEY, Plan
 from schemas.messages import (AgentState, Fault, Heartbeat, Lifecycle, Member, Report, Role)
 from services.common.bus import Bus
 from services.health_monitor import HealthMonitor
+from harness import until
 
 FT = 0.3
 
 
-async def until(pred, timeout: float = 5.0, what: str = "condition"):
-    async def _loop():
-        while True:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.02)
-    try:
-        return await asyncio.wait_for(_loop(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 class Beater:

@@ -14,22 +14,12 @@ from schemas.messages import (ActuatorCommand, ActuatorReply, AgentState, Capaci
                               Fault, FaultKind, Heartbeat, Priority, Role)
 from services.common.bus import Bus, decode
 from services.scaler import PolicyConfig, Scaler, Wait, initial_plan, on_fault
+from harness import until
 
 FT = 0.3  # fault_timeout in these tests
 
 
 # ----------------------------------------------------------------------------- helpers
-async def until(pred, timeout: float = 5.0, what: str = "condition"):
-    async def _loop():
-        while True:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.02)
-    try:
-        return await asyncio.wait_for(_loop(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 class FakeAgent:

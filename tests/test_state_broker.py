@@ -17,19 +17,9 @@ from services.common.bus import Bus
 from services.health_monitor import HealthMonitor
 from services.scaler import Scaler
 from services.state_broker import StateBroker, decide_transfer
+from harness import until
 
 
-async def until(pred, timeout: float = 5.0, what: str = "condition"):
-    async def _loop():
-        while True:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.02)
-    try:
-        return await asyncio.wait_for(_loop(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 def make_plan(pods, generation=1, incident=None):

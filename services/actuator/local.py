@@ -200,8 +200,6 @@ def record_pid(run_dir: Path, name: str, pid: int) -> None:
 
 def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
     try:
-        proc.send_signal(sig)
-        if sig == signal.SIGKILL:  # a stopped (SIGSTOP) process dies on SIGKILL too
-            pass
+        proc.send_signal(sig)  # SIGKILL also ends a stopped (SIGSTOP) process
     except ProcessLookupError:
         pass

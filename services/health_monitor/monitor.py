@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from opentelemetry import trace
 
 from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, Lifecycle,
                               LifecycleEvent, Plan, Report, ReportKind, Role)
+from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
 from services.common.plans import PlanFollower
 from services.common.service import Service
@@ -57,14 +58,6 @@ class PodView:
     deadline_extra: float = 0.0   # grace added to fault_timeout (seeded members)
 
 
-class _Bounded(OrderedDict):
-    def add(self, key: str) -> None:
-        self[key] = None
-        self.move_to_end(key)
-        while len(self) > MAX_PODS:
-            self.popitem(last=False)
-
-
 class HealthMonitor(Service):
     name = "health_monitor"
     description = "liveness and progress -> fault events"
@@ -78,9 +71,9 @@ class HealthMonitor(Service):
         self.check_interval = check_interval
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
         self.pods: dict[str, PodView] = {}
-        self.faulted = _Bounded()     # pods a fault was declared for: not watched any more
-        self.gone = _Bounded()        # exited 0: done
-        self.incidents = _Bounded()   # incident ids declared (dedupe)
+        self.faulted = BoundedSet(MAX_PODS)     # pods a fault was declared for: not watched any more
+        self.gone = BoundedSet(MAX_PODS)        # exited 0: done
+        self.incidents = BoundedSet(MAX_PODS)   # incident ids declared (dedupe)
         self.faults: deque[dict[str, Any]] = deque(maxlen=200)
         self.latencies: deque[float] = deque(maxlen=1000)
         self.ignored: dict[str, int] = {}

@@ -18,7 +18,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from schemas import LEASE_KEY, PLAN_KEY
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, Decision, Fault, Heartbeat, Lifecycle, LifecycleEvent,
                               Plan, Priority, Role)
+from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
 from services.common.plans import PlanFollower
 from services.common.service import Service
@@ -60,14 +60,6 @@ class Pending:
     kind: str
     ctx: otel_context.Context | None
     since: float
-
-
-class _Bounded(OrderedDict):
-    def add(self, key: str) -> None:
-        self[key] = None
-        self.move_to_end(key)
-        while len(self) > MAX_TRACKED:
-            self.popitem(last=False)
 
 
 class Scaler(Service):
@@ -101,12 +93,12 @@ class Scaler(Service):
         self._reconciled = False
         # liveness, rebuilt from heartbeats / lifecycle
         self.pods: dict[str, PodSeen] = {}
-        self.dead = _Bounded()       # faulted or exited non-zero: never used again
-        self.done = _Bounded()       # exited 0
+        self.dead = BoundedSet(MAX_TRACKED)       # faulted or exited non-zero: never used again
+        self.done = BoundedSet(MAX_TRACKED)       # exited 0
         self.pending: dict[str, Pending] = {}
         self.waiting: str = ""       # why the last decision was Wait
-        self.fence_requested = _Bounded()
-        self._dead_logged = _Bounded()
+        self.fence_requested = BoundedSet(MAX_TRACKED)
+        self._dead_logged = BoundedSet(MAX_TRACKED)
         self.plans_written = 0
         self.cas_conflicts = 0
         self.ignored: dict[str, int] = {}
