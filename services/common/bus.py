@@ -202,7 +202,15 @@ class Bus:
                 log.exception("handler failed", subject=raw.subject, error=str(e)[:200],
                               client=self.name)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=_cb)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=_cb)
+        # SUB is asynchronous: without a round trip, a message another connection publishes
+        # right after this returns can reach the server before the interest does, and is lost.
+        try:
+            await self.nc.flush(timeout=2)
+        except Exception as e:  # disconnected: the client re-subscribes on reconnect
+            log.warning("subscribe not confirmed", subject=subject, error=str(e)[:200],
+                        client=self.name)
+        return sub
 
     # ------------------------------------------------------------------ JetStream
     async def ensure_stream(self, storage: StorageType = StorageType.FILE,
