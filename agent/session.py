@@ -66,6 +66,8 @@ class _Incident:
 class _Stats:
     step_times: deque = field(default_factory=lambda: deque(maxlen=50))
     losses: dict[int, float] = field(default_factory=dict)
+    # (step, wall time) of every commit, in order: benchmarks measure gaps from it
+    commits: deque = field(default_factory=lambda: deque(maxlen=100_000))
     lost_steps: int = 0
 
 
@@ -332,6 +334,7 @@ class Session:
         self.last_committed = s
         self.loss = loss
         self.stats.losses[s] = loss
+        self.stats.commits.append((s, now))
         self._last_commit_time = now
         if self.runtime is not None:
             st = self.stats.step_times
@@ -583,7 +586,8 @@ class Session:
         res = {"pod": self.pod, "rank": self.rank, "generation": self.generation,
                "world_size": self.world_size, "final_step": self.last_committed,
                "param_sha256": self.param_sha256(),
-               "losses": {str(k): v for k, v in sorted(self.stats.losses.items())}}
+               "losses": {str(k): v for k, v in sorted(self.stats.losses.items())},
+               "commits": [[k, round(t, 6)] for k, t in self.stats.commits]}
         tmp = out / f".{self.pod}.json.tmp"
         tmp.write_text(json.dumps(res))
         tmp.replace(out / f"{self.pod}.json")

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     with agent.Session.from_env(global_batch_size=a.global_batch_size, seed=a.seed) as s:
         s.register(model=model, optimizer=opt, scheduler=sched)
         print(f"model {a.model}: {n_params / 1e6:.2f}M parameters; pod {s.pod}", flush=True)
-        t_last = time.perf_counter()
+        t_last, logged = time.perf_counter(), None
         for step in s.steps(total=a.steps):
             model.train()
             for x, y in s.batches(dataset, micro_batch_size=a.micro_batch_size):
@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
                 s.backward(loss)
             if s.step() and step % a.log_every == 0:
                 now = time.perf_counter()
-                sps = a.global_batch_size / max(now - t_last, 1e-9)
-                t_last = now
+                n = step - logged if logged is not None and step > logged else 1
+                sps = n * a.global_batch_size / max(now - t_last, 1e-9)
+                t_last, logged = now, step
                 print(f"step {step:5d}  loss {s.loss:.4f}  ppl {math.exp(min(s.loss, 20)):8.2f}  "
                       f"{sps:8.1f} samples/s  rank {s.rank}/{s.world_size} gen {s.generation}",
                       flush=True)

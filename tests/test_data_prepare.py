@@ -123,8 +123,17 @@ def test_prepare_parquet_and_arrow(tmp_path):
 def test_parquet_without_pyarrow_says_install(tmp_path, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
-    with pytest.raises(DataError, match="needs the `pyarrow` package: pip install"):
+    with pytest.raises(DataError, match=r"needs the `pyarrow` package: pip install 'ceaseless\[arrow\]'"):
         prepare([tmp_path / "d.parquet"], tmp_path / "o")
+
+
+def test_tokenizer_json_without_tokenizers_says_install(tmp_path, monkeypatch):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "a.txt").write_text("hello")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(DataError, match=r"needs the `tokenizers` package: pip install 'ceaseless\[tokenizers\]'"):
+        prepare([tmp_path / "a.txt"], tmp_path / "o", tokenizer=tmp_path / "tokenizer.json")
+    assert not (tmp_path / "o" / TOKENS_FILE).exists()
 
 
 def test_hf_tokenizer_json(tmp_path, monkeypatch):

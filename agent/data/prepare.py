@@ -75,7 +75,7 @@ class HFTokenizer:
         except ImportError:
             raise DataError(
                 f"{path}: a tokenizer.json needs the `tokenizers` package: "
-                "pip install 'ceaseless[data]' (or pip install tokenizers)"
+                "pip install 'ceaseless[tokenizers]' (or pip install 'tokenizers>=0.15')"
             ) from None
         try:
             self._tok = Tokenizer.from_file(str(path))
@@ -177,8 +177,8 @@ def _pyarrow():
         import pyarrow.parquet  # noqa: F401
     except ImportError:
         raise DataError(
-            "Parquet/Arrow input needs the `pyarrow` package: pip install 'ceaseless[data]' "
-            "(or pip install pyarrow)"
+            "Parquet/Arrow input needs the `pyarrow` package: pip install 'ceaseless[arrow]' "
+            "(or pip install 'pyarrow>=14')"
         ) from None
     return pyarrow
 
