@@ -1,0 +1,154 @@
+"""Run a `ceaseless up` cluster as a child process and watch it over the bus.
+
+Used by the end-to-end tests and the benchmarks: everything it starts is recorded in the
+run dir's ``pids.txt`` and cleaned up by PID (never by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from schemas.messages import Heartbeat, Plan
+from services.common.bus import Bus, Credentials, Envelope
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Cluster:
+    def __init__(self, run_dir: Path, workers: int, spares: int, steps: int,
+                 extra: list[str] | None = None, cmd: list[str] | None = None,
+                 timeout: float = 240.0) -> None:
+        self.run_dir = run_dir
+        self.argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
+                     "--workers", str(workers), "--spares", str(spares), "--steps", str(steps),
+                     "--quiet", "--timeout", str(timeout), *(extra or [])]
+        if cmd:
+            self.argv += ["--", *cmd]
+        self.proc: subprocess.Popen | None = None
+        self.bus: Bus | None = None
+        self.hb: dict[str, Heartbeat] = {}
+        self.plans: list[Plan] = []
+        self.timeout = timeout
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Cluster":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.run_dir / "up.out", "wb")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+        out.close()
+        info_path = self.run_dir / "cluster.json"
+        deadline = time.monotonic() + 30
+        while not info_path.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ceaseless up exited early: {self.output()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("cluster.json did not appear")
+            await asyncio.sleep(0.05)
+        info = json.loads(info_path.read_text())
+        self.bus = await Bus.connect(info["nats_url"], info["job"], "test-harness",
+                                     Credentials.load(info["creds"]))
+        await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat, self._on_hb)
+        await self.bus.subscribe(self.bus.subjects.plan, Plan, self._on_plan)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.bus is not None:
+            try:
+                await asyncio.wait_for(self.bus.close(), 3)
+            except Exception:
+                pass
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        # Anything `up` started that is still alive (it records every child's pid).
+        for name, pid in self.pids():
+            if _ours(pid, str(self.run_dir)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def pids(self) -> list[tuple[str, int]]:
+        p = self.run_dir / "pids.txt"
+        if not p.exists():
+            return []
+        out = []
+        for line in p.read_text().splitlines():
+            name, pid = line.split()
+            out.append((name, int(pid)))
+        return out
+
+    def output(self) -> str:
+        try:
+            return (self.run_dir / "up.out").read_text()[-4000:]
+        except OSError:
+            return ""
+
+    # ------------------------------------------------------------------ observation
+    async def _on_hb(self, h: Heartbeat, env: Envelope) -> None:
+        self.hb[h.pod] = h
+
+    async def _on_plan(self, p: Plan, env: Envelope) -> None:
+        self.plans.append(p)
+
+    async def wait_for(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            v = pred()
+            if v:
+                return v
+            if self.proc.poll() is not None:
+                raise AssertionError(f"cluster exited ({self.proc.returncode}) while waiting for "
+                                     f"{what}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
+            await asyncio.sleep(0.02)
+
+    def member(self, rank: int) -> Heartbeat | None:
+        for h in self.hb.values():
+            if h.rank == rank and h.role.value == "worker" and h.state.value == "training":
+                return h
+        return None
+
+    async def wait_rank_step(self, rank: int, step: int, timeout: float = 120) -> Heartbeat:
+        return await self.wait_for(
+            lambda: (h := self.member(rank)) is not None and h.step >= step and h,
+            timeout, f"rank {rank} at step {step}")
+
+    async def finish(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cluster did not finish:\n{self.output()}")
+            await asyncio.sleep(0.1)
+        return self.proc.returncode
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def _ours(pid: int, marker: str) -> bool:
+    """True if ``pid`` is alive and belongs to this run (guards against pid reuse)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return marker in cmd or marker in env
