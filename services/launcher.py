@@ -62,12 +62,16 @@ class Cluster:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self.bus is not None:
+        await self._close_bus()
+        self.cleanup()
+
+    async def _close_bus(self) -> None:
+        bus, self.bus = self.bus, None
+        if bus is not None:
             try:
-                await asyncio.wait_for(self.bus.close(), 3)
+                await asyncio.wait_for(bus.close(), 3)
             except Exception:
                 pass
-        self.cleanup()
 
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -138,6 +142,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise AssertionError(f"cluster did not finish:\n{self.output()}")
             await asyncio.sleep(0.1)
+        await self._close_bus()  # the server is gone with `up`: no reconnect noise
         return self.proc.returncode
 
     def summary(self) -> dict:

@@ -1,0 +1,45 @@
+"""`ceaseless bench ...`: the benchmarks, as CLI subcommands.
+
+``register(sub)`` adds ``bench`` to the top-level subparsers (picked up by services.cli when
+this module imports). Each benchmark adds one subcommand through a ``_<name>`` function here;
+the heavy imports happen only when a subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _data(bsub) -> None:
+    from bench import data_bench
+
+    p = bsub.add_parser("data", help="data loading: throughput vs DataLoader, reposition, spare first batch",
+                        description=data_bench.__doc__.split("\n")[0])
+    data_bench.add_arguments(p)
+
+    def run(args: argparse.Namespace) -> int:
+        import sys
+
+        argv = sys.argv[sys.argv.index("data") + 1:] if "data" in sys.argv else []
+        return data_bench.run(args, argv)
+
+    p.set_defaults(func=run)
+
+
+def _module(bsub, name: str, module: str, help: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    p = bsub.add_parser(name, help=help, description=mod.__doc__.split("\n")[0])
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="run a benchmark", description="Benchmarks (see docs/benchmarks.md).")
+    bsub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    bsub.required = True
+    _data(bsub)
+    _module(bsub, "recovery", "bench.recovery", "downtime and phases of in-process recovery")
+    _module(bsub, "overhead", "bench.overhead", "step time under Ceaseless vs plain DDP")
+    return p

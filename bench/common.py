@@ -1,0 +1,74 @@
+"""Shared by the benchmarks: summaries, machine facts, and docs/benchmarks.md sections."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Iterable
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "benchmarks.md"
+
+
+def summary(values: Iterable[float]) -> dict[str, Any]:
+    v = [float(x) for x in values]
+    if not v:
+        return {"median": None, "min": None, "max": None, "n": 0, "values": []}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v),
+            "values": [round(x, 4) for x in v]}
+
+
+def fmt(s: dict[str, Any], unit: str = "s", digits: int = 3) -> str:
+    """``median (min–max)`` of a :func:`summary`."""
+    if not s or s.get("median") is None:
+        return "–"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'])} {unit} ({f.format(s['min'])}–{f.format(s['max'])})"
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    return (f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), {m['platform']}, "
+            f"Python {m['python']}, torch {m['torch']}.")
+
+
+def replace_section(text: str, heading: str, block: str) -> str:
+    """``text`` with the ``heading`` (a ``## `` line) section replaced by ``block``, or
+    ``block`` appended; every other section is kept verbatim."""
+    lines = text.splitlines(keepends=True)
+    block = block.rstrip("\n") + "\n"
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == heading), None)
+    if start is None:
+        if not text.strip():
+            return "# Benchmarks\n\n" + block
+        return text.rstrip("\n") + "\n\n" + block
+    end = next((i for i in range(start + 1, len(lines))
+                if lines[i].startswith("## ") or lines[i].startswith("# ")), len(lines))
+    tail = "".join(lines[end:])
+    return "".join(lines[:start]) + block + ("\n" + tail if tail else "")
+
+
+def write_section(heading: str, block: str, doc: Path = DOC) -> None:
+    text = doc.read_text() if doc.exists() else ""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(replace_section(text, heading, block))

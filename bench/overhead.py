@@ -1,0 +1,170 @@
+"""Overhead benchmark: steady-state step time of the example under Ceaseless against the same
+loop with plain ``DistributedDataParallel`` and no Ceaseless.
+
+    python -m bench.overhead [--workers 4] [--model 10m] [--steps 30] [--repeats 3]
+                             [--json PATH] [--write-doc]
+    ceaseless bench overhead ...        (same options)
+
+Ceaseless runs are `ceaseless up --spares 0` (nats-server, the three services, heartbeats,
+the session's own bucketed all-reduce); baseline runs are ``bench/plain_ddp.py`` started as
+one process per rank with a gloo ``env://`` rendezvous on loopback. Same model, corpus,
+global batch, micro-batches, optimizer, one intra-op thread per process. Runs alternate
+(C D C D …). The step time of a run is the median gap between rank 0's committed steps,
+skipping the first ``--warmup`` steps; reported: median and min–max over runs, and the
+ratio Ceaseless / DDP computed per pair of neighbouring runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, fmt, machine, machine_line, summary, write_section
+
+SECTION = "## Overhead"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--model", default="10m")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--write-doc", action="store_true", help="update docs/benchmarks.md")
+
+
+def step_time(commits: list[list[float]], warmup: int) -> float:
+    ts = [float(t) for s, t in commits if int(s) >= warmup]
+    if len(ts) < 3:
+        raise RuntimeError(f"too few steps after warm-up {warmup}: {len(ts)}")
+    return statistics.median(b - a for a, b in zip(ts, ts[1:]))
+
+
+async def ceaseless_run(d: Path, a: argparse.Namespace) -> float:
+    from services.launcher import Cluster
+
+    extra = ["--model", a.model, "--global-batch-size", str(a.global_batch_size),
+             "--micro-batch-size", str(a.micro_batch_size)]
+    async with Cluster(d, a.workers, 0, a.steps, extra=extra, timeout=60 + a.steps * 20) as c:
+        code = await c.finish()
+    if code != 0:
+        raise RuntimeError(f"ceaseless run exited {code}:\n{c.output()}")
+    for f in (d / "results").glob("*.json"):
+        r = json.loads(f.read_text())
+        if r.get("rank") == 0:
+            return step_time(r["commits"], a.warmup)
+    raise RuntimeError(f"no rank-0 result in {d}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ddp_run(d: Path, data: Path, a: argparse.Namespace) -> float:
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "ddp.json"
+    port = _free_port()
+    procs = []
+    try:
+        for r in range(a.workers):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(a.workers),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "PYTHONPATH": str(REPO)}
+            log = open(d / f"rank{r}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.plain_ddp", "--steps", str(a.steps),
+                 "--model", a.model, "--global-batch-size", str(a.global_batch_size),
+                 "--micro-batch-size", str(a.micro_batch_size), "--data", str(data),
+                 "--out", str(out)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, cwd=REPO))
+            log.close()
+        deadline = time.monotonic() + 60 + a.steps * 20
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"plain DDP rank exited {p.returncode}: see {d}")
+    finally:
+        for p in procs:  # by PID, bounded
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return step_time(json.loads(out.read_text())["commits"], a.warmup)
+
+
+async def run_all(a: argparse.Namespace) -> dict[str, Any]:
+    from agent.data import corpus
+
+    if a.steps < a.warmup + 5:
+        raise SystemExit("need --steps >= --warmup + 5")
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
+    data = work / "data"
+    if not (data / "index.json").exists():
+        corpus.generate(data, n_tokens=2_000_000, seed=0)  # what `ceaseless up` trains on
+    cs, ds, ratios = [], [], []
+    for r in range(a.repeats):
+        # alternate which goes first so neither always runs on a warmer machine
+        order = ("ceaseless", "ddp") if r % 2 == 0 else ("ddp", "ceaseless")
+        got = {}
+        for which in order:
+            if which == "ceaseless":
+                got[which] = await ceaseless_run(work / f"ceaseless-{r}", a)
+            else:
+                got[which] = ddp_run(work / f"ddp-{r}", data, a)
+        cs.append(got["ceaseless"])
+        ds.append(got["ddp"])
+        ratios.append(got["ceaseless"] / got["ddp"])
+        print(f"[{r + 1}/{a.repeats}] ceaseless {got['ceaseless']:.4f}s/step, ddp "
+              f"{got['ddp']:.4f}s/step, ratio {ratios[-1]:.3f}", flush=True)
+    return {"benchmark": "overhead", "machine": machine(),
+            "config": vars(a) | {"command": "python -m bench.overhead " + " ".join(sys.argv[1:])},
+            "ceaseless_step_s": summary(cs), "ddp_step_s": summary(ds), "ratio": summary(ratios)}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    return "\n".join([
+        SECTION, "", machine_line(res["machine"]),
+        f"Command: `{c['command']}`. {c['workers']} workers, model `{c['model']}`, global batch "
+        f"{c['global_batch_size']} (micro-batch {c['micro_batch_size']}), {c['steps']} steps, "
+        f"first {c['warmup']} skipped; {c['repeats']} runs each, alternating; median (min–max).",
+        "", "| loop | step time |", "|---|---|",
+        f"| Ceaseless (`ceaseless up`, control plane running) | {fmt(res['ceaseless_step_s'], 's', 4)} |",
+        f"| plain DDP, no Ceaseless | {fmt(res['ddp_step_s'], 's', 4)} |",
+        f"| ratio Ceaseless / DDP (per pair) | {fmt(res['ratio'], '', 3)} |", ""]) + "\n"
+
+
+def run(a: argparse.Namespace) -> int:
+    res = asyncio.run(run_all(a))
+    md = markdown(res)
+    print(md)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.write_doc:
+        write_section(SECTION, md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

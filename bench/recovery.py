@@ -1,0 +1,234 @@
+"""Recovery benchmark: downtime of an in-process recovery, with its phase breakdown.
+
+    python -m bench.recovery [--workers 4] [--spares 1] [--model 10m] [--steps 30]
+                             [--repeats 3] [--scenarios kill,hang,kill0] [--seed 0]
+                             [--json PATH] [--write-doc]
+    ceaseless bench recovery ...        (same options)
+
+Each run is a real `ceaseless up` cluster (nats-server, the services, gloo process groups on
+loopback) training the example GPT. At a random step (seeded) one process gets:
+
+* ``kill``: SIGKILL of a worker (not rank 0);
+* ``hang``: SIGSTOP of a worker (found by the heartbeat timeout, fenced, replaced);
+* ``kill0``: SIGKILL of rank 0.
+
+Scenarios interleave (kill hang kill0 kill hang kill0 …) so drift on a shared machine hits
+all of them alike. From every survivor's commit log (``results/<pod>.json``: the wall time of
+each committed step) it reports:
+
+* **downtime**: the survivors' longest gap between committed steps around the fault, minus
+  their median step time (so a fault-free run scores ~0);
+* **kill to step**: from the signal to the first step committed after it;
+* **lost steps**: committed steps that had to be recomputed (the summary's count);
+* **phases**: the incident's critical path from the traces (detect, plan, transfer plan,
+  abort, rendezvous, state sync, data resume, first step).
+
+Medians and min–max over the repeats; ``--write-doc`` replaces the ``## Recovery`` section of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import fmt, machine, machine_line, summary, write_section
+
+SECTION = "## Recovery"
+SCENARIOS = {"kill": ("SIGKILL of a worker", signal.SIGKILL, False),
+             "hang": ("SIGSTOP of a worker", signal.SIGSTOP, False),
+             "kill0": ("SIGKILL of rank 0", signal.SIGKILL, True)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--spares", type=int, default=1)
+    p.add_argument("--model", default="10m", help="example model: tiny | small | 10m")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--fault-timeout", type=float, default=1.5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--scenarios", default="kill,hang,kill0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--write-doc", action="store_true", help="update docs/benchmarks.md")
+
+
+# ---------------------------------------------------------------------------- one run
+async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_step: int,
+                  rng: random.Random) -> dict[str, Any]:
+    from services.launcher import Cluster
+
+    _, sig, rank0 = SCENARIOS[scenario]
+    extra = ["--model", a.model, "--global-batch-size", str(a.global_batch_size),
+             "--micro-batch-size", str(a.micro_batch_size),
+             "--fault-timeout", str(a.fault_timeout)]
+    stopped: list[int] = []
+    async with Cluster(run_dir, a.workers, a.spares, a.steps, extra=extra,
+                       timeout=60 + a.steps * 20) as c:
+        try:
+            rank = 0 if rank0 else rng.randrange(1, a.workers)
+            await c.wait_for(lambda: (h := c.member(rank)) is not None and h.step >= fault_step,
+                             60 + fault_step * 20, f"rank {rank} at step {fault_step}")
+            pid = c.member(rank).pid
+            t_kill = time.time()
+            os.kill(pid, sig)
+            if sig == signal.SIGSTOP:
+                stopped.append(pid)
+            code = await c.finish()
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    if code != 0:
+        raise RuntimeError(f"{scenario}: cluster exited {code}:\n{c.output()}")
+    return analyse(run_dir, scenario, rank, t_kill)
+
+
+def analyse(run_dir: Path, scenario: str, rank: int, t_kill: float) -> dict[str, Any]:
+    summ = json.loads((run_dir / "summary.json").read_text())
+    gaps, to_step, steps_med, pre_kill = [], [], [], -1
+    back = []
+    for f in sorted((run_dir / "results").glob("*.json")):
+        commits = [(int(s), float(t)) for s, t in json.loads(f.read_text()).get("commits", [])]
+        before = [c for c in commits if c[1] < t_kill]
+        after = [c for c in commits if c[1] >= t_kill]
+        if not before or not after:
+            continue  # a promoted spare (or a pod that left): not a survivor
+        diffs = [b[1] - a[1] for a, b in zip(commits, commits[1:])]
+        med = statistics.median(diffs)
+        gap = after[0][1] - before[-1][1]
+        gaps.append(gap - med)
+        steps_med.append(med)
+        to_step.append(after[0][1] - t_kill)
+        pre_kill = max(pre_kill, before[-1][0])
+        nxt = [t for s, t in after if s > before[-1][0]]
+        if nxt:
+            back.append(nxt[0] - t_kill)
+    if not gaps:
+        raise RuntimeError(f"{scenario}: no survivor committed steps on both sides of the fault")
+    return {"scenario": scenario, "rank": rank, "pre_kill_step": pre_kill,
+            "downtime_s": max(gaps), "kill_to_step_s": max(to_step),
+            "back_at_step_s": max(back) if back else None,
+            "median_step_s": statistics.median(steps_med),
+            "lost_steps": summ.get("lost_steps"), "final_step": summ.get("final_step"),
+            "incidents": len(summ.get("incidents", [])), "phases": phases(run_dir),
+            "run_dir": str(run_dir)}
+
+
+def phases(run_dir: Path) -> dict[str, float]:
+    """The incident's critical path, segment -> ms (empty if the traces are missing)."""
+    try:
+        from services import trace_tools as tt
+
+        incs = tt.incidents(tt.load_spans(run_dir / "traces"))
+        if not incs:
+            return {}
+        out: dict[str, float] = {}
+        for seg in tt.critical_path(incs[0]):
+            out[seg.label] = out.get(seg.label, 0.0) + seg.duration_ms
+        return {k: round(v, 2) for k, v in out.items()}
+    except Exception as e:  # the breakdown is extra; the downtime stands on the commit logs
+        return {"error": str(e)[:200]}  # type: ignore[dict-item]
+
+
+# ---------------------------------------------------------------------------- many runs
+async def run_all(a: argparse.Namespace) -> dict[str, Any]:
+    scenarios = [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    for s in scenarios:
+        if s not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    if a.repeats < 1 or a.steps < 12:
+        raise SystemExit("need --repeats >= 1 and --steps >= 12")
+    rng = random.Random(a.seed)
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
+    runs: list[dict[str, Any]] = []
+    for r in range(a.repeats):
+        for scenario in scenarios:
+            fault_step = rng.randint(5, a.steps - 6)
+            d = work / f"{scenario}-{r}"
+            t0 = time.monotonic()
+            res = await one_run(d, a, scenario, fault_step, rng)
+            res["wall_s"] = round(time.monotonic() - t0, 1)
+            runs.append(res)
+            print(f"[{r + 1}/{a.repeats}] {scenario:<6} step {res['pre_kill_step']:>3}: downtime "
+                  f"{res['downtime_s']:.3f}s, kill->step {res['kill_to_step_s']:.3f}s, lost "
+                  f"{res['lost_steps']}, step {res['median_step_s']:.3f}s  {res['phases']}",
+                  flush=True)
+    agg = {}
+    for s in scenarios:
+        rs = [x for x in runs if x["scenario"] == s]
+        names: list[str] = []
+        for x in rs:
+            names += [k for k in x["phases"] if k not in names and k != "error"]
+        agg[s] = {"downtime_s": summary(x["downtime_s"] for x in rs),
+                  "kill_to_step_s": summary(x["kill_to_step_s"] for x in rs),
+                  "lost_steps": summary(x["lost_steps"] or 0 for x in rs),
+                  "median_step_s": summary(x["median_step_s"] for x in rs),
+                  "phases_ms": {k: summary(x["phases"].get(k, 0.0) for x in rs) for k in names}}
+    return {"benchmark": "recovery", "machine": machine(), "config": vars(a) | {"command": cmdline()},
+            "runs": runs, "summary": agg}
+
+
+def cmdline() -> str:
+    return "python -m bench.recovery " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(
+        "recovery.py") else " ".join(["ceaseless", *sys.argv[1:]])
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c, m = res["config"], res["machine"]
+    out = [SECTION, "",
+           machine_line(m),
+           f"Command: `{c['command']}`. {c['workers']} workers + {c['spares']} spare, model "
+           f"`{c['model']}`, global batch {c['global_batch_size']} (micro-batch "
+           f"{c['micro_batch_size']}), gloo on loopback, heartbeat fault timeout "
+           f"{c['fault_timeout']} s; {c['repeats']} runs per scenario, interleaved; median "
+           "(min–max).", "",
+           "| scenario | downtime | kill → next step | lost steps | step time |",
+           "|---|---|---|---|---|"]
+    for s, a in res["summary"].items():
+        out.append(f"| {SCENARIOS[s][0]} | {fmt(a['downtime_s'])} | {fmt(a['kill_to_step_s'])} "
+                   f"| {fmt(a['lost_steps'], '', 0)} | {fmt(a['median_step_s'])} |")
+    out += ["", "Downtime = the survivors' longest gap between committed steps around the fault "
+            "minus their median step time. Phase breakdown (the incident's critical path from "
+            "the traces, ms, median (min–max)):", ""]
+    for s, a in res["summary"].items():
+        if a["phases_ms"]:
+            out.append(f"- {SCENARIOS[s][0]}: " + "; ".join(
+                f"{k} {fmt(v, 'ms', 1)}" for k, v in a["phases_ms"].items()))
+    return "\n".join(out) + "\n"
+
+
+def run(a: argparse.Namespace) -> int:
+    res = asyncio.run(run_all(a))
+    md = markdown(res)
+    print(md)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.write_doc:
+        write_section(SECTION, md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
