@@ -140,9 +140,7 @@ def test_in_process_seek_repositions_without_rebuild(corpus):
         it = iter(ld)
         next(it)  # mid-step, then a fault: re-plan to world 3, rank 2, restore_step + 1 = 7
         tokens_before = ds.tokens
-        t0 = time.perf_counter()
-        ld.seek(7, 2, 3)
-        assert time.perf_counter() - t0 < 0.01
+        ld.seek(7, 2, 3)  # O(1); its time is measured in bench/data_bench.py
         assert list(it) == []  # the abandoned iteration stops
         got = ld.next_step()
         assert ds.tokens is tokens_before  # same map, nothing rebuilt
@@ -152,14 +150,31 @@ def test_in_process_seek_repositions_without_rebuild(corpus):
         assert ld.step == 8
 
 
+def _wait_ready(ld, n, timeout=10.0):
+    """Wait until the next ``n`` micro-batches are in the prefetch cache (no timing asserted)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with ld._cond:
+            if all(k in ld._cache for k in ld._upcoming(n)):
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"prefetch thread did not fill {n} batches in {timeout}s: {ld.stats}")
+
+
 def test_prefetch_thread_prepares_ahead(corpus):
     ds = TokenDataset(corpus, 32)
-    with ElasticLoader(ds, ds.global_order(B, 0), m, prefetch=4) as ld:
+    order = ds.global_order(B, 0)
+    with ElasticLoader(ds, order, m, prefetch=4) as ld:
         ld.seek(0, 0, 2)  # 6 micro-batches per step for this rank
+        _wait_ready(ld, 4)
+        got = []
         for _ in range(4):
-            for _k, _b in ld:
-                time.sleep(0.002)  # "compute"
-        assert ld.stats["prefetched"] >= 18, ld.stats
+            for k, (x, _y) in ld:
+                got.append((k, x))
+                _wait_ready(ld, 1)  # "compute" long enough for the thread to get ahead
+        assert ld.stats["prefetched"] == 24 and ld.stats["foreground"] == 0, ld.stats
+        assert [k for k, _ in got] == list(range(6)) * 4
+        assert torch.equal(got[7][1], ds.batch(order.indices(1, 1, m))[0])
 
 
 def test_breaking_out_keeps_position(corpus):
@@ -221,12 +236,25 @@ def test_generic_map_style_dataset_and_worker_errors():
 def test_warm_spare_first_batch_fast(corpus):
     ld = ElasticLoader.from_dir(corpus, global_batch_size=B, micro_batch_size=m, seed=5, seq_len=32)
     with ld:
-        assert ld.warm(step=40) < 5
-        t0 = time.perf_counter()
+        ld.warm(step=40)  # its time is measured in bench/data_bench.py, not asserted here
+        assert ld.order.epoch_of(40) in ld.order._epochs  # promotion computes no permutation
         ld.seek(40, 3, 5)
         k, (x, y) = next(iter(ld))
-        assert time.perf_counter() - t0 < 0.05  # < 10 ms measured in bench/data_bench.py
         assert x.shape == (m, 32) and x.dtype == torch.int64 and k == ld.micro_indices[0]
+        ex, ey = ld.get(40, k)
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_close_releases_the_map(corpus):
+    ds = TokenDataset(corpus, 32)
+    mm = ds._mm
+    view = ds.window(3).copy()
+    ds.close()
+    assert mm.closed and len(ds) == ds.n_samples  # nothing left mapping the file
+    ds2 = TokenDataset(corpus, 32)
+    kept = ds2.window(3)  # a view handed out keeps its pages alive after close
+    ds2.close()
+    assert np.array_equal(kept, view)
 
 
 def test_unclosed_loader_thread_exits():

@@ -233,8 +233,14 @@ class TokenDataset(torch.utils.data.Dataset):
     def close(self) -> None:
         """Drop this object's map (views handed out keep their pages alive)."""
         self.tokens = np.empty(0, dtype=self.index.np_dtype)
-        self._windows = self._windows[:0]
-        self._mm = None
+        # a fresh empty view: slicing the old one would keep the map alive through .base
+        self._windows = np.empty((0, self.seq_len + 1), dtype=self.index.np_dtype)
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view handed out still uses it; it goes when that view does
 
     def __repr__(self) -> str:
         return (f"TokenDataset({str(self.data_dir)!r}, seq_len={self.seq_len}, n_samples={self.n_samples}, "
