@@ -247,6 +247,7 @@ class AbortableGroup:
         td = timedelta(seconds=sl)
         for w in works:
             poll = 0.0002
+            rewaited = False
             while True:
                 if abort is not None and abort.is_set():
                     self.abort()
@@ -268,7 +269,12 @@ class AbortableGroup:
                 except (Aborted, PeerError):
                     raise
                 except Exception as e:
-                    if not self._nccl and _is_slice_timeout(e) and not w.is_completed():
+                    # A slice ran out. Gloo can finish the work right after wait() gave
+                    # up (is_completed() is then True and the next wait() returns at once),
+                    # so a completed work gets one more wait before it counts as failed.
+                    if not self._nccl and _is_slice_timeout(e) and (
+                            not w.is_completed() or not rewaited):
+                        rewaited = rewaited or w.is_completed()
                         if time.monotonic() >= deadline:
                             raise self._broken(f"{what} did not complete in {limit:.1f}s") from e
                         continue

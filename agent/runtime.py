@@ -43,6 +43,7 @@ class Runtime:
         # what the control plane told us (guarded by cond)
         self.plan: Plan | None = None
         self.plan_ctx: otel_context.Context | None = None
+        self.plan_at = 0.0  # wall time the current plan arrived
         self.joined_generation = 0
         self.transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
         self.lost: dict[int, StateLost] = {}
@@ -124,7 +125,7 @@ class Runtime:
         with self.cond:
             if self.plan is not None and plan.generation <= self.plan.generation:
                 return  # stale or replayed
-            self.plan, self.plan_ctx = plan, ctx
+            self.plan, self.plan_ctx, self.plan_at = plan, ctx, time.time()
             if plan.generation > self.joined_generation and self.joined_generation > 0:
                 self.abort.set()
             self.cond.notify_all()

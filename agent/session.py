@@ -60,6 +60,7 @@ class _Incident:
     bytes_sent: int = 0
     role: str = "survivor"
     attempts: int = 1
+    promoted: bool = False             # a spare entering: nothing to abort, no abort span
 
 
 @dataclass
@@ -102,6 +103,8 @@ class Session:
         self._interrupted = False
         self._incident: _Incident | None = None
         self._last_commit_time: float | None = None
+        self._t_first_commit: float | None = None
+        self._useful_s = 0.0                    # wall time in steps no incident interrupted
         self._seen_generation = 0
         self._pending_inject: list = []
         self._orders: dict[int, Any] = {}
@@ -140,6 +143,8 @@ class Session:
             self.runtime = Runtime(self.cfg)
             self.runtime.start()
             self.runtime.update(now=True, state=AgentState.waiting)
+            # Import now (heartbeats already run), not on a promoted spare's critical path.
+            from . import collectives, state, store  # noqa: F401
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -331,6 +336,9 @@ class Session:
         now = time.time()
         if self._last_commit_time is not None and self._incident is None:
             self.stats.step_times.append(now - self._last_commit_time)
+            self._useful_s += now - self._last_commit_time  # a step with no incident in it
+        if self._t_first_commit is None:
+            self._t_first_commit = now
         self.last_committed = s
         self.loss = loss
         self.stats.losses[s] = loss
@@ -342,6 +350,21 @@ class Session:
                                 loss=loss, step_time=(sorted(st)[len(st) // 2] if st else None))
             if self._incident is not None:
                 self._report_recovery(now)
+        self._record_metrics(now)
+
+    def _record_metrics(self, now: float) -> None:
+        try:
+            from services.common import telemetry
+
+            inst = telemetry.instruments()
+            st = self.stats.step_times
+            if st:
+                inst.record_steps_per_second(1.0 / max(1e-9, sorted(st)[len(st) // 2]))
+            wall = now - (self._t_first_commit or now)
+            if wall > 0:
+                inst.record_goodput(min(1.0, self._useful_s / wall))
+        except Exception:  # metrics are an aid, never a reason to stop training
+            pass
 
     # ------------------------------------------------------------------ injections
     def _injections(self, s: int) -> None:
@@ -435,9 +458,14 @@ class Session:
         rt = self.runtime
         g = plan.generation
         inc = self._incident
+        if inc is None and first and g > 1:
+            # A spare promoted into a running job: its part starts when the plan arrived
+            # (nothing to abort; its rendezvous includes noticing the plan).
+            inc = self._incident = _Incident(notice=min(rt.plan_at or time.time(), time.time()),
+                                             last_commit=None, reason="promoted", promoted=True)
         if inc is not None:
             inc.t_plan, inc.generation, inc.incident, inc.plan_ctx = (
-                time.time(), g, plan.incident, plan_ctx)
+                inc.notice if inc.promoted else time.time(), g, plan.incident, plan_ctx)
         rt.join(g)
         self._close_group()
         self.generation = g
@@ -527,13 +555,23 @@ class Session:
         msg = Recovery(incident=inc.incident or f"gen-{inc.generation}", generation=inc.generation,
                        pod=self.cfg.pod, rank=self.rank, phases=phases,
                        restore_step=inc.restore_step, lost_steps=0,
-                       bytes_received=inc.bytes_received, downtime=downtime)
+                       bytes_received=inc.bytes_received, downtime=downtime,
+                       ts=first_step_end)
         self.runtime.publish(self.runtime.bus.subjects.recovery, msg, ctx=inc.plan_ctx)
-        self._trace_recovery(inc, phases, first_step_end)
-        log.info("recovered", **{k: round(v, 4) for k, v in phases.items()},
-                 downtime=downtime and round(downtime, 4), generation=inc.generation)
+        recover = self._trace_recovery(inc, phases, first_step_end)
+        if downtime is not None:
+            try:
+                from services.common import telemetry
 
-    def _trace_recovery(self, inc: _Incident, phases: dict[str, float], end: float) -> None:
+                telemetry.instruments().record_recovery(downtime, 0, role=inc.role)
+            except Exception:
+                pass
+        with trace.use_span(recover, end_on_exit=False):  # the log line carries its trace id
+            log.info("recovered", **{k: round(v, 4) for k, v in phases.items()},
+                     downtime=downtime and round(downtime, 4), generation=inc.generation,
+                     incident=inc.incident)
+
+    def _trace_recovery(self, inc: _Incident, phases: dict[str, float], end: float) -> Any:
         ns = lambda t: int(t * 1e9)  # noqa: E731
         attrs = {"ceaseless.job": self.cfg.job, "ceaseless.pod": self.cfg.pod,
                  "ceaseless.rank": self.rank, "ceaseless.generation": inc.generation,
@@ -546,6 +584,9 @@ class Session:
         pctx = trace.set_span_in_context(parent)
         t = inc.notice
         for name, dur in phases.items():
+            if name == "abort" and inc.promoted:
+                t += dur
+                continue
             span = tracer.start_span(name, context=pctx, start_time=ns(t), attributes=attrs)
             if name == "state_sync":
                 span.set_attribute("ceaseless.bytes", inc.bytes_received + inc.bytes_sent)
@@ -555,6 +596,7 @@ class Session:
             t += dur
             span.end(end_time=ns(t))
         parent.end(end_time=ns(end))
+        return parent
 
     def _fallback(self, why: str) -> None:
         log.error("leaving: the supervisor restarts this pod as a spare", reason=why)

@@ -303,9 +303,14 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
     for f in obs.faults:
         recs = [r for r in obs.recoveries if r.incident == f.incident]
         downs = [r.downtime for r in recs if r.downtime is not None]
+        # As `ceaseless trace` counts it: from the last evidence of the failure (where the
+        # `detect` span starts) to the end of the last rank's first step (Recovery.ts).
+        since = f.detected_at - (f.detection_latency or 0.0)
         incidents.append({"incident": f.incident, "kind": f.kind.value, "pod": f.pod,
                           "detection_latency": f.detection_latency,
-                          "downtime": max(downs) if downs else None,
+                          "downtime": (max(0.0, max(r.ts for r in recs) - since)
+                                       if recs else None),
+                          "rank_downtime": max(downs) if downs else None,
                           "ranks_recovered": len(recs)})
     summary = {
         "exit_code": code, "reason": reason, "final_step": final_step,

@@ -289,3 +289,54 @@ def test_metrics_file_exporter(tmp_path):
     assert sum(int(p["asInt"]) for p in lost) == 2
     assert metrics[T.METRIC_GOODPUT]["gauge"]["dataPoints"][0]["asDouble"] == 0.97
     assert int(metrics[T.METRIC_MEMBERSHIP_SIZE]["gauge"]["dataPoints"][0]["asInt"]) == 4
+
+
+# The agent's own metrics and log correlation, without a cluster: a Session commits steps
+# (with a stretch of lost time) and reports one recovery through a stand-in runtime.
+AGENT_CHILD = textwrap.dedent("""
+    import sys, time
+    from types import SimpleNamespace
+    from services.common import logs, telemetry
+    telemetry.init("agent", run_dir=sys.argv[1], job="j", pod="w0")
+    logs.configure("agent", stream=sys.stdout)
+    from agent.session import Session, _Incident
+    s = Session(4)
+    s.cfg = SimpleNamespace(pod="w0", job="j")
+    s.runtime = SimpleNamespace(publish=lambda *a, **k: None, update=lambda **k: None,
+                                bus=SimpleNamespace(subjects=SimpleNamespace(recovery="r")))
+    for step in range(3):
+        s._commit(step, 1.0, 0.0)
+        time.sleep(0.02)
+    t = time.time()
+    s._incident = _Incident(notice=t - 0.4, last_commit=t - 0.5, reason="test",
+                            t_plan=t - 0.3, t_group=t - 0.2, t_sync=t - 0.1, t_data=t - 0.05,
+                            incident="inc-w1-g1", generation=2, restore_step=2)
+    s._t_first_commit -= 1.0      # a second of wall time with nothing committed
+    s._commit(3, 1.0, 0.0)        # the first step of generation 2: reports the recovery
+    telemetry.shutdown()
+""")
+
+
+def test_agent_metrics_and_log_trace_ids(tmp_path):
+    r = subprocess.run([sys.executable, "-c", AGENT_CHILD, str(tmp_path)], capture_output=True,
+                       text=True, timeout=60, env=_clean_env(), cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    [f] = (tmp_path / "metrics").glob("agent-w0-*.jsonl")
+    last = json.loads(f.read_text().splitlines()[-1])
+    metrics = {m["name"]: m for rm in last["resourceMetrics"] for sm in rm["scopeMetrics"]
+               for m in sm["metrics"]}
+    assert {T.METRIC_RECOVERY_DOWNTIME, T.METRIC_LOST_STEPS, T.METRIC_GOODPUT,
+            T.METRIC_STEPS_PER_SECOND} <= set(metrics)
+    [h] = metrics[T.METRIC_RECOVERY_DOWNTIME]["histogram"]["dataPoints"]
+    assert int(h["count"]) == 1 and 0.45 < h["sum"] < 5
+    goodput = metrics[T.METRIC_GOODPUT]["gauge"]["dataPoints"][0]["asDouble"]
+    assert 0 < goodput < 0.5, goodput          # about 0.04 s useful in over a second
+    sps = metrics[T.METRIC_STEPS_PER_SECOND]["gauge"]["dataPoints"][0]["asDouble"]
+    assert 5 < sps < 60, sps                   # one step per ~20 ms
+    # The recovery's spans, and its log line carries their trace and span ids.
+    spans = {s.name: s for s in tt.load_spans(tmp_path)}
+    assert {T.SPAN_RECOVER, *T.PHASES} <= set(spans)
+    rec = [json.loads(line) for line in r.stdout.splitlines() if '"recovered"' in line]
+    assert len(rec) == 1
+    assert rec[0]["trace_id"] == spans[T.SPAN_RECOVER].trace_id
+    assert rec[0]["span_id"] == spans[T.SPAN_RECOVER].span_id

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, Lifecycle,
@@ -318,7 +319,12 @@ class HealthMonitor(Service):
                  "ceaseless.detection_latency": latency}
         if rank is not None:
             attrs["ceaseless.rank"] = rank
-        with tracer.start_as_current_span("detect", attributes=attrs) as span:
+        # The root of the incident's trace. It starts at the last evidence (the exit, the
+        # last heartbeat or step advance, the report), so that it covers the time the
+        # failure went unnoticed and the trace's total runs from the failure itself.
+        start_ns = int(min(max(0.0, since), detected) * 1e9)
+        with tracer.start_as_current_span("detect", context=otel_context.Context(),
+                                          start_time=start_ns, attributes=attrs) as span:
             self.faults.append({"incident": incident, "pod": pod, "kind": kind.value,
                                 "role": role.value, "rank": rank, "generation": gen,
                                 "detection_latency": round(latency, 4), "reason": reason[:200],

@@ -29,6 +29,7 @@ from schemas import LEASE_KEY, PLAN_KEY
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, Decision, Fault, Heartbeat, Lifecycle, LifecycleEvent,
                               Plan, Priority, Role)
+from services.common import telemetry
 from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
 from services.common.plans import PlanFollower
@@ -462,6 +463,10 @@ class Scaler(Service):
             ctx = trace.set_span_in_context(span)
             self.plans.set_local(new, rev, ctx)
             self.plans_written += 1
+            try:  # the scaler is the single writer of membership: it owns the gauge
+                telemetry.instruments().record_membership(new.world_size)
+            except Exception:
+                pass
             for p in pend:
                 self.pending.pop(p.pod, None)
             self.waiting = ""
