@@ -281,14 +281,18 @@ def _wire(buf: Tensor, device: torch.device) -> Tensor:
     return buf if buf.device.type == device.type else buf.to(device)
 
 
+P2P_SLICE_S = 1.0
+
+
 def _p2p_slice(group: Any, timeout_s: float | None) -> float | None:
     """Gloo closes the pair when a wait on a send/recv times out ("Application timeout
-    caused pair closure"), so a sliced wait would break a transfer that is merely slow: on
-    gloo, p2p waits are one wait for the whole timeout (a dead source still fails at once
-    with a reset; a hung one after ``timeout_s``). NCCL polls, so it keeps the slices."""
+    caused pair closure"), so the group's short slices would break a transfer that is merely
+    slow. On gloo, p2p waits use long slices: a slow transfer survives up to P2P_SLICE_S
+    between completions, and an abort (a newer plan) is still noticed within that time.
+    NCCL polls, so it keeps the group's slices."""
     if getattr(group, "backend", "gloo") == "nccl":
         return None
-    return timeout_s or getattr(group, "timeout_s", 30.0)
+    return min(P2P_SLICE_S, timeout_s or getattr(group, "timeout_s", 30.0))
 
 
 def send_state(group: Any, state: FlatState, my_rank: int,
