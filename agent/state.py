@@ -281,20 +281,6 @@ def _wire(buf: Tensor, device: torch.device) -> Tensor:
     return buf if buf.device.type == device.type else buf.to(device)
 
 
-P2P_SLICE_S = 1.0
-
-
-def _p2p_slice(group: Any, timeout_s: float | None) -> float | None:
-    """Gloo closes the pair when a wait on a send/recv times out ("Application timeout
-    caused pair closure"), so the group's short slices would break a transfer that is merely
-    slow. On gloo, p2p waits use long slices: a slow transfer survives up to P2P_SLICE_S
-    between completions, and an abort (a newer plan) is still noticed within that time.
-    NCCL polls, so it keeps the group's slices."""
-    if getattr(group, "backend", "gloo") == "nccl":
-        return None
-    return min(P2P_SLICE_S, timeout_s or getattr(group, "timeout_s", 30.0))
-
-
 def send_state(group: Any, state: FlatState, my_rank: int,
                recipients: Mapping[int, Sequence[int]], abort: threading.Event | None,
                timeout_s: float | None = None) -> int:
@@ -333,7 +319,7 @@ def send_state(group: Any, state: FlatState, my_rank: int,
             if bd[i + 1] > bd[i]:
                 works.append(group.isend(u8[bd[i]:bd[i + 1]], r, TAG_BASE + _TAG_BUF + b))
                 sent += bd[i + 1] - bd[i]
-    group.wait_all(works, abort, "state send", slice_s=_p2p_slice(group, timeout_s), timeout_s=timeout_s)
+    group.wait_all(works, abort, "state send", timeout_s=timeout_s)
     del keep
     return sent
 
@@ -352,7 +338,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     dev = group.device
     ctrls = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in sources]
     group.wait_all([group.irecv(c, s, TAG_BASE + _TAG_CTRL) for c, s in zip(ctrls, sources)],
-                   abort, "state header", slice_s=_p2p_slice(group, timeout_s), timeout_s=timeout_s)
+                   abort, "state header", timeout_s=timeout_s)
     heads = [c.cpu().tolist() for c in ctrls]
     for s, h in zip(sources, heads):
         if h[0] != MAGIC:
@@ -362,7 +348,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
             f"rank {s}: hash {h[1]:x}, {h[3]} bytes" for s, h in zip(sources, heads)))
     blob = torch.empty(heads[0][2], dtype=torch.uint8, device=dev)
     group.wait_all([group.irecv(blob, sources[0], TAG_BASE + _TAG_SKEL)], abort,
-                   "state skeleton", slice_s=_p2p_slice(group, timeout_s), timeout_s=timeout_s)
+                   "state skeleton", timeout_s=timeout_s)
     skeleton, csums = pickle.loads(blob.cpu().numpy().tobytes())
     specs: list[BufferSpec] = skeleton["specs"]
     if _layout_hash(specs) != heads[0][1]:
@@ -379,7 +365,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
             if bd[i + 1] > bd[i]:
                 works.append(group.irecv(u8[bd[i]:bd[i + 1]], s, TAG_BASE + _TAG_BUF + b))
                 per_source[s] += bd[i + 1] - bd[i]
-    group.wait_all(works, abort, "state chunks", slice_s=_p2p_slice(group, timeout_s), timeout_s=timeout_s)
+    group.wait_all(works, abort, "state chunks", timeout_s=timeout_s)
     t_recv = time.perf_counter()
     if tamper is not None:
         tamper(wire)
