@@ -72,3 +72,16 @@ def write_section(heading: str, block: str, doc: Path = DOC) -> None:
     text = doc.read_text() if doc.exists() else ""
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(replace_section(text, heading, block))
+
+
+def emit(res: dict[str, Any], md: str, heading: str, json_path: str | None,
+         write_doc: bool) -> int:
+    """Print a benchmark's table; keep its JSON; update its docs/benchmarks.md section."""
+    import json
+
+    print(md)
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1))
+    if write_doc:
+        write_section(heading, md)
+    return 0

@@ -41,18 +41,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import common
+from bench.common import cpu_model, summary
+
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
 SECTION = "## Data loading"
 
 
 # ---- helpers ----------------------------------------------------------------------------
-
-
-def summary(values) -> dict:
-    v = [float(x) for x in values]
-    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v),
-            "values": [round(x, 4) for x in v]}
 
 
 def drop_cache(paths) -> bool:
@@ -431,27 +428,7 @@ def markdown(r) -> str:
 
 def replace_section(text: str, section: str) -> str:
     """``text`` with its ``## Data loading`` section (up to the next ``## ``) replaced."""
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == SECTION), None)
-    block = section.rstrip("\n") + "\n"
-    if start is None:
-        if not text.strip():
-            return "# Benchmarks\n\n" + block
-        return text.rstrip("\n") + "\n\n" + block
-    end = next((i for i in range(start + 1, len(lines))
-                if lines[i].startswith("## ") or lines[i].startswith("# ")), len(lines))
-    tail = "".join(lines[end:])
-    return "".join(lines[:start]) + block + ("\n" + tail if tail else "")
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return common.replace_section(text, SECTION, section)
 
 
 # ---- entry points -----------------------------------------------------------------------

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, fmt, machine, machine_line, summary, write_section
+from bench.common import REPO, emit, fmt, machine, machine_line, summary
 
 SECTION = "## Overhead"
 
@@ -151,13 +151,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(run_all(a))
-    md = markdown(res)
-    print(md)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
-    if a.write_doc:
-        write_section(SECTION, md)
-    return 0
+    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
 
 
 def main(argv: list[str] | None = None) -> int:

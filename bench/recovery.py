@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import fmt, machine, machine_line, summary, write_section
+from bench.common import emit, fmt, machine, machine_line, summary
 
 SECTION = "## Recovery"
 SCENARIOS = {"kill": ("SIGKILL of a worker", signal.SIGKILL, False),
@@ -215,13 +215,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(run_all(a))
-    md = markdown(res)
-    print(md)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
-    if a.write_doc:
-        write_section(SECTION, md)
-    return 0
+    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
 
 
 def main(argv: list[str] | None = None) -> int:

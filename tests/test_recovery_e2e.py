@@ -151,5 +151,3 @@ async def test_kill_without_spare_shrinks(tmp_path, reference):
     assert len(losses) == STEPS, sorted(losses)
     for k, v in losses.items():
         assert abs(v - ref["losses"][k]) <= 1e-4 * abs(ref["losses"][k]), (k, v, ref["losses"][k])
-    # Not bitwise: the reduction order changed with the world size; that is all.
-    assert s["param_sha256"] != "" and ref["param_sha256"] != ""
