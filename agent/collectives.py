@@ -15,7 +15,9 @@
 Measured here (torch 2.13 CPU, gloo, loopback): a SIGKILLed peer makes pending all-reduces
 raise "Connection reset by peer" within milliseconds; ``ProcessGroupGloo.abort()`` does not
 unblock a wait on a SIGSTOPped peer, but ``work.wait(timeout)`` raises "Operation timed out!"
-and may be called again, which is what the slicing relies on.
+and may be called again, which is what the slicing relies on. That holds for collectives
+only: a timed-out wait on a send/recv closes the TCP pair ("Application timeout caused pair
+closure"), so point-to-point works are waited on in a helper thread instead.
 """
 
 from __future__ import annotations
@@ -99,6 +101,41 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float =
     # The store is a Python object used through C++: keep it alive with the group.
     _GROUP_META[id(pg)] = {"store": store, "timeout_s": timeout_s, "backend": backend}
     return pg
+
+
+def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: threading.Event,
+                         timeout_s: float = 30.0, backend: str | None = None,
+                         slice_s: float = DEFAULT_SLICE_S, **kw: Any) -> Any:
+    """``make_group`` that gives up as soon as ``abort`` is set -> ``Aborted``.
+
+    Building a gloo group blocks in C++ (it releases the GIL) until every peer has connected:
+    a peer that dies after publishing its address makes it retry the connection until
+    ``timeout_s``. A newer plan must not wait for that, so the group is built in a helper
+    thread and the caller waits in slices; an abandoned build finishes (or fails) on its own
+    and its group, if any, is parked, never used."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def build() -> None:
+        try:
+            box["pg"] = make_group(store, rank, world_size, timeout_s, backend, **kw)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+            if box.get("abandoned"):
+                _park(box.pop("pg", None))
+
+    threading.Thread(target=build, name=f"make-group-r{rank}", daemon=True).start()
+    while not done.wait(slice_s):
+        if abort.is_set():
+            box["abandoned"] = True
+            if done.is_set():  # finished in the meantime
+                _park(box.pop("pg", None))
+            raise Aborted(f"rendezvous of rank {rank}/{world_size} abandoned: abort requested")
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
 
 
 def abandoned() -> int:
@@ -207,6 +244,7 @@ class AbortableGroup:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self._nccl
                        else torch.device("cpu"))
         self._pending: list[Any] = []
+        self._p2p: set[int] = set()   # ids of pending send/recv works (see _wait_in_thread)
         self._state = "ok"          # ok | aborted | broken | closed
         self._why = ""
 
@@ -244,6 +282,8 @@ class AbortableGroup:
         sl = slice_s or self.slice_s
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
+        if not self._nccl and any(id(w) in self._p2p for w in works):
+            return self._wait_in_thread(works, abort, what, sl, limit, deadline)
         td = timedelta(seconds=sl)
         for w in works:
             poll = 0.0002
@@ -280,6 +320,39 @@ class AbortableGroup:
                         continue
                     raise self._broken(f"{what} failed: {str(e)[:300]}") from e
         self._pending = [w for w in self._pending if not _completed(w)]
+
+    def _wait_in_thread(self, works: Sequence[Any], abort: threading.Event | None, what: str,
+                        sl: float, limit: float, deadline: float) -> None:
+        """Gloo send/recv: a wait that times out closes the pair ("Application timeout caused
+        pair closure"), so these are never waited on with a short timeout. A helper thread
+        waits (the group's own timeout applies; the GIL is released) and the caller checks
+        ``abort`` every slice; an abandoned helper ends when the peer dies or times out."""
+        box: dict[str, BaseException] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"wait-r{self.rank}", daemon=True).start()
+        while not done.wait(sl):
+            if abort is not None and abort.is_set():
+                self.abort()
+                raise Aborted(f"{what} abandoned: abort requested")
+            if self._state != "ok":
+                raise Aborted(f"{what} abandoned: group {self._state}")
+            if time.monotonic() >= deadline:
+                raise self._broken(f"{what} did not complete in {limit:.1f}s")
+        if "error" in box:
+            raise self._broken(f"{what} failed: {str(box['error'])[:300]}") from box["error"]
+        done_ids = {id(w) for w in works}
+        self._p2p -= done_ids
+        self._pending = [w for w in self._pending if id(w) not in done_ids and not _completed(w)]
 
     def _post(self, fn, what: str) -> Any:
         try:
@@ -351,14 +424,18 @@ class AbortableGroup:
         self._check(None)
         if not tensor.is_contiguous():
             raise ValueError("isend needs a contiguous tensor")
-        return self._post(lambda: self.pg.send([tensor], dst, tag), f"send to {dst}")
+        w = self._post(lambda: self.pg.send([tensor], dst, tag), f"send to {dst}")
+        self._p2p.add(id(w))
+        return w
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
         """Post a receive into a contiguous tensor (sizes must match the send)."""
         self._check(None)
         if not tensor.is_contiguous():
             raise ValueError("irecv needs a contiguous tensor")
-        return self._post(lambda: self.pg.recv([tensor], src, tag), f"recv from {src}")
+        w = self._post(lambda: self.pg.recv([tensor], src, tag), f"recv from {src}")
+        self._p2p.add(id(w))
+        return w
 
     def send(self, tensors: Sequence[Tensor], dst: int, abort: threading.Event | None,
              tag: int = 0, timeout_s: float | None = None) -> None:
@@ -398,6 +475,7 @@ class AbortableGroup:
     def _release(self, force_park: bool) -> None:
         pg, self.pg = self.pg, None
         works, self._pending = self._pending, []
+        self._p2p = set()
         store, self._store = self._store, None
         if pg is not None and self._nccl:
             for name in ("abort", "_abort", "shutdown"):

@@ -451,7 +451,7 @@ class Session:
                       state=AgentState.waiting)
 
     def _enter(self, plan: Any, plan_ctx: Any, first: bool) -> None:
-        from .collectives import Aborted, AbortableGroup, make_group
+        from .collectives import Aborted, AbortableGroup, make_group_abortable
         from .state import recv_state, send_state, snapshot
         from .store import NatsStore
 
@@ -475,8 +475,9 @@ class Session:
                   step=self.last_committed, digest=self._digest(), state=AgentState.recovering)
         # rendezvous: ranks come from the plan; the store lives on NATS
         store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=self.cfg.store_timeout)
-        pg = make_group(store, self.rank, self.world_size, timeout_s=self.cfg.collective_timeout,
-                        backend=self.cfg.backend)
+        pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
+                                  timeout_s=self.cfg.collective_timeout, backend=self.cfg.backend,
+                                  slice_s=self.cfg.collective_slice)
         self.group = AbortableGroup(pg)
         if inc is not None:
             inc.t_group = time.time()

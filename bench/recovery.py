@@ -80,6 +80,7 @@ async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_ste
                        timeout=60 + a.steps * 20) as c:
         try:
             rank = 0 if rank0 else rng.randrange(1, a.workers)
+            await c.wait_spares(a.spares)
             await c.wait_for(lambda: (h := c.member(rank)) is not None and h.step >= fault_step,
                              60 + fault_step * 20, f"rank {rank} at step {fault_step}")
             pid = c.member(rank).pid

@@ -136,6 +136,13 @@ class Cluster:
             lambda: (h := self.member(rank)) is not None and h.step >= step and h,
             timeout, f"rank {rank} at step {step}")
 
+    async def wait_spares(self, n: int, timeout: float = 120) -> None:
+        """Wait until ``n`` spares heartbeat: a fault before they register shrinks instead."""
+        if n > 0:
+            await self.wait_for(
+                lambda: sum(1 for h in self.hb.values() if h.role.value == "spare") >= n,
+                timeout, f"{n} spares registered")
+
     async def finish(self, timeout: float | None = None) -> int:
         deadline = time.monotonic() + (timeout or self.timeout)
         while self.proc.poll() is None:

@@ -58,6 +58,7 @@ def _metric_names(run_dir) -> dict[str, set[str]]:
 async def test_one_crash_one_trace(tmp_path):
     run_dir = tmp_path / "run"
     async with Cluster(run_dir, workers=2, spares=1, steps=STEPS) as c:
+        await c.wait_spares(1)
         h = await c.wait_rank_step(1, 4)
         assert h.pid
         killed = h.pod

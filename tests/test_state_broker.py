@@ -128,15 +128,43 @@ async def test_transfer_restore_step_and_sources(env, bus):
 
 
 async def test_wait_timeout_uses_who_reported(env, bus):
-    await env.broker(member_wait=0.4)
+    await env.broker(member_wait=0.4, live_s=0.6)
     await env.plan(make_plan(["w0", "w1", "w2"], generation=5))
     await env.hb("w0", 5, step=3, digest="aa")
-    await env.hb("w1", 4, step=9, digest="bb")  # an old generation does not count
+    await env.hb("w1", 4, step=9, digest="bb")  # an old generation does not count...
     t0 = time.monotonic()
-    await until(lambda: env.out, timeout=3, what="transfer after the wait")
-    assert time.monotonic() - t0 >= 0.3
+    await until(lambda: env.out, timeout=5, what="transfer after the wait")
+    # ...but while its heartbeats were fresh (live_s) the broker waited for its step 9
+    assert time.monotonic() - t0 >= 0.5
     t = env.out[0]
     assert t.restore_step == 3 and t.sources == {1: [0], 2: [0]} and t.steps == {0: 3}
+
+
+async def test_waits_for_a_live_member_holding_the_state(env, bus):
+    """Fault during recovery: plan g3 = [w0, s1] while w0 is still stuck building g2's group
+    (heartbeating g2 with its committed step). The new member s1 reports step -1 at once;
+    deciding at member_wait would declare the state lost. The broker waits for w0 instead."""
+    await env.broker(member_wait=0.3, state_wait=10.0, live_s=1.0)
+    await env.plan(make_plan(["w0", "s0"], generation=2))
+    await env.hb("w0", 2, step=6, digest="aa")
+    await env.hb("s0", 2, step=-1)
+    await until(lambda: env.out, what="g2 transfer")
+    await env.plan(make_plan(["w0", "s1"], generation=3))
+    await env.hb("s1", 3, step=-1)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.2:  # w0 stuck in g2, its heartbeat thread alive
+        await env.hb("w0", 2, step=6, digest="aa")
+        await asyncio.sleep(0.1)
+    assert len(env.out) == 1, env.out[1:]
+    await env.hb("w0", 3, step=6, digest="aa")
+    await until(lambda: len(env.out) == 2, what="g3 transfer")
+    t = env.out[1]
+    assert isinstance(t, Transfer) and t.restore_step == 6 and t.sources == {1: [0]}
+
+
+def test_broker_refuses_inconsistent_waits():
+    with pytest.raises(ValueError, match="state_wait"):
+        StateBroker(None, member_wait=5.0, state_wait=1.0)  # type: ignore[arg-type]
 
 
 async def test_state_lost(env, bus):

@@ -14,12 +14,16 @@ def parser():
     p.add_argument("--member-wait", type=float, default=10.0,
                    help="seconds to wait for every member's heartbeat of a new generation "
                         "(default 10)")
+    p.add_argument("--state-wait", type=float, default=30.0,
+                   help="seconds to keep waiting for a live member that holds newer committed "
+                        "state than every member that reported (default 30)")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    asyncio.run(serve(StateBroker, args, member_wait=args.member_wait))
+    asyncio.run(serve(StateBroker, args, member_wait=args.member_wait,
+                      state_wait=args.state_wait))
 
 
 if __name__ == "__main__":

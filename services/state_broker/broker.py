@@ -11,6 +11,12 @@ the source so every rank starts from identical weights -- unless some member onc
 a committed step (the high-water mark): then the state died with the old members and a
 ``state_lost`` goes out instead.
 
+A member that has not reported by ``member_wait`` but is alive (heartbeat of an older
+generation within ``live_s``) and holds a higher committed step than any reporter is
+waited for up to ``state_wait``: it is typically still stuck in an abandoned rendezvous
+of the previous generation, and deciding without it would drop its steps (or declare the
+state lost while it holds it).
+
 No hidden state: after a restart the broker handles the current plan again unless the job
 stream already holds a transfer/state_lost of that generation (transfers are idempotent).
 """
@@ -81,9 +87,14 @@ class StateBroker(Service):
     name = "state_broker"
     description = "committed state per pod -> transfer plans"
 
-    def __init__(self, bus: Bus, *, member_wait: float = 10.0) -> None:
+    def __init__(self, bus: Bus, *, member_wait: float = 10.0, state_wait: float = 30.0,
+                 live_s: float = 2.0) -> None:
+        if not (0 < member_wait <= state_wait):
+            raise ValueError("member_wait must be positive and at most state_wait")
         super().__init__(bus)
         self.member_wait = member_wait
+        self.state_wait = state_wait
+        self.live_s = live_s
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
         self.pods: dict[str, Committed] = {}
         self.high_water = -1
@@ -196,6 +207,18 @@ class StateBroker(Service):
                 missing.append(m.pod)
         return got, missing
 
+    def _holders_missing(self, plan: Plan, reported: dict[int, tuple[int, str]]) -> list[str]:
+        """Missing members that are alive and hold more committed state than any reporter."""
+        best = max((st for st, _ in reported.values()), default=-1)
+        now = time.time()
+        out = []
+        for m in plan.members:
+            c = self.pods.get(m.pod)
+            if c is not None and c.generation < plan.generation and c.step > best \
+                    and now - c.ts <= self.live_s:
+                out.append(m.pod)
+        return out
+
     async def _handle(self, plan: Plan) -> None:
         try:
             await self._handle_generation(plan)
@@ -207,16 +230,28 @@ class StateBroker(Service):
 
     async def _handle_generation(self, plan: Plan) -> None:
         g = plan.generation
-        deadline = time.monotonic() + self.member_wait
+        t0 = time.monotonic()
+        deadline = t0 + self.member_wait
+        extended = False
         while True:
             reported, missing = self._reported(plan)
             if not missing:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                self.log.warning("members did not report the generation in time",
-                                 generation=g, missing=missing, waited=self.member_wait)
-                break
+                holders = self._holders_missing(plan, reported)
+                if holders and time.monotonic() - t0 < self.state_wait:
+                    if not extended:
+                        extended = True
+                        self.log.warning("members with newer committed state have not reported "
+                                         "the generation; waiting for them", generation=g,
+                                         holders=holders, up_to=self.state_wait)
+                    left = min(0.25, t0 + self.state_wait - time.monotonic())
+                else:
+                    self.log.warning("members did not report the generation in time",
+                                     generation=g, missing=missing,
+                                     waited=round(time.monotonic() - t0, 3))
+                    break
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)

@@ -199,6 +199,45 @@ def sc_stop(cfg: dict) -> None:
         os._exit(0)
 
 
+def sc_p2p(cfg: dict) -> None:
+    """Point to point with waits longer than a slice: a late sender (must succeed: a
+    timed-out gloo p2p wait would close the pair) and a sender that never sends (the
+    receiver's abort must still return promptly)."""
+    rank = cfg["rank"]
+    sl = store_loop(cfg)
+    g = group(sl, "p1.", rank, 2, slice_s=0.05)
+    abort = threading.Event()
+    n = int(cfg.get("mb", 16) * 1024 * 1024 // 4)
+    t0 = time.perf_counter()
+    if rank == 0:
+        time.sleep(cfg.get("delay", 0.5))
+        g.send([torch.arange(n, dtype=torch.float32)], 1, abort)
+        late_ok = True
+    else:
+        buf = torch.zeros(n)
+        g.recv([buf], 0, abort)
+        late_ok = bool(torch.equal(buf, torch.arange(n, dtype=torch.float32)))
+    late_s = time.perf_counter() - t0
+    g.barrier(abort)
+    # Rank 1 waits for a message rank 0 never sends; abort fires after a delay.
+    aborted_after = None
+    if rank == 1:
+        delay = 0.3
+        threading.Timer(delay, abort.set).start()
+        t1 = time.perf_counter()
+        try:
+            g.recv([torch.zeros(4)], 0, abort, tag=9)
+        except Aborted:
+            aborted_after = time.perf_counter() - t1 - delay
+    else:
+        time.sleep(1.0)
+    out("result", late_ok=late_ok, late_s=late_s, aborted_after=aborted_after, state=g.state)
+    g.close()
+    sl.close()
+    out("done")
+    os._exit(0)  # rank 1's abandoned recv thread may still be parked on the group
+
+
 # ---------------------------------------------------------------------------- state
 class Counter:
     """A user extra: anything with state_dict/load_state_dict."""
@@ -361,7 +400,7 @@ def _jsonable(x):
 
 
 SCENARIOS = {"groups": sc_groups, "collect": sc_collect, "kill": sc_kill, "stop": sc_stop,
-             "state": sc_state}
+             "state": sc_state, "p2p": sc_p2p}
 
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[2])
