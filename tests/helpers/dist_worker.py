@@ -282,7 +282,7 @@ def state_hash(objs) -> str:
     def walk(x):
         if isinstance(x, torch.Tensor):
             h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
-            h.update(x.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
                 h.update(f"K{k!r}".encode())
