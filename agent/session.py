@@ -396,9 +396,17 @@ class Session:
             self._incident = _Incident(notice=time.time(), last_commit=self._last_commit_time,
                                        reason="interrupted")
         attempts = 0
+        wait_s: float | None = None  # after a failed attempt: how long a newer plan may take
         while True:
             rt.update(now=True, state=AgentState.waiting if first else AgentState.recovering)
-            plan_and_ctx = self._await_plan()
+            plan_and_ctx = self._await_plan(wait_s)
+            if plan_and_ctx == "timeout":
+                # Our attempt failed but nobody planned a new generation (e.g. every peer
+                # is alive): waiting longer would deadlock. Leave; the exit is a fault the
+                # control plane handles (a spare takes this rank, or the world shrinks).
+                rt.report_sync(ReportKind.recovery_failed,
+                               f"no plan after generation {self.generation} in {wait_s:.0f}s")
+                self._fallback(f"recovery attempt failed and no newer plan came in {wait_s:.0f}s")
             if plan_and_ctx is None:
                 return False
             plan, ctx = plan_and_ctx
@@ -418,6 +426,10 @@ class Session:
                 self._close_group()
                 if kind == "StateMismatch":
                     rt.report_sync(ReportKind.digest_mismatch, str(e))
+                elif kind == "PeerError":  # let the monitor check who stopped heartbeating
+                    rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
+                if kind != "Aborted":  # aborted = a newer plan is already here
+                    wait_s = self.cfg.recovery_timeout
                 if attempts >= self.cfg.max_attempts:
                     rt.report_sync(ReportKind.recovery_failed,
                                    f"{attempts} in-process attempts failed: {kind}: {e}")
@@ -425,8 +437,11 @@ class Session:
                 if self._incident is not None:
                     self._incident.attempts += 1
 
-    def _await_plan(self) -> tuple[Any, Any] | None:
+    def _await_plan(self, timeout: float | None = None) -> tuple[Any, Any] | str | None:
+        """The next plan that includes this pod (plan, trace context); None when the job
+        finished without us; "timeout" when ``timeout`` passed with no newer plan."""
         rt = self.runtime
+        deadline = None if timeout is None else time.monotonic() + timeout
         pod = self.cfg.pod
         while True:
             def ready():
@@ -437,7 +452,11 @@ class Session:
                     return ("done", None, None)
                 return None
 
-            kind, plan, ctx = rt.wait(ready, None)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = rt.wait(ready, left)
+            if got is None:
+                return "timeout"
+            kind, plan, ctx = got
             if kind == "done":
                 return None
             if plan.rank_of(pod) is not None:
