@@ -31,6 +31,10 @@ class AgentConfig:
     heartbeat_interval: float = 0.25
     collective_slice: float = 0.05     # abort flag checked between slices of a wait
     collective_timeout: float = 30.0   # a collective that takes longer is a peer error
+    # A gradient all-reduce waiting longer than this reports peer_error (every heartbeat
+    # interval while it waits): the monitor then declares members whose heartbeats stopped
+    # (a SIGSTOPped or frozen pod) at its suspect timeout instead of the fault timeout. 0: off.
+    stuck_report_after: float = 0.5
     store_timeout: float = 30.0
     recovery_timeout: float = 60.0     # one in-process attempt
     max_attempts: int = 3              # then exit FALLBACK_EXIT_CODE
@@ -43,6 +47,8 @@ class AgentConfig:
             raise ValueError("heartbeat_interval must be in (0, 1.5) s: below the fault timeout")
         if not (0 < self.collective_slice < self.collective_timeout):
             raise ValueError("collective_slice must be positive and below collective_timeout")
+        if self.stuck_report_after < 0:
+            raise ValueError("stuck_report_after must be >= 0 (0 turns it off)")
         if self.collective_timeout > self.recovery_timeout:
             raise ValueError("collective_timeout must not exceed recovery_timeout")
 
@@ -64,6 +70,7 @@ class AgentConfig:
             allow_inject=_flag("CEASELESS_ALLOW_INJECT"),
             heartbeat_interval=float(env("CEASELESS_HEARTBEAT_INTERVAL", "0.25")),
             collective_timeout=float(env("CEASELESS_COLLECTIVE_TIMEOUT", "30")),
+            stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", "0.5")),
             recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", "60")),
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
             backend=env("CEASELESS_BACKEND") or None,

@@ -49,6 +49,9 @@ class Runtime:
         self.lost: dict[int, StateLost] = {}
         self.done: dict | None = None
         self.injections: list[Inject] = []
+        # monotonic time the training thread entered the gradient all-reduce (None: not in it)
+        self.collective_since: float | None = None
+        self._stuck_reported = 0.0
         # what we tell it (replaced whole, read by the heartbeat loop)
         self.hb: dict[str, Any] = dict(role=cfg.role, generation=0, rank=None, step=-1,
                                        digest="", state=AgentState.starting)
@@ -176,9 +179,23 @@ class Runtime:
         while True:
             try:
                 await self._send_heartbeat()
+                await self._report_if_stuck()
             except Exception as e:  # reconnecting: the next beat goes through
                 log.debug("heartbeat failed", error=str(e)[:200])
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _report_if_stuck(self) -> None:
+        """The all-reduce has waited ``stuck_report_after``: say so (peer_error), so the
+        monitor looks for a member whose heartbeats stopped. Harmless when none has."""
+        since, after = self.collective_since, self.cfg.stuck_report_after
+        now = time.monotonic()
+        if since is None or after <= 0 or now - since < after:
+            return
+        if now - self._stuck_reported < self.cfg.heartbeat_interval * 0.9:
+            return
+        self._stuck_reported = now
+        await self.report(ReportKind.peer_error,
+                          f"all-reduce waiting for {now - since:.2f}s")
 
     async def _send_heartbeat(self) -> None:
         hb = Heartbeat(pod=self.cfg.pod, pid=_pid(), **self.hb)

@@ -254,7 +254,12 @@ class Session:
         M = num_micro_batches(self.global_batch_size, m)
         self._micro_batch_size = m
         order = self._order(dataset)
+        abort = self.runtime.abort if self.distributed and self.runtime is not None else None
         for k in micro_batch_range(M, self.world_size, self.rank):
+            if abort is not None and abort.is_set():
+                # A newer plan: this step will be discarded anyway (s.step() sees the same
+                # flag), so stop computing it now instead of finishing every micro-batch.
+                return
             idx = order.indices(s, k, m)
             _seed_micro(self.seed, s, k)
             yield _collate(dataset, idx)
@@ -295,6 +300,7 @@ class Session:
             if rt.abort.is_set():
                 return self._discard("a newer plan arrived")
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            rt.collective_since = time.monotonic()
             try:
                 self.group.allreduce_(grads + [loss_t], rt.abort,
                                       slice_s=self.cfg.collective_slice,
@@ -304,6 +310,8 @@ class Session:
             except PeerError as e:
                 rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
                 return self._discard(f"peer error: {str(e)[:200]}")
+            finally:
+                rt.collective_since = None
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = g

@@ -136,11 +136,13 @@ def phases(run_dir: Path) -> dict[str, float]:
     try:
         from services import trace_tools as tt
 
-        incs = tt.incidents(tt.load_spans(run_dir / "traces"))
+        # The fault's incident (its id names the pod), not the initial plan's trace.
+        incs = [i for i in tt.incidents(tt.load_spans(run_dir / "traces"))
+                if i.attr(tt.T.ATTR_INCIDENT)]
         if not incs:
             return {}
         out: dict[str, float] = {}
-        for seg in tt.critical_path(incs[0]):
+        for seg in tt.critical_path(incs[-1]):
             out[seg.label] = out.get(seg.label, 0.0) + seg.duration_ms
         return {k: round(v, 2) for k, v in out.items()}
     except Exception as e:  # the breakdown is extra; the downtime stands on the commit logs
