@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,14 +105,16 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float =
 
 def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: threading.Event,
                          timeout_s: float = 30.0, backend: str | None = None,
-                         slice_s: float = DEFAULT_SLICE_S, **kw: Any) -> Any:
+                         slice_s: float = DEFAULT_SLICE_S,
+                         meanwhile: Callable[[], None] | None = None, **kw: Any) -> Any:
     """``make_group`` that gives up as soon as ``abort`` is set -> ``Aborted``.
 
     Building a gloo group blocks in C++ (it releases the GIL) until every peer has connected:
     a peer that dies after publishing its address makes it retry the connection until
     ``timeout_s``. A newer plan must not wait for that, so the group is built in a helper
     thread and the caller waits in slices; an abandoned build finishes (or fails) on its own
-    and its group, if any, is parked, never used."""
+    and its group, if any, is parked, never used. ``meanwhile`` (optional) runs on the
+    calling thread while the group is being built (e.g. snapshotting the state to send)."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -127,6 +129,14 @@ def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: t
                 _park(box.pop("pg", None))
 
     threading.Thread(target=build, name=f"make-group-r{rank}", daemon=True).start()
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            box["abandoned"] = True
+            if done.is_set():
+                _park(box.pop("pg", None))
+            raise
     while not done.wait(slice_s):
         if abort.is_set():
             box["abandoned"] = True

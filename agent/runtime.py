@@ -44,6 +44,7 @@ class Runtime:
         self.plan: Plan | None = None
         self.plan_ctx: otel_context.Context | None = None
         self.plan_at = 0.0  # wall time the current plan arrived
+        self.abort_at = 0.0  # wall time the abort flag was last set (a newer plan arrived)
         self.joined_generation = 0
         self.transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
         self.lost: dict[int, StateLost] = {}
@@ -130,6 +131,7 @@ class Runtime:
                 return  # stale or replayed
             self.plan, self.plan_ctx, self.plan_at = plan, ctx, time.time()
             if plan.generation > self.joined_generation and self.joined_generation > 0:
+                self.abort_at = self.plan_at
                 self.abort.set()
             self.cond.notify_all()
 
@@ -252,6 +254,7 @@ class Runtime:
             self.joined_generation = generation
             self.abort.clear()
             if self.plan is not None and self.plan.generation > generation:
+                self.abort_at = self.plan_at
                 self.abort.set()
 
     def take_injections(self) -> list[Inject]:

@@ -335,7 +335,12 @@ class Session:
         self._zero_grad()
         self._interrupted = True
         if self._incident is None:
-            self._incident = _Incident(notice=time.time(), last_commit=self._last_commit_time,
+            now = time.time()
+            rt = self.runtime
+            # Told by a newer plan: the abort phase starts when the plan arrived, so the
+            # time spent finishing the current micro-batch is in it, not in a gap.
+            told = rt.abort_at if rt is not None and rt.abort.is_set() and rt.abort_at else now
+            self._incident = _Incident(notice=min(now, told), last_commit=self._last_commit_time,
                                        reason=reason)
         log.info("step discarded", step=self.current_step, reason=reason)
         return False
@@ -502,9 +507,17 @@ class Session:
                   step=self.last_committed, digest=self._digest(), state=AgentState.recovering)
         # rendezvous: ranks come from the plan; the store lives on NATS
         store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=self.cfg.store_timeout)
+        # A member holding committed state (or anyone at generation 1, where rank 0 is the
+        # source) is likely a source: copy the state while the peers connect, not after.
+        snap: list[Any] = []
+        if self.last_committed >= 0 or g == 1:
+            extra = {"step": self.last_committed, "loss": self.loss}
+            meanwhile = lambda: snap.append(snapshot(self.objs, extra))  # noqa: E731
+        else:
+            meanwhile = None
         pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
                                   timeout_s=self.cfg.collective_timeout, backend=self.cfg.backend,
-                                  slice_s=self.cfg.collective_slice)
+                                  slice_s=self.cfg.collective_slice, meanwhile=meanwhile)
         self.group = AbortableGroup(pg)
         if inc is not None:
             inc.t_group = time.time()
@@ -544,7 +557,8 @@ class Session:
                                    f"rank holds step {self.last_committed} and receives nothing")
             mine = {r: srcs for r, srcs in transfer.sources.items() if self.rank in srcs}
             if mine:
-                st = snapshot(self.objs, {"step": self.last_committed, "loss": self.loss})
+                st = snap[0] if snap else snapshot(
+                    self.objs, {"step": self.last_committed, "loss": self.loss})
                 sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
         self._zero_grad()
         if inc is not None:
