@@ -277,6 +277,9 @@ class Session:
         micro-batches of all ranks is the mean over the global batch."""
         if self._micro_batch_size is None:
             raise RuntimeError("call s.backward() on losses of micro-batches from s.batches()")
+        rt = self.runtime
+        if self.distributed and rt is not None and rt.abort.is_set():
+            return  # a newer plan: s.step() discards this step, skip the backward's compute
         scale = self._micro_batch_size / self.global_batch_size
         scaled = loss * scale
         scaled.backward()
