@@ -49,8 +49,12 @@ class AgentConfig:
             raise ValueError("collective_slice must be positive and below collective_timeout")
         if self.stuck_report_after < 0:
             raise ValueError("stuck_report_after must be >= 0 (0 turns it off)")
-        if self.collective_timeout > self.recovery_timeout:
-            raise ValueError("collective_timeout must not exceed recovery_timeout")
+        from schemas.timeouts import check_timeouts
+
+        # The agent's part of the hierarchy (the monitor's side is checked there).
+        check_timeouts(True, heartbeat_interval=self.heartbeat_interval,
+                       collective_timeout=self.collective_timeout,
+                       recovery_timeout=self.recovery_timeout)
 
     @classmethod
     def from_env(cls) -> "AgentConfig | None":

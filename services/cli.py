@@ -54,6 +54,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
+    from schemas.timeouts import TimeoutConfigError, check_timeouts
+
+    try:
+        check_timeouts(fault_timeout=opts.fault_timeout, stall_timeout=opts.stall_timeout)
+    except TimeoutConfigError as e:
+        print(f"ceaseless up: {e}", file=sys.stderr)
+        return 2
     return asyncio.run(run(opts))
 
 

@@ -23,7 +23,8 @@ from services.actuator import LocalActuator
 from services.actuator.local import record_pid
 from services.common import logs
 from services.common.bus import Bus, Envelope
-from services.common.natsserver import NatsServer, write_credentials
+from services.common.natsserver import NatsServer
+from services.common.permissions import role_permissions, write_role_credentials
 
 from .runinfo import ClusterInfo, new_run_dir
 
@@ -165,9 +166,12 @@ async def run(opts: UpOptions) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
-    creds_path = run_dir / "creds.json"
-    creds = write_credentials(creds_path)
-    srv = NatsServer.start(run_dir / "nats", creds=creds)
+    # One identity per role, each limited to its subjects by the server itself; this
+    # process (launcher, actuator) and the CLI use the operator's.
+    roles = write_role_credentials(run_dir / "creds")
+    creds_path, creds = roles["operator"]
+    srv = NatsServer.start(run_dir / "nats", creds=creds,
+                           users=[(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()])
     record_pid(run_dir, "nats-server", srv.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time())
@@ -180,8 +184,7 @@ async def run(opts: UpOptions) -> int:
     await bus.ensure_stream()
     await bus.kv()
     await bus.store_kv()
-    base = ["--nats", srv.url, "--creds", str(creds_path), "--job", opts.job,
-            "--run-dir", str(run_dir)]
+    base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = {
         "scaler": ["--workers", str(opts.workers), "--min-replicas", str(opts.min_replicas),
                    "--global-batch-size", str(opts.global_batch_size),
@@ -189,6 +192,8 @@ async def run(opts: UpOptions) -> int:
         "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
                            "--stall-timeout", str(opts.stall_timeout)],
     }
+    for name in SERVICES:
+        flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
     sup = ServiceSupervisor(base, log_dir, flags)
     sup.start_all()
     sup_task = asyncio.create_task(sup.watch())
@@ -197,7 +202,7 @@ async def run(opts: UpOptions) -> int:
         data_dir = run_dir / "data"
         _prepare_default_data(data_dir)
         cmd = default_cmd(opts, data_dir)
-    env = {"CEASELESS_NATS_URL": srv.url, "CEASELESS_CREDS": str(creds_path),
+    env = {"CEASELESS_NATS_URL": srv.url, "CEASELESS_CREDS": str(roles["agent"][0]),
            "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            "PYTHONUNBUFFERED": "1", **opts.extra_env}

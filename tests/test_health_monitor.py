@@ -156,12 +156,12 @@ async def test_hang_via_stall(env, bus):
 
 
 async def test_no_hang_when_everyone_stalls_or_not_training(env, bus):
-    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.3)
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.4)
     env.beat("w0", rank=0, advance=False)
     env.beat("w1", rank=1, advance=False)
     env.beat("w2", rank=2, state=AgentState.recovering, advance=False)
     await until(lambda: len(m.pods) == 3, what="pods watched")
-    await asyncio.sleep(0.8)
+    await asyncio.sleep(1.0)
     assert env.faults == []
 
 
@@ -185,7 +185,8 @@ async def test_exception_report(env, bus):
 
 
 async def test_peer_error_accelerates(env, bus):
-    m = await env.monitor(make_plan(["w0", "w1", "w2"]), fault_timeout=5.0, suspect_timeout=0.2)
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), fault_timeout=5.0, suspect_timeout=0.2,
+                          stall_timeout=10.0)
     env.beat("w0", rank=0)
     w1 = env.beat("w1", rank=1)
     env.beat("w2", rank=2)
@@ -236,3 +237,13 @@ async def test_plan_members_and_fenced(env, bus):
     assert env.faults[1].incident == "inc-s0-g2" and env.faults[1].rank == 1
     await asyncio.sleep(0.3)
     assert len(env.faults) == 2  # w2 (done) never faulted
+
+
+async def test_inconsistent_timeouts_are_refused(bus):
+    """The hierarchy heartbeat < suspect < fault < stall is checked before anything starts."""
+    from schemas.timeouts import TimeoutConfigError
+
+    with pytest.raises(TimeoutConfigError, match=r"fault_timeout \(2s\) must be < stall_timeout"):
+        HealthMonitor(bus, fault_timeout=2.0, stall_timeout=1.0)
+    with pytest.raises(TimeoutConfigError, match="suspect_timeout"):
+        HealthMonitor(bus, suspect_timeout=1.5, fault_timeout=1.5)

@@ -64,7 +64,11 @@ class NatsServer:
 
     @classmethod
     def start(cls, workdir: Path, creds: Credentials | None = None, port: int | None = None,
-              host: str = "127.0.0.1", timeout: float = 10.0) -> "NatsServer":
+              host: str = "127.0.0.1", timeout: float = 10.0,
+              users: list[tuple[Credentials, dict | None]] | None = None) -> "NatsServer":
+        """``creds``: one user with full access; ``users``: (credentials, permissions or
+        None) per identity, see ``permissions.role_permissions`` (``creds`` is then the
+        one reported as ``.creds``)."""
         workdir.mkdir(parents=True, exist_ok=True)
         port = port or free_port(host)
         store = workdir / "jetstream"
@@ -73,7 +77,11 @@ class NatsServer:
             "max_payload: 1MB",
             f'jetstream {{ store_dir: "{store}", max_memory_store: 256MB, max_file_store: 1GB }}',
         ]
-        if creds is not None:
+        if users:
+            from .permissions import authorization_block
+
+            conf.append(authorization_block(users))
+        elif creds is not None:
             conf.append(
                 "authorization { users = [ { user: %s, password: %s } ] }"
                 % (_quote(creds.user), _quote(creds.password))

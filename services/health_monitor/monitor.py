@@ -21,6 +21,8 @@ list says who was already handled), the rest comes back with the next heartbeats
 
 from __future__ import annotations
 
+from schemas.timeouts import check_timeouts
+
 import asyncio
 import time
 from collections import deque
@@ -65,6 +67,8 @@ class HealthMonitor(Service):
 
     def __init__(self, bus: Bus, *, fault_timeout: float = 1.5, stall_timeout: float = 10.0,
                  suspect_timeout: float = 0.5, check_interval: float = 0.05) -> None:
+        check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
+                       stall_timeout=stall_timeout)  # refuse a contradictory configuration
         super().__init__(bus)
         self.fault_timeout = fault_timeout
         self.stall_timeout = stall_timeout

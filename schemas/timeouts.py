@@ -1,0 +1,48 @@
+"""The timeout hierarchy every part must agree on, checked where a configuration starts.
+
+    heartbeat interval < suspect timeout < fault timeout < stall timeout
+                       <= collective timeout <= recovery attempt timeout
+
+Why: a heartbeat must be able to arrive a few times before a pod is called silent; a pod
+whose step stands still must be told apart from one that is merely silent; a collective must
+not give up on a peer the monitor still calls alive and merely slow; one recovery attempt
+must outlast the collective waits inside it. An inconsistent configuration is refused with
+the reason, never silently adjusted.
+"""
+
+from __future__ import annotations
+
+DEFAULTS = {"heartbeat_interval": 0.25, "suspect_timeout": 0.5, "fault_timeout": 1.5,
+            "stall_timeout": 10.0, "collective_timeout": 30.0, "recovery_timeout": 60.0}
+_ORDER = [("heartbeat_interval", "<", "suspect_timeout"),
+          ("suspect_timeout", "<", "fault_timeout"),
+          ("fault_timeout", "<", "stall_timeout"),
+          ("stall_timeout", "<=", "collective_timeout"),
+          ("collective_timeout", "<=", "recovery_timeout")]
+
+
+class TimeoutConfigError(ValueError):
+    """The timeouts contradict each other (the message says which and why)."""
+
+
+def check_timeouts(partial: bool = False, **given: float | None) -> dict[str, float]:
+    """Validate the hierarchy over ``given`` (missing or None values take the defaults);
+    returns the full set. With ``partial`` only the given values are compared with each
+    other (a process that owns part of the chain, e.g. the health monitor, checks its part).
+    Raises TimeoutConfigError naming every violated pair."""
+    unknown = set(given) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown timeouts: {', '.join(sorted(unknown))}")
+    t = {k: float(given[k]) if given.get(k) is not None else v for k, v in DEFAULTS.items()}
+    bad = [f"{k} must be positive (got {v})" for k, v in t.items() if not v > 0]
+    names = [a for a, _, _ in _ORDER] + [_ORDER[-1][2]]
+    chain = [n for n in names if given.get(n) is not None] if partial else names
+    for a, b in zip(chain, chain[1:]):
+        ia, ib = names.index(a), names.index(b)
+        op = "<" if any(o == "<" for _, o, _ in _ORDER[ia:ib]) else "<="
+        ok = t[a] < t[b] if op == "<" else t[a] <= t[b]
+        if not ok:
+            bad.append(f"{a} ({t[a]:g}s) must be {op} {b} ({t[b]:g}s)")
+    if bad:
+        raise TimeoutConfigError("inconsistent timeouts: " + "; ".join(bad))
+    return t

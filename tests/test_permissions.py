@@ -1,0 +1,116 @@
+"""Roles on the bus are enforced by nats-server itself, not by our code."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+
+import nats
+import pytest
+
+from schemas.subjects import Subjects
+from services.common.bus import Bus
+from services.common.natsserver import NatsServer
+from services.common.permissions import ROLES, role_permissions, write_role_credentials
+
+pytestmark = [pytest.mark.timeout(60)]
+JOB = "permjob"
+
+
+@pytest.fixture
+def role_server(tmp_path):
+    roles = write_role_credentials(tmp_path / "creds")
+    srv = NatsServer.start(tmp_path / "nats", creds=roles["operator"][1],
+                           users=[(c, role_permissions(r, JOB)) for r, (_, c) in roles.items()])
+    try:
+        yield srv, roles, tmp_path / "nats" / "nats-server.log"
+    finally:
+        srv.stop()
+
+
+def test_credentials_are_private(tmp_path):
+    roles = write_role_credentials(tmp_path / "c")
+    assert set(roles) == set(ROLES)
+    assert len({c.password for _, c in roles.values()}) == len(ROLES)  # one secret per role
+    for path, creds in roles.values():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert creds.password not in repr(creds)  # never logged
+
+
+async def test_agent_cannot_publish_plan_or_inject(role_server):
+    srv, roles, server_log = role_server
+    s = Subjects(JOB)
+    op = await Bus.connect(srv.url, JOB, "operator", roles["operator"][1])
+    scaler = await Bus.connect(srv.url, JOB, "scaler", roles["scaler"][1])
+    await op.ensure_stream()
+    await op.kv()
+    await op.store_kv()
+    skv = await scaler.kv()
+    rev = await skv.put("plan", b'{"generation": 1}')
+    seen: dict[str, list[bytes]] = {"plan": [], "inject": [], "heartbeat": []}
+
+    async def on(msg):
+        kind = msg.subject.split(".")[2]
+        seen.setdefault(kind, []).append(msg.data)
+
+    for subj in (s.plan, s.inject, s.heartbeat("*")):
+        await op.nc.subscribe(subj, cb=on)
+    await op.nc.flush()
+
+    errors: list[str] = []
+
+    async def err_cb(e):
+        errors.append(str(e))
+
+    agent_creds = roles["agent"][1]
+    nc = await nats.connect(srv.url, user=agent_creds.user, password=agent_creds.password,
+                            error_cb=err_cb, allow_reconnect=False, name="rogue-agent")
+    try:
+        await nc.publish(s.plan, b'{"generation": 99}')
+        await nc.publish(s.inject, b'{"action": "kill"}')
+        await nc.publish(s.heartbeat("w0"), b"{}")  # allowed: proves the identity works
+        await nc.flush()
+        kv = await nc.jetstream().key_value(s.kv_bucket)
+        with pytest.raises(Exception):
+            await asyncio.wait_for(kv.put("plan", b'{"generation": 99}'), 2.0)
+        await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+
+    assert seen["heartbeat"] == [b"{}"]
+    assert seen["plan"] == [] and seen["inject"] == []  # nothing reached a subscriber
+    entry = await skv.get("plan")
+    assert entry.revision == rev and entry.value == b'{"generation": 1}'  # unchanged
+    assert sum("permissions violation" in e.lower() for e in errors) >= 3, errors
+    log = server_log.read_text()
+    for subj in (s.plan, s.inject, f"$KV.{s.kv_bucket}.plan"):
+        assert f'Publish Violation - Subject "{subj}"' in log, log[-2000:]
+    await scaler.close()
+    await op.close()
+
+
+async def test_services_keep_to_their_subjects(role_server):
+    srv, roles, server_log = role_server
+    s = Subjects(JOB)
+    op = await Bus.connect(srv.url, JOB, "operator", roles["operator"][1])
+    await op.ensure_stream()
+    await op.kv()
+    got: list[str] = []
+
+    async def on(msg):
+        got.append(msg.subject)
+
+    await op.nc.subscribe(s.all, cb=on)
+    await op.nc.flush()
+    for role, allowed, denied in (("health_monitor", s.fault, s.plan),
+                                  ("state_broker", s.transfer, s.fault),
+                                  ("scaler", s.plan, s.inject)):
+        b = await Bus.connect(srv.url, JOB, role, roles[role][1])
+        await b.ensure_stream()  # services may create the stream and buckets at start-up
+        await b.nc.publish(allowed, b"{}")
+        await b.nc.publish(denied, b"{}")
+        await b.nc.flush()
+        await b.close()
+    await asyncio.sleep(0.3)
+    assert sorted(got) == sorted([s.fault, s.transfer, s.plan]), got
+    await op.close()
