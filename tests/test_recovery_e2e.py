@@ -155,3 +155,25 @@ async def test_kill_without_spare_shrinks(tmp_path, reference):
     assert len(losses) == STEPS, sorted(losses)
     for k, v in losses.items():
         assert abs(v - ref["losses"][k]) <= 1e-4 * abs(ref["losses"][k]), (k, v, ref["losses"][k])
+
+
+async def test_control_plane_restarts_do_not_stop_training(tmp_path, reference):
+    """Each service is SIGKILLed mid-training (the supervisor restarts it and it rebuilds
+    its view from KV and fresh heartbeats): training never stops, no plan is published
+    after the initial one, and the result is bitwise the fault-free run's."""
+    def latest(c, name):
+        return [pid for n, pid in c.pids() if n == name][-1]
+
+    async def fault(c):
+        for i, name in enumerate(("health_monitor", "scaler", "state_broker")):
+            await c.wait_rank_step(0, 4 + 8 * i)
+            os.kill(latest(c, name), signal.SIGKILL)
+            await c.wait_for(lambda n=name: len([1 for m, _ in c.pids() if m == n]) >= 2, 30,
+                             f"{name} restarted")
+        step = c.member(0).step
+        await c.wait_rank_step(0, step + 5)  # still training with the restarted services
+
+    s = await _run(tmp_path, "cp", 2, 1, fault)
+    _assert_same(s, reference(2))
+    assert s["incidents"] == []
+    assert [p.generation for p in s["plans"]] == [1], s["plans"]
