@@ -170,8 +170,8 @@ async def run(opts: UpOptions) -> int:
     # process (launcher, actuator) and the CLI use the operator's.
     roles = write_role_credentials(run_dir / "creds")
     creds_path, creds = roles["operator"]
-    srv = NatsServer.start(run_dir / "nats", creds=creds,
-                           users=[(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()])
+    users = [(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()]
+    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users)
     record_pid(run_dir, "nats-server", srv.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time())
@@ -236,6 +236,19 @@ async def run(opts: UpOptions) -> int:
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
+            if srv.proc.poll() is not None:
+                # The bus died: restart it on the same port and store (the file store keeps
+                # the plan and the audit stream); every client reconnects by itself. The
+                # in-memory c10d store bucket is recreated empty (old generations' keys
+                # are not needed).
+                print(f"[{time.time() - info.started:7.2f}s] nats-server exited "
+                      f"({srv.proc.returncode}); restarting it", file=out, flush=True)
+                srv = NatsServer.start(run_dir / "nats", creds=creds, port=srv.port, users=users)
+                record_pid(run_dir, "nats-server", srv.proc.pid)
+                try:
+                    await asyncio.wait_for(bus.store_kv(), 10)
+                except Exception as e:
+                    print(f"  could not recreate the store bucket yet: {e}", file=out, flush=True)
             for ev in obs.events[shown:]:
                 print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
             shown = len(obs.events)

@@ -177,3 +177,23 @@ async def test_control_plane_restarts_do_not_stop_training(tmp_path, reference):
     _assert_same(s, reference(2))
     assert s["incidents"] == []
     assert [p.generation for p in s["plans"]] == [1], s["plans"]
+
+
+async def test_nats_restart_does_not_stop_training(tmp_path, reference):
+    """nats-server is SIGKILLed mid-training and restarted on the same port and file store:
+    training keeps stepping meanwhile (gloo does not need the bus), every client reconnects,
+    the plan survives, and the result is bitwise the fault-free run's."""
+    async def fault(c):
+        await c.wait_rank_step(0, 6)
+        nats_pid = [pid for n, pid in c.pids() if n == "nats-server"][-1]
+        os.kill(nats_pid, signal.SIGKILL)
+        await c.wait_for(lambda: len([1 for n, _ in c.pids() if n == "nats-server"]) >= 2, 30,
+                         "nats-server restarted")
+        before = max((h.step for h in c.hb.values() if h.role.value == "worker"), default=-1)
+        await c.wait_for(lambda: any(h.step >= before + 5 for h in c.hb.values()), 60,
+                         "heartbeats after the restart showing progress")
+
+    s = await _run(tmp_path, "natsrestart", 2, 1, fault)
+    _assert_same(s, reference(2))
+    assert s["incidents"] == []
+    assert [p.generation for p in s["plans"]] == [1], s["plans"]
