@@ -6,6 +6,7 @@ final parameters must be bitwise identical (sha256), no committed step may be lo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -194,6 +195,45 @@ async def test_nats_restart_does_not_stop_training(tmp_path, reference):
                          "heartbeats after the restart showing progress")
 
     s = await _run(tmp_path, "natsrestart", 2, 1, fault)
+    _assert_same(s, reference(2))
+    assert s["incidents"] == []
+    assert [p.generation for p in s["plans"]] == [1], s["plans"]
+
+
+async def test_malformed_traffic_while_training(tmp_path, reference):
+    """Every malformed message of the bad-input corpus (random bytes, wrong shapes, wrong
+    schema versions, oversized fields) on every job subject while a real job trains: no
+    incident, no new plan, every service alive, the result bitwise the fault-free run's."""
+    import random
+
+    from schemas.messages import BY_KIND
+    from services.common.bus import DropError, decode
+    from test_bad_input import bad_messages
+
+    async def fault(c):
+        await c.wait_rank_step(0, 4)
+        bus = c.bus
+        msgs = []
+        for subject, data in bad_messages(bus, random.Random(7)):
+            model = BY_KIND.get(bus.subjects.kind_of(subject) or "")
+            try:
+                if model is None or decode(model, data, subject) is None:
+                    msgs.append((subject, data))
+            except DropError:
+                msgs.append((subject, data))  # only what must be dropped: no real faults
+        assert len(msgs) > 300
+        for i, (subject, data) in enumerate(msgs):
+            await bus.nc.publish(subject, data)
+            if i % 25 == 0:
+                await bus.nc.flush()
+                await asyncio.sleep(0.01)
+        await bus.nc.flush()
+        step = c.member(0).step
+        await c.wait_rank_step(0, step + 3)
+        for name in ("health_monitor", "scaler", "state_broker"):
+            assert len([1 for n, _ in c.pids() if n == name]) == 1, f"{name} restarted"
+
+    s = await _run(tmp_path, "fuzz", 2, 1, fault)
     _assert_same(s, reference(2))
     assert s["incidents"] == []
     assert [p.generation for p in s["plans"]] == [1], s["plans"]
