@@ -176,7 +176,7 @@ async def test_bad_input_on_every_subject(nats_server, bus):
     url, creds = nats_server.url, nats_server.creds
     buses = [await Bus.connect(url, "test", n, creds)
              for n in ("health_monitor", "scaler", "state_broker")]
-    mon = HealthMonitor(buses[0], fault_timeout=FT, suspect_timeout=0.1, stall_timeout=5.0)
+    mon = HealthMonitor(buses[0], fault_timeout=FT, suspect_timeout=0.2, stall_timeout=5.0)
     sc = Scaler(buses[1], workers=2, fault_timeout=FT, lease_ttl=0.6, tick_interval=0.02)
     br = StateBroker(buses[2], member_wait=2.0)
     subs = {mon: ["heartbeat.*", "report.*", "lifecycle.*", "plan"],

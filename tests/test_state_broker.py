@@ -233,7 +233,8 @@ async def test_control_plane_pipeline_one_trace(nats_server, bus):
     prov.add_span_processor(col)
     buses = [await Bus.connect(nats_server.url, "test", n, nats_server.creds)
              for n in ("health_monitor", "scaler", "state_broker")]
-    svcs = [HealthMonitor(buses[0], fault_timeout=0.3, check_interval=0.02),
+    svcs = [HealthMonitor(buses[0], fault_timeout=0.3, suspect_timeout=0.1,
+                          check_interval=0.02),
             Scaler(buses[1], workers=2, fault_timeout=0.3, lease_ttl=0.6, tick_interval=0.02),
             StateBroker(buses[2])]
     transfers: list[Transfer] = []
