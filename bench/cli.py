@@ -35,10 +35,20 @@ def _module(bsub, name: str, module: str, help: str) -> None:
     p.set_defaults(func=mod.run)
 
 
-def register(sub) -> argparse.ArgumentParser:
+HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first batch",
+        "recovery": "downtime and phases of in-process recovery",
+        "overhead": "step time under Ceaseless vs plain DDP"}
+
+
+def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
+    """``lazy``: list the benchmarks without importing them (not running one)."""
     p = sub.add_parser("bench", help="run a benchmark", description="Benchmarks (see docs/benchmarks.md).")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     bsub.required = True
+    if lazy:
+        for name, h in HELP.items():
+            bsub.add_parser(name, help=h)
+        return p
     _data(bsub)
     _module(bsub, "recovery", "bench.recovery", "downtime and phases of in-process recovery")
     _module(bsub, "overhead", "bench.overhead", "step time under Ceaseless vs plain DDP")

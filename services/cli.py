@@ -212,7 +212,9 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. With ``argv`` given and no ``bench`` in it, the benchmark
+    subcommands are registered without importing them (they import torch: seconds)."""
     p = argparse.ArgumentParser(prog="ceaseless", description=__doc__.strip() + " Checkpointless, "
                                 "elastic training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -264,12 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
             module = __import__(mod, fromlist=["register"])
         except ImportError:
             continue
-        module.register(sub)
+        if mod == "bench.cli":
+            module.register(sub, lazy=argv is not None and "bench" not in argv)
+        else:
+            module.register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)
 
 
