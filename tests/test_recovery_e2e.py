@@ -237,3 +237,21 @@ async def test_malformed_traffic_while_training(tmp_path, reference):
     _assert_same(s, reference(2))
     assert s["incidents"] == []
     assert [p.generation for p in s["plans"]] == [1], s["plans"]
+
+
+async def test_fault_while_the_scaler_is_down(tmp_path, reference):
+    """The scaler and a worker die together: the fault happens while nobody can plan. The
+    restarted scaler (supervisor) reloads the plan from KV, takes the fault (the monitor's,
+    or its own check of silent members) and the spare takes the rank: bitwise result."""
+    async def fault(c):
+        await c.wait_rank_step(1, 4)
+        scaler = [pid for n, pid in c.pids() if n == "scaler"][-1]
+        os.kill(scaler, signal.SIGKILL)
+        _kill(c, 1)
+        await c.wait_for(lambda: len([1 for n, _ in c.pids() if n == "scaler"]) >= 2, 30,
+                         "scaler restarted")
+
+    s = await _run(tmp_path, "scalerdown", 2, 1, fault)
+    _assert_same(s, reference(2))
+    assert [p.generation for p in s["plans"]] == [1, 2], s["plans"]
+    assert s["plans"][-1].world_size == 2
