@@ -34,8 +34,13 @@ async def _connect(args: argparse.Namespace, name: str):
         return await Bus.connect(args.nats, args.job or "demo", name, creds,
                                  max_reconnect_attempts=2)
     info = ClusterInfo.read(find_run_dir(args.run_dir))
+    extra = {}
+    if info.tls_ca:
+        from services.common.tlsgen import client_context
+
+        extra["tls"] = client_context(info.tls_ca)
     return await Bus.connect(info.nats_url, args.job or info.job, name,
-                             Credentials.load(info.creds), max_reconnect_attempts=2)
+                             Credentials.load(info.creds), max_reconnect_attempts=2, **extra)
 
 
 # ----------------------------------------------------------------------------- up
@@ -49,7 +54,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      run_dir=args.run_dir, cmd=cmd, global_batch_size=args.global_batch_size,
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
-                     allow_inject=not args.no_inject, timeout=args.timeout,
+                     allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
                      live=not args.quiet, model=args.model)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
@@ -233,6 +238,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")
     up.add_argument("--timeout", type=float, help="give up after this many seconds")
     up.add_argument("--no-inject", action="store_true", help="refuse fault injection")
+    up.add_argument("--tls", action="store_true",
+                    help="serve the bus over TLS only, with a throw-away CA and server "
+                         "certificate for this run (needs 'cryptography': ceaseless[tls])")
     up.add_argument("--quiet", action="store_true", help="no live table")
     up.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ... (default: the example)")
     up.set_defaults(func=cmd_up)

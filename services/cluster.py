@@ -48,6 +48,7 @@ class UpOptions:
     allow_inject: bool = True
     timeout: float | None = None
     live: bool = True
+    tls: bool = False
     model: str = "tiny"
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -171,10 +172,17 @@ async def run(opts: UpOptions) -> int:
     roles = write_role_credentials(run_dir / "creds")
     creds_path, creds = roles["operator"]
     users = [(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()]
-    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users)
+    tls = None
+    if opts.tls:
+        from services.common.tlsgen import CA_ENV, generate
+
+        tls = generate(run_dir / "tls")
+        os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
+    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users, tls=tls)
     record_pid(run_dir, "nats-server", srv.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
-                       run_dir=str(run_dir), pid=os.getpid(), started=time.time())
+                       run_dir=str(run_dir), pid=os.getpid(), started=time.time(),
+                       tls_ca=str(tls.ca) if tls else None)
     info.write()
     out = sys.stdout
     print(f"ceaseless up: job {opts.job!r}, {opts.workers} workers + {opts.spares} spares, "
@@ -206,6 +214,8 @@ async def run(opts: UpOptions) -> int:
            "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
+    if tls is not None:
+        env["CEASELESS_TLS_CA"] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
     act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject)
@@ -243,7 +253,8 @@ async def run(opts: UpOptions) -> int:
                 # are not needed).
                 print(f"[{time.time() - info.started:7.2f}s] nats-server exited "
                       f"({srv.proc.returncode}); restarting it", file=out, flush=True)
-                srv = NatsServer.start(run_dir / "nats", creds=creds, port=srv.port, users=users)
+                srv = NatsServer.start(run_dir / "nats", creds=creds, port=srv.port, users=users,
+                                       tls=tls)
                 record_pid(run_dir, "nats-server", srv.proc.pid)
                 try:
                     await asyncio.wait_for(bus.store_kv(), 10)

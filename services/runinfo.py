@@ -19,6 +19,7 @@ class ClusterInfo:
     run_dir: str
     pid: int
     started: float
+    tls_ca: str | None = None   # the run's CA certificate when the bus serves TLS only
 
     def write(self) -> None:
         p = Path(self.run_dir) / "cluster.json"

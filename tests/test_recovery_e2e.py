@@ -255,3 +255,18 @@ async def test_fault_while_the_scaler_is_down(tmp_path, reference):
     _assert_same(s, reference(2))
     assert [p.generation for p in s["plans"]] == [1, 2], s["plans"]
     assert s["plans"][-1].world_size == 2
+
+
+async def test_kill_worker_over_tls(tmp_path, reference):
+    """`ceaseless up --tls`: the bus serves TLS only (a throw-away CA per run); every service,
+    agent and the harness verify it, and recovery works unchanged."""
+    pytest.importorskip("cryptography")
+
+    async def fault(c):
+        assert c.bus.nc.connected_url.scheme == "tls"
+        await c.wait_rank_step(1, 4)
+        _kill(c, 1)
+
+    s = await _run(tmp_path, "tls", 2, 1, fault, extra=["--tls"])
+    _assert_same(s, reference(2))
+    assert len(s["incidents"]) == 1

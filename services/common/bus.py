@@ -135,6 +135,10 @@ class Bus:
         )
         if creds is not None:
             opts.update(user=creds.user, password=creds.password)
+        if url.startswith("tls://") and "tls" not in options:
+            from .tlsgen import client_context
+
+            opts["tls"] = client_context()  # verifies against CEASELESS_TLS_CA if set
         opts.update(options)
         nc = await nats.connect(servers=[url], **opts)
         return cls(nc=nc, subjects=Subjects(job), name=name)

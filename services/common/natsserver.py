@@ -12,8 +12,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .bus import Credentials
+
+if TYPE_CHECKING:
+    from .tlsgen import TLSFiles
 
 
 def find_binary() -> str:
@@ -65,10 +69,11 @@ class NatsServer:
     @classmethod
     def start(cls, workdir: Path, creds: Credentials | None = None, port: int | None = None,
               host: str = "127.0.0.1", timeout: float = 10.0,
-              users: list[tuple[Credentials, dict | None]] | None = None) -> "NatsServer":
+              users: list[tuple[Credentials, dict | None]] | None = None,
+              tls: "TLSFiles | None" = None) -> "NatsServer":
         """``creds``: one user with full access; ``users``: (credentials, permissions or
         None) per identity, see ``permissions.role_permissions`` (``creds`` is then the
-        one reported as ``.creds``)."""
+        one reported as ``.creds``). ``tls``: serve TLS only (the URL is then ``tls://``)."""
         workdir.mkdir(parents=True, exist_ok=True)
         port = port or free_port(host)
         store = workdir / "jetstream"
@@ -77,6 +82,9 @@ class NatsServer:
             "max_payload: 1MB",
             f'jetstream {{ store_dir: "{store}", max_memory_store: 256MB, max_file_store: 1GB }}',
         ]
+        if tls is not None:
+            conf.append(f'tls {{ cert_file: "{tls.cert}", key_file: "{tls.key}", '
+                        f'ca_file: "{tls.ca}", timeout: 2 }}')
         if users:
             from .permissions import authorization_block
 
@@ -93,7 +101,8 @@ class NatsServer:
         log = open(workdir / "nats-server.log", "ab")
         proc = subprocess.Popen([find_binary(), "-c", str(cfg)], stdout=log, stderr=log,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        srv = cls(proc=proc, url=f"nats://{host}:{port}", port=port, store_dir=store,
+        scheme = "tls" if tls is not None else "nats"
+        srv = cls(proc=proc, url=f"{scheme}://{host}:{port}", port=port, store_dir=store,
                   creds=creds, config_path=cfg)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
