@@ -103,6 +103,35 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float =
     return pg
 
 
+class _Background:
+    """``fn()`` on a daemon thread (blocking C++ calls there release the GIL); the caller
+    polls ``done`` in slices, so it can give up without waiting for ``fn`` to return."""
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+        self._fn = fn
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            self.error = e
+        finally:
+            self.done.set()
+            if self.abandoned:
+                _park(self.result)
+
+    def abandon(self) -> None:
+        """Nobody will use the result: park it (now, or when ``fn`` returns)."""
+        self.abandoned = True
+        if self.done.is_set():
+            _park(self.result)
+
+
 def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: threading.Event,
                          timeout_s: float = 30.0, backend: str | None = None,
                          slice_s: float = DEFAULT_SLICE_S,
@@ -115,37 +144,21 @@ def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: t
     thread and the caller waits in slices; an abandoned build finishes (or fails) on its own
     and its group, if any, is parked, never used. ``meanwhile`` (optional) runs on the
     calling thread while the group is being built (e.g. snapshotting the state to send)."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def build() -> None:
-        try:
-            box["pg"] = make_group(store, rank, world_size, timeout_s, backend, **kw)
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller
-            box["error"] = e
-        finally:
-            done.set()
-            if box.get("abandoned"):
-                _park(box.pop("pg", None))
-
-    threading.Thread(target=build, name=f"make-group-r{rank}", daemon=True).start()
+    job = _Background(lambda: make_group(store, rank, world_size, timeout_s, backend, **kw),
+                      f"make-group-r{rank}")
     if meanwhile is not None:
         try:
             meanwhile()
         except BaseException:
-            box["abandoned"] = True
-            if done.is_set():
-                _park(box.pop("pg", None))
+            job.abandon()
             raise
-    while not done.wait(slice_s):
+    while not job.done.wait(slice_s):
         if abort.is_set():
-            box["abandoned"] = True
-            if done.is_set():  # finished in the meantime
-                _park(box.pop("pg", None))
+            job.abandon()
             raise Aborted(f"rendezvous of rank {rank}/{world_size} abandoned: abort requested")
-    if "error" in box:
-        raise box["error"]
-    return box["pg"]
+    if job.error is not None:
+        raise job.error
+    return job.result
 
 
 def abandoned() -> int:
@@ -337,20 +350,8 @@ class AbortableGroup:
         pair closure"), so these are never waited on with a short timeout. A helper thread
         waits (the group's own timeout applies; the GIL is released) and the caller checks
         ``abort`` every slice; an abandoned helper ends when the peer dies or times out."""
-        box: dict[str, BaseException] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                for w in works:
-                    w.wait()
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"wait-r{self.rank}", daemon=True).start()
-        while not done.wait(sl):
+        job = _Background(lambda: [w.wait() for w in works], f"wait-r{self.rank}")
+        while not job.done.wait(sl):
             if abort is not None and abort.is_set():
                 self.abort()
                 raise Aborted(f"{what} abandoned: abort requested")
@@ -358,8 +359,8 @@ class AbortableGroup:
                 raise Aborted(f"{what} abandoned: group {self._state}")
             if time.monotonic() >= deadline:
                 raise self._broken(f"{what} did not complete in {limit:.1f}s")
-        if "error" in box:
-            raise self._broken(f"{what} failed: {str(box['error'])[:300]}") from box["error"]
+        if job.error is not None:
+            raise self._broken(f"{what} failed: {str(job.error)[:300]}") from job.error
         done_ids = {id(w) for w in works}
         self._p2p -= done_ids
         self._pending = [w for w in self._pending if id(w) not in done_ids and not _completed(w)]

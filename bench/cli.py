@@ -13,7 +13,7 @@ import argparse
 def _data(bsub) -> None:
     from bench import data_bench
 
-    p = bsub.add_parser("data", help="data loading: throughput vs DataLoader, reposition, spare first batch",
+    p = bsub.add_parser("data", help=HELP["data"],
                         description=data_bench.__doc__.split("\n")[0])
     data_bench.add_arguments(p)
 
@@ -26,11 +26,11 @@ def _data(bsub) -> None:
     p.set_defaults(func=run)
 
 
-def _module(bsub, name: str, module: str, help: str) -> None:
+def _module(bsub, name: str, module: str) -> None:
     import importlib
 
     mod = importlib.import_module(module)
-    p = bsub.add_parser(name, help=help, description=mod.__doc__.split("\n")[0])
+    p = bsub.add_parser(name, help=HELP[name], description=mod.__doc__.split("\n")[0])
     mod.add_arguments(p)
     p.set_defaults(func=mod.run)
 
@@ -50,6 +50,6 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
             bsub.add_parser(name, help=h)
         return p
     _data(bsub)
-    _module(bsub, "recovery", "bench.recovery", "downtime and phases of in-process recovery")
-    _module(bsub, "overhead", "bench.overhead", "step time under Ceaseless vs plain DDP")
+    _module(bsub, "recovery", "bench.recovery")
+    _module(bsub, "overhead", "bench.overhead")
     return p

@@ -34,13 +34,11 @@ async def _connect(args: argparse.Namespace, name: str):
         return await Bus.connect(args.nats, args.job or "demo", name, creds,
                                  max_reconnect_attempts=2)
     info = ClusterInfo.read(find_run_dir(args.run_dir))
-    extra = {}
-    if info.tls_ca:
-        from services.common.tlsgen import client_context
+    from services.common.tlsgen import client_options
 
-        extra["tls"] = client_context(info.tls_ca)
     return await Bus.connect(info.nats_url, args.job or info.job, name,
-                             Credentials.load(info.creds), max_reconnect_attempts=2, **extra)
+                             Credentials.load(info.creds), max_reconnect_attempts=2,
+                             **client_options(info.tls_ca))
 
 
 # ----------------------------------------------------------------------------- up

@@ -25,6 +25,7 @@ from services.common import logs
 from services.common.bus import Bus, Envelope
 from services.common.natsserver import NatsServer
 from services.common.permissions import role_permissions, write_role_credentials
+from services.common.tlsgen import CA_ENV
 
 from .runinfo import ClusterInfo, new_run_dir
 
@@ -174,7 +175,7 @@ async def run(opts: UpOptions) -> int:
     users = [(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()]
     tls = None
     if opts.tls:
-        from services.common.tlsgen import CA_ENV, generate
+        from services.common.tlsgen import generate
 
         tls = generate(run_dir / "tls")
         os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
@@ -215,7 +216,7 @@ async def run(opts: UpOptions) -> int:
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
     if tls is not None:
-        env["CEASELESS_TLS_CA"] = str(tls.ca)
+        env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
     act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject)

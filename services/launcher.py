@@ -55,13 +55,11 @@ class Cluster:
                 raise TimeoutError("cluster.json did not appear")
             await asyncio.sleep(0.05)
         info = json.loads(info_path.read_text())
-        extra = {}
-        if info.get("tls_ca"):
-            from services.common.tlsgen import client_context
+        from services.common.tlsgen import client_options
 
-            extra["tls"] = client_context(info["tls_ca"])
         self.bus = await Bus.connect(info["nats_url"], info["job"], "test-harness",
-                                     Credentials.load(info["creds"]), **extra)
+                                     Credentials.load(info["creds"]),
+                                     **client_options(info.get("tls_ca")))
         await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat, self._on_hb)
         await self.bus.subscribe(self.bus.subjects.plan, Plan, self._on_plan)
         return self

@@ -90,3 +90,8 @@ def client_context(ca: str | Path | None = None) -> ssl.SSLContext:
     ``CEASELESS_TLS_CA``, else the system's trust store)."""
     ca = ca or os.environ.get(CA_ENV) or None
     return ssl.create_default_context(cafile=str(ca) if ca else None)
+
+
+def client_options(ca: str | Path | None) -> dict:
+    """``Bus.connect`` keyword arguments for a run whose bus uses ``ca`` (None: plain)."""
+    return {"tls": client_context(ca)} if ca else {}
