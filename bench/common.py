@@ -29,6 +29,11 @@ def fmt(s: dict[str, Any], unit: str = "s", digits: int = 3) -> str:
     return f"{f.format(s['median'])} {unit} ({f.format(s['min'])}–{f.format(s['max'])})"
 
 
+def config(a: Any) -> dict[str, Any]:
+    """An argparse namespace as JSON-able config (without the CLI's ``func``)."""
+    return {k: v for k, v in vars(a).items() if not callable(v)}
+
+
 def cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):

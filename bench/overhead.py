@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, emit, fmt, machine, machine_line, summary
+from bench.common import config, REPO, emit, fmt, machine, machine_line, summary
 
 SECTION = "## Overhead"
 
@@ -132,7 +132,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         print(f"[{r + 1}/{a.repeats}] ceaseless {got['ceaseless']:.4f}s/step, ddp "
               f"{got['ddp']:.4f}s/step, ratio {ratios[-1]:.3f}", flush=True)
     return {"benchmark": "overhead", "machine": machine(),
-            "config": vars(a) | {"command": "python -m bench.overhead " + " ".join(sys.argv[1:])},
+            "config": config(a) | {"command": "python -m bench.overhead " + " ".join(sys.argv[1:])},
             "ceaseless_step_s": summary(cs), "ddp_step_s": summary(ds), "ratio": summary(ratios)}
 
 

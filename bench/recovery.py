@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, fmt, machine, machine_line, summary
+from bench.common import config, emit, fmt, machine, machine_line, summary
 
 SECTION = "## Recovery"
 SCENARIOS = {"kill": ("SIGKILL of a worker", signal.SIGKILL, False),
@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--scenarios", default="kill,hang,kill0")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="ceaseless,ckpt20,ckpt100",
+                   help="ceaseless and/or ckptN (torchrun --max-restarts, torch.save every N "
+                        "steps; crash scenario only)")
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun, for ckptN")
+    p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun, for ckptN")
+    p.add_argument("--svg", help="write the plot here (default with --write-doc: "
+                                 "docs/img/bench-recovery.svg)")
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--write-doc", action="store_true", help="update docs/benchmarks.md")
@@ -68,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------- one run
 async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_step: int,
-                  rng: random.Random) -> dict[str, Any]:
+                  rank: int) -> dict[str, Any]:
     from services.launcher import Cluster
 
     _, sig, rank0 = SCENARIOS[scenario]
@@ -79,7 +86,6 @@ async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_ste
     async with Cluster(run_dir, a.workers, a.spares, a.steps, extra=extra,
                        timeout=60 + a.steps * 20) as c:
         try:
-            rank = 0 if rank0 else rng.randrange(1, a.workers)
             await c.wait_spares(a.spares)
             await c.wait_for(lambda: (h := c.member(rank)) is not None and h.step >= fault_step,
                              60 + fault_step * 20, f"rank {rank} at step {fault_step}")
@@ -150,41 +156,112 @@ def phases(run_dir: Path) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- many runs
-async def run_all(a: argparse.Namespace) -> dict[str, Any]:
+def parse_systems(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     scenarios = [s.strip() for s in a.scenarios.split(",") if s.strip()]
     for s in scenarios:
         if s not in SCENARIOS:
             raise SystemExit(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    for s in systems:
+        if s != "ceaseless" and not (s.startswith("ckpt") and s[4:].isdigit()):
+            raise SystemExit(f"unknown system {s!r}: ceaseless or ckptN (N = checkpoint every "
+                             "N steps)")
+    return systems, scenarios
+
+
+def ckpt_every(system: str) -> int:
+    return int(system[4:])
+
+
+async def run_all(a: argparse.Namespace) -> dict[str, Any]:
+    systems, scenarios = parse_systems(a)
     if a.repeats < 1 or a.steps < 12:
         raise SystemExit("need --repeats >= 1 and --steps >= 12")
     rng = random.Random(a.seed)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
+    data = work / "data"
+    if any(s != "ceaseless" for s in systems) and not (data / "index.json").exists():
+        from agent.data import corpus
+
+        corpus.generate(data, n_tokens=2_000_000, seed=0)  # what `ceaseless up` trains on
     runs: list[dict[str, Any]] = []
     for r in range(a.repeats):
-        for scenario in scenarios:
-            fault_step = rng.randint(5, a.steps - 6)
-            d = work / f"{scenario}-{r}"
-            t0 = time.monotonic()
-            res = await one_run(d, a, scenario, fault_step, rng)
-            res["wall_s"] = round(time.monotonic() - t0, 1)
-            runs.append(res)
-            print(f"[{r + 1}/{a.repeats}] {scenario:<6} step {res['pre_kill_step']:>3}: downtime "
-                  f"{res['downtime_s']:.3f}s, kill->step {res['kill_to_step_s']:.3f}s, lost "
-                  f"{res['lost_steps']}, step {res['median_step_s']:.3f}s  {res['phases']}",
-                  flush=True)
-    agg = {}
-    for s in scenarios:
-        rs = [x for x in runs if x["scenario"] == s]
+        # one fault schedule per repeat, shared by every system: step and victim rank
+        sched = {sc: (rng.randint(5, a.steps - 6),
+                      0 if SCENARIOS[sc][2] else rng.randrange(1, a.workers))
+                 for sc in (scenarios if "kill" in scenarios else [*scenarios, "kill"])}
+        # rotate the order each repeat (A B C, B C A, ...) so no system always runs first
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for system in order:
+            todo = scenarios if system == "ceaseless" else ["kill"]
+            for scenario in todo:
+                fault_step, rank = sched[scenario]
+                d = work / f"{system}-{scenario}-{r}"
+                t0 = time.monotonic()
+                if system == "ceaseless":
+                    res = await one_run(d, a, scenario, fault_step, rank)
+                else:
+                    from bench import ckpt_restart
+
+                    res = await asyncio.to_thread(
+                        ckpt_restart.run_once, d, a, ckpt_every(system), data, fault_step,
+                        rank, 120 + a.steps * 30)
+                    res["scenario"] = "kill"
+                res["system"], res["repeat"] = system, r
+                res["wall_s"] = round(time.monotonic() - t0, 1)
+                runs.append(res)
+                if system == "ceaseless":
+                    print(f"[{r + 1}/{a.repeats}] ceaseless {scenario:<6} step "
+                          f"{res['pre_kill_step']:>3}: downtime {res['downtime_s']:.3f}s, "
+                          f"kill->step {res['kill_to_step_s']:.3f}s, lost {res['lost_steps']}, "
+                          f"step {res['median_step_s']:.3f}s  {res['phases']}", flush=True)
+                else:
+                    print(f"[{r + 1}/{a.repeats}] {system:<9} kill   step "
+                          f"{res['pre_kill_step']:>3}: kill->step {res['downtime_s']:.3f}s, "
+                          f"back at step {res['back_at_step_s']:.3f}s, recomputed "
+                          f"{res['recomputed_steps']} (restored {res['restored_step']}), step "
+                          f"{res['median_step_s']:.3f}s  {res['phases_s']}", flush=True)
+    return {"benchmark": "recovery", "machine": machine(),
+            "config": config(a) | {"command": cmdline()}, "runs": runs,
+            "summary": aggregate(runs, systems, scenarios)}
+
+
+def aggregate(runs: list[dict[str, Any]], systems: list[str],
+              scenarios: list[str]) -> dict[str, Any]:
+    agg: dict[str, Any] = {}
+    for s in scenarios if "ceaseless" in systems else []:
+        rs = [x for x in runs if x["system"] == "ceaseless" and x["scenario"] == s]
         names: list[str] = []
         for x in rs:
             names += [k for k in x["phases"] if k not in names and k != "error"]
         agg[s] = {"downtime_s": summary(x["downtime_s"] for x in rs),
                   "kill_to_step_s": summary(x["kill_to_step_s"] for x in rs),
+                  "back_at_step_s": summary(x["back_at_step_s"] for x in rs
+                                            if x["back_at_step_s"] is not None),
                   "lost_steps": summary(x["lost_steps"] or 0 for x in rs),
                   "median_step_s": summary(x["median_step_s"] for x in rs),
                   "phases_ms": {k: summary(x["phases"].get(k, 0.0) for x in rs) for k in names}}
-    return {"benchmark": "recovery", "machine": machine(), "config": vars(a) | {"command": cmdline()},
-            "runs": runs, "summary": agg}
+    for b in [x for x in systems if x != "ceaseless"]:
+        rs = [x for x in runs if x["system"] == b]
+        names = list(rs[0]["phases_s"]) if rs else []
+        agg[b] = {"downtime_s": summary(x["downtime_s"] for x in rs),
+                  "back_at_step_s": summary(x["back_at_step_s"] for x in rs),
+                  "gap_s": summary(x["gap_s"] for x in rs if x["gap_s"] is not None),
+                  "recomputed_steps": summary(x["recomputed_steps"] for x in rs),
+                  "median_step_s": summary(x["median_step_s"] for x in rs),
+                  "phases_ms": {k: summary(1000 * x["phases_s"][k] for x in rs) for k in names}}
+        # Ceaseless' downtime per scenario / this baseline's "back at the pre-kill step":
+        # the ratio of the medians, and the per-repeat ratios (same fault schedule)
+        ratios = {}
+        for s in scenarios if "ceaseless" in systems else []:
+            cs = {x["repeat"]: x["downtime_s"] for x in runs
+                  if x["system"] == "ceaseless" and x["scenario"] == s}
+            pairs = [cs[x["repeat"]] / x["back_at_step_s"] for x in rs if x["repeat"] in cs]
+            med_c, med_b = agg[s]["downtime_s"]["median"], agg[b]["back_at_step_s"]["median"]
+            ratios[s] = {"of_medians": (med_c / med_b) if med_c is not None and med_b else None,
+                         "per_repeat": summary(pairs)}
+        agg[b]["ratio_ceaseless_downtime_to_back_at_step"] = ratios
+    return agg
 
 
 def cmdline() -> str:
@@ -192,32 +269,107 @@ def cmdline() -> str:
         "recovery.py") else " ".join(["ceaseless", *sys.argv[1:]])
 
 
+def label(system: str) -> str:
+    return (f"torchrun --max-restarts, torch.save every {ckpt_every(system)} steps"
+            if system != "ceaseless" else "Ceaseless")
+
+
 def markdown(res: dict[str, Any]) -> str:
-    c, m = res["config"], res["machine"]
+    c, m, agg = res["config"], res["machine"], res["summary"]
+    systems, scenarios = parse_systems(argparse.Namespace(**c))
+    base = [b for b in systems if b != "ceaseless"]
     out = [SECTION, "",
            machine_line(m),
-           f"Command: `{c['command']}`. {c['workers']} workers + {c['spares']} spare, model "
-           f"`{c['model']}`, global batch {c['global_batch_size']} (micro-batch "
-           f"{c['micro_batch_size']}), gloo on loopback, heartbeat fault timeout "
-           f"{c['fault_timeout']} s; {c['repeats']} runs per scenario, interleaved; median "
-           "(min–max).", "",
-           "| scenario | downtime | kill → next step | lost steps | step time |",
-           "|---|---|---|---|---|"]
-    for s, a in res["summary"].items():
-        out.append(f"| {SCENARIOS[s][0]} | {fmt(a['downtime_s'])} | {fmt(a['kill_to_step_s'])} "
-                   f"| {fmt(a['lost_steps'], '', 0)} | {fmt(a['median_step_s'])} |")
-    out += ["", "Downtime = the survivors' longest gap between committed steps around the fault "
-            "minus their median step time. Phase breakdown (the incident's critical path from "
-            "the traces, ms, median (min–max)):", ""]
-    for s, a in res["summary"].items():
-        if a["phases_ms"]:
-            out.append(f"- {SCENARIOS[s][0]}: " + "; ".join(
-                f"{k} {fmt(v, 'ms', 1)}" for k, v in a["phases_ms"].items()))
+           f"Command: `{c['command']}`. {c['workers']} workers, model `{c['model']}`, "
+           f"{c['steps']} steps, global batch {c['global_batch_size']} (micro-batch "
+           f"{c['micro_batch_size']}), AdamW, gloo on CPU, loopback. Ceaseless: "
+           f"{c['spares']} spare, heartbeat fault timeout {c['fault_timeout']} s. "
+           + (f"Baselines: plain DDP under `torchrun --max-restarts {c['max_restarts']} "
+              f"--monitor-interval {c['monitor_interval']}` (c10d rendezvous on 127.0.0.1, "
+              "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`), rank 0 `torch.save`s model + optimizer "
+              "+ scheduler every N steps, every rank loads it on start. " if base else "")
+           + f"{c['repeats']} repeats; in each, every system gets the same fault step and "
+           "victim rank (seeded), systems interleaved with the order rotated per repeat; "
+           "median (min–max).", ""]
+    if "ceaseless" in systems:
+        out += ["| Ceaseless, scenario | downtime | kill → next step | back at pre-kill step "
+                "| lost steps | step time |", "|---|---|---|---|---|---|"]
+        for s in scenarios:
+            a = agg[s]
+            out.append(f"| {SCENARIOS[s][0]} | {fmt(a['downtime_s'])} | "
+                       f"{fmt(a['kill_to_step_s'])} | {fmt(a['back_at_step_s'])} | "
+                       f"{fmt(a['lost_steps'], '', 0)} | {fmt(a['median_step_s'])} |")
+        out += ["", "Downtime = the survivors' longest gap between committed steps around the "
+                "fault minus their median step time.", ""]
+    if base:
+        out += ["| SIGKILL of a worker, baseline | kill → first step after restart | back at "
+                "pre-kill step | gap − step time | steps recomputed | step time |",
+                "|---|---|---|---|---|---|"]
+        for b in base:
+            a = agg[b]
+            out.append(f"| {label(b)} | {fmt(a['downtime_s'])} | {fmt(a['back_at_step_s'])} "
+                       f"| {fmt(a['gap_s'])} | {fmt(a['recomputed_steps'], '', 0)} | "
+                       f"{fmt(a['median_step_s'])} |")
+        out += ["", "Restart phases of the baselines (the slowest rank; ms): "]
+        for b in base:
+            out.append(f"- {label(b)}: " + "; ".join(
+                f"{k} {fmt(v, 'ms', 0)}" for k, v in agg[b]["phases_ms"].items()))
+        if "ceaseless" in systems:
+            out += ["", "| ratio: Ceaseless downtime ÷ baseline's back at pre-kill step | "
+                    + " | ".join(f"vs {b}" for b in base) + " |",
+                    "|---|" + "---|" * len(base)]
+            for s in scenarios:
+                cells = []
+                for b in base:
+                    r = agg[b]["ratio_ceaseless_downtime_to_back_at_step"][s]
+                    om = r["of_medians"]
+                    cells.append((f"{om:.3f}" if om is not None else "–")
+                                 + f" (per repeat {fmt(r['per_repeat'], '', 3)})")
+                out.append(f"| {SCENARIOS[s][0]} | " + " | ".join(cells) + " |")
+    if "ceaseless" in systems:
+        out += ["", "Ceaseless phase breakdown (the incident's critical path from the traces, "
+                "ms, median (min–max)):", ""]
+        for s in scenarios:
+            a = agg[s]
+            if a["phases_ms"]:
+                out.append(f"- {SCENARIOS[s][0]}: " + "; ".join(
+                    f"{k} {fmt(v, 'ms', 1)}" for k, v in a["phases_ms"].items()))
+    out += ["", "![recovery](img/bench-recovery.svg)"]
     return "\n".join(out) + "\n"
+
+
+def plot(res: dict[str, Any]) -> str:
+    from bench import svg
+
+    c, agg = res["config"], res["summary"]
+    systems, scenarios = parse_systems(argparse.Namespace(**c))
+    groups, vals = [], {}
+    for s in scenarios if "ceaseless" in systems else []:
+        g = f"Ceaseless: {s}"
+        groups.append(g)
+        vals[(g, "downtime")] = agg[s]["downtime_s"]
+        vals[(g, "kill → next step")] = agg[s]["kill_to_step_s"]
+        vals[(g, "back at pre-kill step")] = agg[s]["back_at_step_s"]
+    for b in [x for x in systems if x != "ceaseless"]:
+        g = f"torchrun + ckpt every {ckpt_every(b)}"
+        groups.append(g)
+        vals[(g, "downtime")] = agg[b]["gap_s"]
+        vals[(g, "kill → next step")] = agg[b]["downtime_s"]
+        vals[(g, "back at pre-kill step")] = agg[b]["back_at_step_s"]
+    return svg.bars(f"Recovery after a fault: model {c['model']}, {c['workers']} workers, "
+                    f"{res['machine']['cores']} CPU cores", groups,
+                    ["downtime", "kill → next step", "back at pre-kill step"], vals, "seconds",
+                    log=True, note=f"{res['machine']['date']}; {c['repeats']} repeats; "
+                                   "downtime = longest commit gap minus median step time")
 
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(run_all(a))
+    if a.svg or a.write_doc:
+        from bench import svg
+
+        p = Path(a.svg) if a.svg else svg.IMG / "bench-recovery.svg"
+        svg.write(p.name, plot(res), p.parent)
     return emit(res, markdown(res), SECTION, a.json, a.write_doc)
 
 

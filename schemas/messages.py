@@ -176,6 +176,8 @@ class Plan(Message):
     fenced: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []
     # Planned (elastic) transitions apply from this step on, at a step boundary; None = now.
     apply_step: Annotated[int, Field(ge=0)] | None = None
+    # lr_factor is reached over this many steps from the previous plan's (linear ramp).
+    lr_warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     ts: Timestamp = Field(default_factory=now)
 
     @model_validator(mode="after")
@@ -246,6 +248,11 @@ class Decision(Message):
     accepted: bool
     reason: Text
     generation: Generation | None = None
+    # A release is answered twice: accepted (what will happen), then completed (the slots
+    # are free; ``pods`` names them).
+    completed: bool = False
+    pods: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []
+    target: Annotated[int, Field(ge=1, le=MAX_MEMBERS)] | None = None
     ts: Timestamp = Field(default_factory=now)
 
 

@@ -2,7 +2,9 @@
 
 * ``docker-compose config`` (Debian's ``docker-compose`` parses and validates without an
   engine) when it is on PATH;
-* deploy/nats.conf run by the real nats-server binary from the venv (auth from env, JetStream);
+* deploy/nats.conf is generated from services/common/permissions.py (deploy/nats_conf.py):
+  one identity per role with the embedded server's permissions, run by the real nats-server
+  binary from the venv (passwords from env, JetStream, permissions enforced);
 * deploy/entrypoint.sh turns the password into a 0600 credentials file;
 * with a reachable Docker engine only: NATS with JetStream in a container via testcontainers.
 """
@@ -30,6 +32,18 @@ NATS_CONF = ROOT / "deploy" / "nats.conf"
 ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
 SERVICES = {"nats", "jaeger", "health_monitor", "scaler", "state_broker", "trainer", "spare"}
 PASSWORD = "pTest_only-0123456789abcdef"
+ROLE_OF = {"health_monitor": "health_monitor", "scaler": "scaler", "state_broker": "state_broker",
+           "trainer": "agent", "spare": "agent"}
+
+sys.path.insert(0, str(ROOT / "deploy"))
+import nats_conf  # noqa: E402
+
+from services.common.permissions import ROLES, role_permissions  # noqa: E402
+
+
+def _role_passwords() -> dict[str, str]:
+    """A distinct test password per role, by env var name."""
+    return {nats_conf.password_var(r): f"{PASSWORD}-{r}" for r in ROLES}
 
 
 def _compose_cmd() -> list[str] | None:
@@ -52,7 +66,7 @@ needs_compose = pytest.mark.skipif(
 @needs_compose
 def test_compose_config_is_valid_and_has_the_services():
     cmd = _compose_cmd() + ["-f", str(COMPOSE)]
-    env = _compose_env(CEASELESS_NATS_PASSWORD=PASSWORD)
+    env = _compose_env(**_role_passwords())
     r = subprocess.run(cmd + ["config", "-q"], env=env, capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -91,6 +105,25 @@ def test_compose_config_is_valid_and_has_the_services():
         assert e["CEASELESS_NATS_URL"] == "nats://nats:4222"
         assert "CEASELESS_POD" not in e                  # the agent falls back to HOSTNAME
         assert c["depends_on"]["nats"]["condition"] == "service_healthy"
+    # One identity per role: each Ceaseless container gets its own role's user and password
+    # only; nats-server gets every role's password (deploy/nats.conf resolves them).
+    for svc, role in ROLE_OF.items():
+        e = cfg[svc]["environment"]
+        assert e["CEASELESS_NATS_USER"] == role, svc
+        assert e["CEASELESS_NATS_PASSWORD"] == f"{PASSWORD}-{role}", svc
+        assert not any(k.startswith("CEASELESS_NATS_PASSWORD_") for k in e), svc
+    assert cfg["nats"]["environment"] == _role_passwords()
+
+
+@needs_compose
+def test_compose_refuses_to_run_without_every_role_password():
+    for missing in ROLES:
+        env = _compose_env(**{k: v for k, v in _role_passwords().items()
+                              if k != nats_conf.password_var(missing)})
+        r = subprocess.run(_compose_cmd() + ["-f", str(COMPOSE), "config", "-q"], env=env,
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode != 0, missing
+        assert nats_conf.password_var(missing) in r.stderr, r.stderr
 
 
 @needs_compose
@@ -99,6 +132,29 @@ def test_compose_refuses_to_run_without_a_password():
                        env=_compose_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0
     assert "CEASELESS_NATS_PASSWORD" in r.stderr
+
+
+def test_nats_conf_is_generated_from_permissions():
+    """deploy/nats.conf's identities and permissions are permissions.py's, for job demo."""
+    text = NATS_CONF.read_text()
+    assert text == nats_conf.render("demo"), "run: python deploy/nats_conf.py conf"
+    users = nats_conf.parse_users(text)
+    assert list(users) == list(ROLES)
+    for role in ROLES:
+        assert users[role]["password"] == nats_conf.password_var(role)
+        assert users[role]["permissions"] == role_permissions(role, "demo"), role
+
+
+def test_nats_conf_env_file(tmp_path):
+    path = tmp_path / "compose.env"
+    nats_conf.write_env(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    vals = dict(line.split("=", 1) for line in path.read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert set(vals) == {nats_conf.password_var(r) for r in ROLES}
+    assert len(set(vals.values())) == len(ROLES)
+    for v in vals.values():   # a bare nats-server config token: starts with a letter
+        assert re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{31,}", v), v
 
 
 def test_no_literal_secrets():
@@ -129,7 +185,7 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None
 def conf_server(tmp_path):
     """deploy/nats.conf, as compose runs it, on free loopback ports."""
     port, mon = free_port(), free_port()
-    env = {**os.environ, "CEASELESS_NATS_USER": "ceaseless", "CEASELESS_NATS_PASSWORD": PASSWORD}
+    env = {**os.environ, **_role_passwords()}
     t = subprocess.run([find_binary(), "-c", str(NATS_CONF), "-t"], env=env,
                        capture_output=True, text=True, timeout=30)
     assert t.returncode == 0, t.stderr + t.stdout
@@ -148,30 +204,69 @@ def conf_server(tmp_path):
             proc.kill()
 
 
-async def test_nats_conf_auth_from_env_and_jetstream(conf_server):
+async def test_nats_conf_roles_from_env_and_jetstream(conf_server):
+    """Every role logs in with its own password from the environment; the server enforces
+    the roles: an agent's plan and inject are dropped (permissions violation) and it cannot
+    write the plan key; the scaler can; a wrong password is refused."""
     import urllib.request
 
     import nats
 
+    from schemas.subjects import Subjects
+
     port, mon = conf_server
+    url = f"nats://127.0.0.1:{port}"
+    s = Subjects("demo")
     with urllib.request.urlopen(f"http://127.0.0.1:{mon}/healthz?js-enabled-only=true",
                                 timeout=5) as resp:       # the compose healthcheck
         assert resp.status == 200
-    nc = await nats.connect(f"nats://127.0.0.1:{port}", user="ceaseless", password=PASSWORD,
-                            connect_timeout=2, allow_reconnect=False)
+    errors: dict[str, list[str]] = {}
+
+    async def conn(role: str, password: str | None = None):
+        async def err(e: Exception) -> None:
+            errors.setdefault(role, []).append(str(e))
+
+        return await nats.connect(url, user=role, password=password or f"{PASSWORD}-{role}",
+                                  connect_timeout=2, allow_reconnect=False, error_cb=err,
+                                  name=role)
+
+    clients = {r: await conn(r) for r in ROLES}
     try:
-        kv = await nc.jetstream().create_key_value(bucket="ceaseless_demo")
-        await kv.put("plan", b"{}")
+        op, agent, scaler = clients["operator"], clients["agent"], clients["scaler"]
+        kv = await op.jetstream().create_key_value(bucket=s.kv_bucket)
+        seen: list[str] = []
+
+        async def on(msg):
+            seen.append(msg.subject)
+
+        await op.subscribe(s.all, cb=on)
+        await op.flush()
+        await agent.publish(s.plan, b"{}")
+        await agent.publish(s.inject, b"{}")
+        await agent.publish(s.heartbeat("w0"), b"{}")           # allowed
+        await agent.flush()
+        with pytest.raises(Exception):
+            await asyncio.wait_for(agent.jetstream().key_value(s.kv_bucket), 3)
+        skv = await scaler.jetstream().key_value(s.kv_bucket)
+        await skv.put("plan", b"{}")
+        await scaler.publish(s.plan, b"{}")                       # allowed for the scaler
+        await clients["health_monitor"].publish(s.plan, b"{}")    # denied
+        await clients["health_monitor"].publish(s.fault, b"{}")   # allowed
+        await clients["state_broker"].publish(s.transfer, b"{}")  # allowed
+        for c in clients.values():
+            await c.flush()
+        await asyncio.sleep(0.5)
         assert (await kv.get("plan")).value == b"{}"
+        assert sorted(seen) == sorted([s.heartbeat("w0"), s.plan, s.fault, s.transfer]), seen
+        assert any("permissions violation" in e.lower() for e in errors.get("agent", [])), errors
+        assert any("permissions violation" in e.lower()
+                   for e in errors.get("health_monitor", [])), errors
     finally:
-        await nc.close()
-    async def _quiet(e: Exception) -> None:
-        pass
+        for c in clients.values():
+            await c.close()
 
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-        bad = await nats.connect(f"nats://127.0.0.1:{port}", user="ceaseless",
-                                 password="wrong", connect_timeout=2, allow_reconnect=False,
-                                 error_cb=_quiet)
+        bad = await conn("agent", password=f"{PASSWORD}-operator")   # another role's password
         await bad.close()
 
 

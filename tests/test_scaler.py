@@ -13,6 +13,7 @@ from schemas import LEASE_KEY, PLAN_KEY, Plan, num_micro_batches
 from schemas.messages import (ActuatorCommand, ActuatorReply, AgentState, Capacity, Decision,
                               Fault, FaultKind, Heartbeat, Priority, Role)
 from services.common.bus import Bus, decode
+from schemas.policy import ScalingPolicy
 from services.scaler import PolicyConfig, Scaler, Wait, initial_plan, on_fault
 from harness import until
 
@@ -117,9 +118,10 @@ async def env(nats_server, bus):
         e.plans.append(p)
 
     async def on_actuator(raw):
-        e.actuator.append(decode(ActuatorCommand, raw.data, raw.subject))
-        await raw.respond(ActuatorReply(ok=True, pods=[e.actuator[-1].pod]).model_dump_json()
-                          .encode())
+        cmd = decode(ActuatorCommand, raw.data, raw.subject)
+        e.actuator.append(cmd)
+        pods = [cmd.pod] if cmd.pod else [f"new{len(e.actuator)}-{i}" for i in range(cmd.count)]
+        await raw.respond(ActuatorReply(ok=True, pods=pods).model_dump_json().encode())
 
     await bus.subscribe(bus.subjects.plan, Plan, on_plan)
     await bus.nc.subscribe(bus.subjects.actuator, cb=on_actuator)
@@ -262,21 +264,84 @@ async def test_non_member_faults(env, bus):
     assert sc.alive_spares(sc.plans.plan) == [] and gens(env.plans) == [1]
 
 
-async def test_capacity_and_priority_refused(env, bus):
-    await env.scaler(workers=1)
-    await env.agent("w0")
+async def _decisions(bus):
     got: list[Decision] = []
 
     async def on_decision(d, _e):
         got.append(d)
     await bus.subscribe(bus.subjects.decision, Decision, on_decision)
+    return got
+
+
+async def test_release_below_min_refused_with_reason(env, bus):
+    await env.scaler(workers=2, min_replicas=2)
+    for pod in ("w0", "w1"):
+        await env.agent(pod)
+    got = await _decisions(bus)
     await until(lambda: env.plans, what="initial plan")
-    await bus.publish(bus.subjects.capacity, Capacity(change="add", count=2, request_id="c1"))
     await bus.publish(bus.subjects.priority, Priority(release=1, request_id="p1"))
-    await until(lambda: len(got) == 2, what="two decisions")
-    assert {d.request_id for d in got} == {"c1", "p1"}
-    assert all(not d.accepted and d.reason.startswith("elastic scaling not implemented yet")
-               for d in got)
+    await until(lambda: got, what="a decision")
+    assert got[0].request_id == "p1" and not got[0].accepted
+    assert "below min_replicas 2" in got[0].reason
+    await asyncio.sleep(0.3)
+    assert gens(env.plans) == [1]  # a refused request changes nothing
+
+
+async def test_capacity_add_starts_spares_and_grows_at_a_step_boundary(env, bus):
+    sc = await env.scaler(workers=2, max_replicas=3, policy=ScalingPolicy(
+        max_replicas=3, scale_up_snooze_s=0))
+    agents = [await env.agent(p) for p in ("w0", "w1")]
+    got = await _decisions(bus)
+    await until(lambda: env.plans, what="initial plan")
+    for a in agents:
+        a.step = 7
+    await asyncio.sleep(0.15)
+    await bus.publish(bus.subjects.capacity, Capacity(change="add", count=2, request_id="c1"))
+    await until(lambda: got, what="a decision")
+    assert got[0].accepted and got[0].target == 3, got[0]
+    assert "capped at 3" in got[0].reason
+    start = [c for c in env.actuator if c.action.value == "start"]
+    assert len(start) == 1 and start[0].count == 2 and start[0].role == Role.spare
+    kv = await bus.kv()
+    assert json.loads((await kv.get("scale")).value)["target"] == 3
+    await env.agent("n0", Role.spare)  # the started pod registers as a spare
+    await env.agent("n1", Role.spare)
+    await until(lambda: len(env.plans) >= 2, what="grow plan")
+    g2 = env.plans[-1]
+    assert g2.world_size == 3 and members(g2) == {0: "w0", 1: "w1", 2: "n0"}
+    assert g2.spares == ["n1"]
+    assert g2.apply_step is not None and g2.apply_step >= 8  # after the step in progress
+    assert sum(g2.shares.values()) * g2.micro_batch_size == g2.global_batch_size
+    await asyncio.sleep(0.3)
+    assert len(env.plans) == 2  # at the target: no further change
+    assert sc.status()["scale"]["target"] == 3
+
+
+async def test_priority_release_spares_first_then_highest_rank(env, bus):
+    await env.scaler(workers=3, policy=ScalingPolicy(scale_up_snooze_s=0))
+    agents = {p: await env.agent(p) for p in ("w0", "w1", "w2")}
+    await env.agent("s0", Role.spare)
+    got = await _decisions(bus)
+    await until(lambda: env.plans, what="initial plan")
+    await asyncio.sleep(0.15)
+    await bus.publish(bus.subjects.priority, Priority(release=2, request_id="p2",
+                                                      reason="prod job"))
+    await until(lambda: got, what="accepted")
+    assert got[0].accepted and not got[0].completed and got[0].target == 2, got[0]
+    stops = [c for c in env.actuator if c.action.value == "stop"]
+    await until(lambda: [c for c in env.actuator if c.action.value == "stop"], what="stop")
+    assert [c.pod for c in env.actuator if c.action.value == "stop"] == ["s0"], stops
+    await until(lambda: len(env.plans) >= 2, what="shrink plan")
+    g2 = env.plans[-1]
+    assert members(g2) == {0: "w0", 1: "w1"} and g2.apply_step is not None
+    assert "w2" not in g2.spares  # its slot is released, it does not become a spare
+    assert not any(d.completed for d in got)
+    # w2 finishes the step before apply_step and leaves (its last heartbeat says done)
+    agents["w2"].state = AgentState.done
+    await agents["w2"].beat()
+    agents["w2"].kill()
+    done = await until(lambda: [d for d in got if d.completed], timeout=5, what="completed")
+    assert done[0].request_id == "p2" and sorted(done[0].pods) == ["s0", "w2"]
 
 
 async def test_two_scalers_one_plan_per_generation(env, bus):

@@ -1,7 +1,10 @@
 """The scaler's membership decisions as pure functions: no I/O, no clock, no randomness.
 
 ``initial_plan`` forms generation 1; ``on_fault`` turns the current plan plus the failed
-pods and the live spares into plan ``g+1`` (replace, else shrink) or a ``Wait``.
+pods and the live spares into plan ``g+1`` (replace, else shrink) or a ``Wait``;
+``on_capacity`` / ``on_release`` turn capacity and priority requests into a new target
+replica count (or a refusal that says why) and ``scale_plan`` turns the target into a
+planned transition at a step boundary.
 Ranks stay stable: a spare takes the failed rank's number; when shrinking, the highest
 ranks move into the holes so the ranks stay ``0..W-1``. The global batch never changes;
 ``schemas.batching.shares`` spreads its micro-batches over the ranks.
@@ -9,11 +12,12 @@ ranks move into the holes so the ranks stay ``0..W-1``. The global batch never c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from schemas import num_micro_batches, shares
 from schemas.messages import Member, Plan
+from schemas.policy import ScalingPolicy
 
 MAX_FENCED = 256  # plan.fenced keeps the most recent fenced pods, not all of history
 
@@ -25,8 +29,18 @@ class PolicyConfig:
     max_replicas: int = 64
     global_batch_size: int = 64
     micro_batch_size: int = 8
+    # The elastic part of the policy; None: defaults with min/max_replicas above.
+    scaling: ScalingPolicy | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.scaling is None:
+            if self.min_replicas <= self.max_replicas:
+                object.__setattr__(self, "scaling", ScalingPolicy(
+                    min_replicas=max(1, self.min_replicas), max_replicas=self.max_replicas))
+        elif (self.scaling.min_replicas, self.scaling.max_replicas) != (
+                self.min_replicas, self.max_replicas):
+            raise ValueError("min/max_replicas differ from the scaling policy's; build the "
+                             "config with PolicyConfig.from_policy")
         m = num_micro_batches(self.global_batch_size, self.micro_batch_size)
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"need 1 <= min_replicas ({self.min_replicas}) <= "
@@ -36,6 +50,22 @@ class PolicyConfig:
         if self.min_replicas > m:
             raise ValueError(f"min_replicas {self.min_replicas} exceeds the {m} micro-batches "
                              "of the global batch")
+
+    @classmethod
+    def from_policy(cls, policy: ScalingPolicy, *, workers: int, global_batch_size: int,
+                    micro_batch_size: int) -> "PolicyConfig":
+        return cls(workers=workers, min_replicas=policy.min_replicas,
+                   max_replicas=policy.max_replicas, global_batch_size=global_batch_size,
+                   micro_batch_size=micro_batch_size, scaling=policy)
+
+    @property
+    def policy(self) -> ScalingPolicy:
+        assert self.scaling is not None
+        return self.scaling
+
+    def sizes(self) -> list[int]:
+        """The replica counts the policy allows that the global batch can be spread over."""
+        return self.policy.sizes(limit=self.num_micro)
 
     @property
     def num_micro(self) -> int:
@@ -57,7 +87,8 @@ class Wait:
 def make_plan(generation: int, members: dict[int, str], *, global_batch_size: int,
               micro_batch_size: int, spares: Iterable[str] = (), reason: str = "",
               incident: str | None = None, fenced: Iterable[str] = (),
-              lr_factor: float = 1.0) -> Plan:
+              lr_factor: float = 1.0, apply_step: int | None = None,
+              lr_warmup_steps: int = 0) -> Plan:
     """A validated plan; ``members`` maps rank -> pod and must cover 0..W-1."""
     w = len(members)
     member_pods = set(members.values())
@@ -73,6 +104,8 @@ def make_plan(generation: int, members: dict[int, str], *, global_batch_size: in
         incident=incident,
         spares=sorted(set(spares) - member_pods),
         fenced=_bounded(fenced),
+        apply_step=apply_step,
+        lr_warmup_steps=lr_warmup_steps,
         ts=0.0,
     )
 
@@ -104,7 +137,7 @@ def initial_plan(workers: Iterable[str], spares: Iterable[str], cfg: PolicyConfi
     return make_plan(
         1, dict(enumerate(chosen)),
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
-        spares=[*extra, *spares], reason="initial")
+        spares=[*extra, *spares], reason="initial", lr_factor=cfg.policy.lr_factor(len(chosen)))
 
 
 def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str],
@@ -138,10 +171,11 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
     fenced = [*plan.fenced, *dead_pods]
     common = dict(global_batch_size=plan.global_batch_size,
                   micro_batch_size=plan.micro_batch_size, incident=incident, fenced=fenced,
-                  lr_factor=1.0)
+                  lr_warmup_steps=cfg.policy.lr_warmup_steps)
     if not holes:
         return make_plan(plan.generation + 1, members, spares=pool,
-                         reason="replace " + ", ".join(replaced), **common)
+                         reason="replace " + ", ".join(replaced),
+                         lr_factor=cfg.policy.lr_factor(len(members)), **common)
     new_ws = plan.world_size - len(holes)
     if new_ws < max(1, cfg.min_replicas):
         return Wait(
@@ -159,4 +193,98 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
                  + (f", {'; '.join(moves)}" if moves else "")
                  + f", world size {plan.world_size} -> {new_ws}")
     return make_plan(plan.generation + 1, members, spares=pool, reason="; ".join(parts),
-                     **common)
+                     lr_factor=cfg.policy.lr_factor(new_ws), **common)
+
+
+# ----------------------------------------------------------------------------- elastic
+@dataclass(frozen=True)
+class Refused:
+    """The policy refuses a request; ``reason`` is the answer the requester gets."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class TargetChange:
+    """A request the policy accepts: the new target replica count, the idle spares to stop
+    (released first) and the answer."""
+
+    target: int
+    reason: str
+    stop_spares: tuple[str, ...] = ()
+    shrink_by: int = 0
+
+
+def on_capacity_add(target: int, count: int, cfg: PolicyConfig) -> TargetChange | Refused:
+    """``count`` new slots: the target grows by ``count`` up to ``max_replicas`` (and the
+    number of micro-batches); the new pods join as spares and are promoted up to it."""
+    top = max(cfg.sizes() or [cfg.min_replicas])
+    if target >= top:
+        return Refused(f"capacity add {count}: already at the largest allowed replica count "
+                       f"{top} (max_replicas {cfg.max_replicas}, {cfg.num_micro} micro-batches)")
+    new = min(top, target + count)
+    capped = f" (capped at {top})" if target + count > top else ""
+    return TargetChange(new, f"capacity add {count}: target {target} -> {new} replicas{capped}")
+
+
+def on_release(world_size: int, target: int, count: int, idle_spares: Iterable[str],
+               cfg: PolicyConfig, what: str = "release") -> TargetChange | Refused:
+    """Give back ``count`` replicas: idle spares first (highest pod ids), then the highest
+    ranks. Refused when the members left would be fewer than ``min_replicas`` or not a
+    replica count the policy allows."""
+    idle = sorted(idle_spares, reverse=True)
+    stop = tuple(idle[:count])
+    shrink = count - len(stop)
+    if shrink == 0:
+        return TargetChange(min(target, max(world_size, cfg.min_replicas)),
+                            f"{what} {count}: stopping idle spare(s) {', '.join(stop)}",
+                            stop_spares=stop)
+    new = world_size - shrink
+    if new < cfg.min_replicas:
+        return Refused(f"{what} {count}: only {len(stop)} idle spare(s); shrinking {world_size} "
+                       f"-> {new} replicas would go below min_replicas {cfg.min_replicas}")
+    if new not in cfg.sizes():
+        return Refused(f"{what} {count}: {new} replicas is not an allowed replica count "
+                       f"(allowed: {', '.join(map(str, cfg.sizes()))})")
+    spares_part = f"stopping idle spare(s) {', '.join(stop)}, " if stop else ""
+    return TargetChange(new, f"{what} {count}: {spares_part}world size {world_size} -> {new}",
+                        stop_spares=stop, shrink_by=shrink)
+
+
+def desired_size(world_size: int, target: int, n_spares: int, cfg: PolicyConfig) -> int:
+    """The largest allowed replica count within the target and the pods at hand (members +
+    live spares); the current size if none is."""
+    limit = min(target, world_size + n_spares)
+    ok = [n for n in cfg.sizes() if n <= limit]
+    return max(ok) if ok else world_size
+
+
+def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: PolicyConfig, *,
+               apply_step: int, reason: str = "", incident: str | None = None) -> Plan | None:
+    """Plan ``g+1`` that moves the world size toward ``target`` from ``apply_step`` on (a
+    planned transition at a step boundary), or None when no change is possible or needed.
+    Growing promotes live spares (pod-id order) into ranks W..; shrinking drops the highest
+    ranks (their slots are released, they do not become spares). Ranks below stay put."""
+    w = plan.world_size
+    members_now = {m.pod for m in plan.members}
+    pool = sorted(set(alive_spares) - members_now - set(plan.fenced))
+    new_w = desired_size(w, target, len(pool), cfg)
+    if new_w == w:
+        return None
+    by_rank = {m.rank: m.pod for m in plan.members}
+    if new_w > w:
+        joiners = pool[:new_w - w]
+        members = {**by_rank, **{w + i: p for i, p in enumerate(joiners)}}
+        spares = pool[new_w - w:]
+        what = f"grow {w} -> {new_w}: {', '.join(joiners)} join"
+    else:
+        members = {r: p for r, p in by_rank.items() if r < new_w}
+        leaving = [by_rank[r] for r in sorted(by_rank) if r >= new_w]
+        spares = pool
+        what = f"shrink {w} -> {new_w}: {', '.join(leaving)} leave"
+    return make_plan(plan.generation + 1, members, global_batch_size=plan.global_batch_size,
+                     micro_batch_size=plan.micro_batch_size, spares=spares,
+                     reason=f"{what} at step {apply_step}" + (f" ({reason})" if reason else ""),
+                     incident=incident, fenced=plan.fenced,
+                     lr_factor=cfg.policy.lr_factor(new_w),
+                     lr_warmup_steps=cfg.policy.lr_warmup_steps, apply_step=apply_step)

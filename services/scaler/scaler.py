@@ -10,12 +10,17 @@
 * Decisions are pure functions in ``policy``; this module does I/O, timing and tracing.
 * No hidden state: the plan is in KV; liveness is rebuilt from heartbeats. After a (re)start
   members of the stored plan that stay silent for the grace period are handled as faulted.
+* Elastic scaling: capacity and priority requests change the target replica count (KV key
+  ``scale``, with the releases still waiting for their slots); the tick loop moves the
+  world size toward it with planned transitions (``Plan.apply_step``: members switch at a
+  step boundary, no abort, no lost step), one transition at a time, faults first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,9 +31,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from schemas import LEASE_KEY, PLAN_KEY
+from schemas.policy import SCALE_KEY, PendingRelease, ScaleState, ScalingPolicy
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
-                              Capacity, Decision, Fault, Heartbeat, Lifecycle, LifecycleEvent,
-                              Plan, Priority, Role)
+                              Capacity, CapacityChange, Decision, Fault, Heartbeat, Lifecycle,
+                              LifecycleEvent, Plan, Priority, Role)
 from services.common import telemetry
 from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
@@ -50,6 +56,8 @@ class PodSeen:
     state: AgentState
     rank: int | None
     last: float  # monotonic time of the last heartbeat
+    step: int = -1
+    step_time: float | None = None
 
 
 @dataclass
@@ -71,11 +79,21 @@ class Scaler(Service):
                  max_replicas: int = 64, global_batch_size: int = 64, micro_batch_size: int = 8,
                  lease_ttl: float = 3.0, start_timeout: float = 30.0, fault_timeout: float = 1.5,
                  fence_timeout: float = 0.5, tick_interval: float = 0.05,
-                 scaler_id: str | None = None) -> None:
+                 scaler_id: str | None = None, policy: ScalingPolicy | None = None,
+                 actuator_timeout: float = 5.0) -> None:
         super().__init__(bus)
-        self.cfg = PolicyConfig(workers=workers, min_replicas=min_replicas,
-                                max_replicas=max_replicas, global_batch_size=global_batch_size,
-                                micro_batch_size=micro_batch_size)
+        if policy is None:
+            self.cfg = PolicyConfig(workers=workers, min_replicas=min_replicas,
+                                    max_replicas=max_replicas,
+                                    global_batch_size=global_batch_size,
+                                    micro_batch_size=micro_batch_size)
+        else:
+            self.cfg = PolicyConfig.from_policy(policy, workers=workers,
+                                                global_batch_size=global_batch_size,
+                                                micro_batch_size=micro_batch_size)
+        self.actuator_timeout = actuator_timeout
+        self.scale: ScaleState | None = None   # cache of KV ``scale``
+        self.scale_revision: int | None = None
         self.lease_ttl = lease_ttl
         self.start_timeout = start_timeout
         self.fault_timeout = fault_timeout
@@ -228,8 +246,9 @@ class Scaler(Service):
         if seen is None and len(self.pods) >= MAX_TRACKED:
             self._forget_silent()
         self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
-                                    rank=hb.rank, last=time.monotonic())
-        if new and (self.pending or self.plans.plan is None):
+                                    rank=hb.rank, last=time.monotonic(), step=hb.step,
+                                    step_time=hb.step_time)
+        if new:
             self._kick.set()  # a pod appeared: capacity may now suffice
 
     def _forget_silent(self) -> None:
@@ -288,25 +307,141 @@ class Scaler(Service):
         self._kick.set()
 
     async def _on_capacity(self, msg: Capacity, env: Envelope) -> None:
-        await self._refuse(env.subject, msg.request_id,
-                           f"elastic scaling not implemented yet: capacity {msg.change.value} "
-                           f"{msg.count} ({msg.reason or 'no reason given'}) was not acted on")
+        why = f" ({msg.reason})" if msg.reason else ""
+        if msg.change == CapacityChange.add:
+            await self._request(env.subject, msg.request_id,
+                                lambda plan, target: policy.on_capacity_add(target, msg.count,
+                                                                            self.cfg),
+                                start=msg.count, why=why)
+        else:
+            await self._request(env.subject, msg.request_id,
+                                lambda plan, target: policy.on_release(
+                                    plan.world_size, target, msg.count,
+                                    self.alive_spares(plan), self.cfg, what="capacity remove"),
+                                release=msg.count, why=why)
 
     async def _on_priority(self, msg: Priority, env: Envelope) -> None:
-        await self._refuse(env.subject, msg.request_id,
-                           f"elastic scaling not implemented yet: release of {msg.release} "
-                           f"replica(s) at priority {msg.priority} "
-                           f"({msg.reason or 'no reason given'}) was not acted on")
+        why = f" (priority {msg.priority}{': ' + msg.reason if msg.reason else ''})"
+        await self._request(env.subject, msg.request_id,
+                            lambda plan, target: policy.on_release(
+                                plan.world_size, target, msg.release, self.alive_spares(plan),
+                                self.cfg, what="release"),
+                            release=msg.release, why=why)
 
-    async def _refuse(self, subject: str, request_id: str, reason: str) -> None:
+    async def _request(self, subject: str, request_id: str, decide: Any, *, start: int = 0,
+                       release: int = 0, why: str = "") -> None:
+        """One capacity/priority request: the policy decides, the target goes to KV, and
+        the requester is answered (accepted with what will happen, or refused with why)."""
         if not self.acting:
             self._ignore(subject, "not the lease holder; the holder answers",
                          request_id=request_id)
             return
-        self.log.info("request refused", subject=subject, request_id=request_id, reason=reason)
+        async with self._lock:
+            plan = self.plans.plan
+            if plan is None:
+                await self._answer(subject, request_id, False, "no plan yet: the job has not "
+                                   "started; send the request once it trains")
+                return
+            await self._load_scale()
+            target = self._target(plan)
+            d = decide(plan, target)
+            if isinstance(d, policy.Refused):
+                await self._answer(subject, request_id, False, d.reason + why)
+                return
+            st = ScaleState(target=d.target, reason=d.reason + why, request_id=request_id,
+                            updated=time.time(),
+                            releases=list(self.scale.releases) if self.scale else [])
+            if release:
+                st.releases.append(PendingRelease(request_id=request_id, count=release,
+                                                  since=time.time(), subject=subject))
+            if not await self._store_scale(st):
+                await self._answer(subject, request_id, False, "the scale state changed "
+                                   "concurrently (another scaler?); send the request again")
+                return
+        # Outside the lock: the actuator may take seconds (or not exist, as under compose).
+        note = ""
+        if start:
+            pods, err = await self._actuate(ActuatorCommand(
+                action=ActuatorAction.start, role=Role.spare, count=start,
+                reason=f"capacity add: {request_id}"))
+            note = (f"; started {', '.join(pods)} as spare(s)" if not err else
+                    f"; no pods started ({err}): start {start} pod(s) with role spare")
+        await self._answer(subject, request_id, True, st.reason + note, target=d.target)
+        for pod in d.stop_spares:  # outside the lock: a stop waits for the process to exit
+            self.spawn(self._stop_spare(pod, request_id))
+        self._kick.set()
+
+    async def _answer(self, subject: str, request_id: str, accepted: bool, reason: str,
+                      target: int | None = None, completed: bool = False,
+                      pods: list[str] | None = None) -> None:
+        self.log.info("request " + ("completed" if completed else
+                                    "accepted" if accepted else "refused"),
+                      subject=subject, request_id=request_id, reason=reason, pods=pods)
         await self.bus.publish(self.bus.subjects.decision, Decision(
-            request_id=request_id, accepted=False, reason=reason,
-            generation=self.plans.generation or None))
+            request_id=request_id, accepted=accepted, reason=reason[:2048],
+            generation=self.plans.generation or None, target=target, completed=completed,
+            pods=pods or []))
+
+    async def _actuate(self, cmd: ActuatorCommand) -> tuple[list[str], str]:
+        try:
+            reply = await self.bus.request(self.bus.subjects.actuator, cmd, ActuatorReply,
+                                           timeout=self.actuator_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return [], f"no actuator answered: {type(e).__name__}"
+        return (reply.pods, "") if reply.ok else ([], reply.error or "actuator refused")
+
+    async def _stop_spare(self, pod: str, request_id: str) -> None:
+        pods, err = await self._actuate(ActuatorCommand(action=ActuatorAction.stop, pod=pod,
+                                                        reason=f"released: {request_id}"))
+        self.log.info("spare released", pod=pod, request_id=request_id, error=err or None)
+        self.done.add(pod)  # not a spare any more, whether or not the actuator answered
+        self.pods.pop(pod, None)
+        async with self._lock:
+            await self._load_scale()
+            if self.scale is None:
+                return
+            for r in self.scale.releases:
+                if r.request_id == request_id and pod not in r.freed:
+                    r.freed.append(pod)
+            await self._store_scale(self.scale)
+        self._kick.set()
+
+    # ------------------------------------------------------------------ scale state (KV)
+    def _target(self, plan: Plan) -> int:
+        if self.scale is not None:
+            return self.scale.target
+        return max(plan.world_size, self.cfg.target_workers)
+
+    async def _load_scale(self) -> None:
+        try:
+            entry = await self.kv.get(SCALE_KEY)
+        except (KeyNotFoundError, NotFoundError):
+            self.scale, self.scale_revision = None, None
+            return
+        if entry.value is None:
+            self.scale, self.scale_revision = None, None
+            return
+        try:
+            self.scale = ScaleState.model_validate_json(entry.value)
+            self.scale_revision = entry.revision
+        except ValueError as e:
+            self.log.error("KV scale state does not validate; ignoring it", error=str(e)[:300])
+            self.scale, self.scale_revision = None, entry.revision
+
+    async def _store_scale(self, st: ScaleState) -> bool:
+        data = st.model_dump_json().encode()
+        try:
+            if self.scale_revision is None:
+                rev = await self.kv.create(SCALE_KEY, data)
+            else:
+                rev = await self.kv.update(SCALE_KEY, data, last=self.scale_revision)
+        except KeyWrongLastSequenceError:
+            await self._load_scale()
+            return False
+        self.scale, self.scale_revision = st, rev
+        return True
 
     # ------------------------------------------------------------------ liveness views
     def _alive(self, pod: str, now: float) -> bool:
@@ -374,6 +509,7 @@ class Scaler(Service):
             del self.pending[pod]  # handled by a plan (possibly another scaler's)
         if not self.pending:
             self.waiting = ""
+            await self._elastic(plan, now)
             return
         pend = sorted(self.pending.values(), key=lambda p: p.since)
         for p in pend:
@@ -390,6 +526,130 @@ class Scaler(Service):
             self._note_wait(d.reason)
             return
         await self._commit(d, self.plans.revision, pend)
+
+    # ------------------------------------------------------------------ elastic
+    async def _elastic(self, plan: Plan, now: float) -> None:
+        """No fault pending: finish releases, then move toward the target replica count with
+        one planned transition at a time."""
+        await self._load_scale()
+        entering = self._not_entered(plan)
+        if entering:
+            if plan.apply_step is not None and \
+                    time.time() - plan.ts > self.cfg.policy.scaling_timeout_s:
+                for pod in entering:  # a joiner that never trained: drop it like a fault
+                    if pod in self.pending:
+                        continue
+                    inc = f"inc-{pod}-g{plan.generation}"
+                    self.log.warning("member not training after the scaling timeout; dropped",
+                                     pod=pod, generation=plan.generation, incident=inc,
+                                     scaling_timeout_s=self.cfg.policy.scaling_timeout_s)
+                    self.dead.add(pod)
+                    self.pending[pod] = Pending(pod=pod, incident=inc, kind="lost", ctx=None,
+                                                since=now)
+                self._kick.set()
+            return
+        await self._releases(plan, now)
+        target = self._target(plan)
+        spares = self.alive_spares(plan, now)
+        want = policy.desired_size(plan.world_size, target, len(spares), self.cfg)
+        if want == plan.world_size:
+            return
+        snooze = self.cfg.policy.scale_up_snooze_s
+        if want > plan.world_size and time.time() - plan.ts < snooze:
+            self._note_wait(f"scale-up to {want} snoozed until {snooze:g}s after the last "
+                            "change")
+            self._kick_later(snooze - (time.time() - plan.ts))
+            return
+        apply = self._apply_step(plan, now)
+        why = self.scale.reason if self.scale is not None and self.scale.reason else (
+            f"target {target}")
+        new = policy.scale_plan(plan, target, spares, self.cfg, apply_step=apply, reason=why,
+                                incident=f"scale-g{plan.generation + 1}")
+        if new is None:
+            return
+        leaving = [m.pod for m in plan.members if new.rank_of(m.pod) is None]
+        if await self._commit(new, self.plans.revision, []) and leaving \
+                and self.scale is not None:
+            for r in self.scale.releases:
+                need = r.count - len(r.freed) - len(r.leaving)
+                r.leaving += leaving[:max(0, need)]
+                leaving = leaving[max(0, need):]
+            await self._store_scale(self.scale)
+
+    def _kick_later(self, delay: float) -> None:
+        asyncio.get_running_loop().call_later(max(0.01, delay), self._kick.set)
+
+    def _not_entered(self, plan: Plan) -> list[str]:
+        """Members of ``plan`` not (yet) training in its generation: a transition in flight."""
+        out = []
+        for m in plan.members:
+            s = self.pods.get(m.pod)
+            if s is None or s.generation < plan.generation or s.state != AgentState.training:
+                if m.pod not in self.done:
+                    out.append(m.pod)
+        return out
+
+    def _apply_step(self, plan: Plan, now: float) -> int:
+        """The first step of the new generation: after the step the members are computing
+        now, far enough ahead (``transition_lead_s``) for the plan to reach all of them."""
+        best, times = -1, []
+        for m in plan.members:
+            s = self.pods.get(m.pod)
+            if s is None:
+                continue
+            est = s.step
+            if s.step_time:  # heartbeats lag: estimate where the member is by now
+                est += int((now - s.last) / s.step_time)
+                times.append(s.step_time)
+            best = max(best, est)
+        times.sort()
+        st = times[len(times) // 2] if times else None
+        lead = self.cfg.policy.transition_lead_s
+        ahead = 1 + (max(1, math.ceil(lead / st)) if st else 2)
+        return max(0, best + ahead)
+
+    def _gone(self, pod: str, now: float) -> bool:
+        if pod in self.done or pod in self.dead:
+            return True
+        s = self.pods.get(pod)
+        if s is None:
+            return True
+        return now - s.last > self.fault_timeout or (
+            s.state in GONE_STATES and now - s.last > 1.0)
+
+    async def _releases(self, plan: Plan, now: float) -> None:
+        """Answer releases whose slots are free; stop leaving members that overstay."""
+        st = self.scale
+        if st is None or not st.releases:
+            return
+        keep, changed = [], False
+        for r in st.releases:
+            for pod in list(r.leaving):
+                if self._gone(pod, now):
+                    r.leaving.remove(pod)
+                    r.freed.append(pod)
+                    changed = True
+                elif plan.apply_step is not None and \
+                        time.time() - plan.ts > self.cfg.policy.graceful_shutdown_timeout_s \
+                        and pod not in self.fence_requested:
+                    self.fence_requested.add(pod)
+                    self.log.warning("leaving member still running after the graceful shutdown "
+                                     "timeout; stopping it", pod=pod, request_id=r.request_id)
+                    self.spawn(self._actuate(ActuatorCommand(
+                        action=ActuatorAction.stop, pod=pod, reason="graceful shutdown timeout")))
+            unassigned = r.count - len(r.freed) - len(r.leaving)
+            if not r.leaving and (unassigned <= 0 or plan.world_size <= st.target):
+                took = time.time() - r.since
+                await self._answer(r.subject, r.request_id, True,
+                                   f"released: {', '.join(r.freed) or 'no pod'} free after "
+                                   f"{took:.2f}s", completed=True, pods=r.freed,
+                                   target=st.target)
+                changed = True
+                continue
+            keep.append(r)
+        if changed:
+            st.releases = keep
+            await self._store_scale(st)
 
     async def _last_generation(self) -> int:
         """The highest plan generation in the KV history of ``plan`` (0 if none)."""
@@ -510,6 +770,12 @@ class Scaler(Service):
             "pending": {p.pod: {"incident": p.incident, "kind": p.kind,
                                 "age": round(now - p.since, 3)} for p in self.pending.values()},
             "waiting": self.waiting or None,
+            "scale": None if self.scale is None else {
+                "target": self.scale.target, "reason": self.scale.reason,
+                "request_id": self.scale.request_id, "updated": self.scale.updated,
+                "releases": [r.model_dump() for r in self.scale.releases]},
+            "last_change": {"generation": plan.generation, "reason": plan.reason,
+                            "ts": plan.ts} if plan is not None else None,
             "plans_written": self.plans_written,
             "cas_conflicts": self.cas_conflicts,
             "ignored": dict(self.ignored),
@@ -517,7 +783,8 @@ class Scaler(Service):
                        "max_replicas": self.cfg.max_replicas,
                        "global_batch_size": self.cfg.global_batch_size,
                        "micro_batch_size": self.cfg.micro_batch_size,
-                       "fault_timeout": self.fault_timeout, "start_timeout": self.start_timeout},
+                       "fault_timeout": self.fault_timeout, "start_timeout": self.start_timeout,
+                       **self.cfg.policy.model_dump(exclude={"min_replicas", "max_replicas"})},
         }
 
 
