@@ -131,7 +131,7 @@ def test_compose_refuses_to_run_without_a_password():
     r = subprocess.run(_compose_cmd() + ["-f", str(COMPOSE), "config", "-q"],
                        env=_compose_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0
-    assert "CEASELESS_NATS_PASSWORD" in r.stderr
+    assert "CEASELESS_NATS_PASSWORD_" in r.stderr
 
 
 def test_nats_conf_is_generated_from_permissions():
@@ -245,8 +245,9 @@ async def test_nats_conf_roles_from_env_and_jetstream(conf_server):
         await agent.publish(s.inject, b"{}")
         await agent.publish(s.heartbeat("w0"), b"{}")           # allowed
         await agent.flush()
+        akv = await agent.jetstream().key_value(s.kv_bucket)      # reading is allowed
         with pytest.raises(Exception):
-            await asyncio.wait_for(agent.jetstream().key_value(s.kv_bucket), 3)
+            await asyncio.wait_for(akv.put("plan", b'{"generation": 99}'), 2)
         skv = await scaler.jetstream().key_value(s.kv_bucket)
         await skv.put("plan", b"{}")
         await scaler.publish(s.plan, b"{}")                       # allowed for the scaler
