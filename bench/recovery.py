@@ -1,9 +1,16 @@
-"""Recovery benchmark: downtime of an in-process recovery, with its phase breakdown.
+"""Recovery benchmark: downtime of an in-process recovery, with its phase breakdown, against a
+checkpoint-restart baseline measured in the same invocation.
 
     python -m bench.recovery [--workers 4] [--spares 1] [--model 10m] [--steps 30]
                              [--repeats 3] [--scenarios kill,hang,kill0] [--seed 0]
-                             [--json PATH] [--write-doc]
+                             [--systems ceaseless,ckpt20,ckpt100] [--json PATH]
+                             [--svg PATH] [--write-doc]
     ceaseless bench recovery ...        (same options)
+
+Systems: ``ceaseless`` (every scenario below) and ``ckptN``: plain DDP under ``torchrun
+--max-restarts`` with ``torch.save`` every N steps and a load on start (``bench/ckpt_restart.py``;
+the SIGKILL-of-a-worker scenario only). In each repeat every system gets the same fault step
+and victim rank; the order of the systems rotates per repeat (A B C, B C A, C A B, …).
 
 Each run is a real `ceaseless up` cluster (nats-server, the services, gloo process groups on
 loopback) training the example GPT. At a random step (seeded) one process gets:
@@ -23,8 +30,13 @@ each committed step) it reports:
 * **phases**: the incident's critical path from the traces (detect, plan, transfer plan,
   abort, rendezvous, state sync, data resume, first step).
 
+For a baseline: kill -> first step after the restart, kill -> back at the pre-kill step, and
+the steps recomputed (from the per-step commit files of its workers). The ratio of
+Ceaseless' downtime to each baseline's "back at the pre-kill step" is reported as the ratio of
+the medians and per repeat.
+
 Medians and min–max over the repeats; ``--write-doc`` replaces the ``## Recovery`` section of
-docs/benchmarks.md.
+docs/benchmarks.md and writes docs/img/bench-recovery.svg.
 """
 
 from __future__ import annotations

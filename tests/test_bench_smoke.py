@@ -1,0 +1,140 @@
+"""Smoke tests of the benchmarks: each runs on a tiny setting and produces its JSON, table and
+plot. The benchmarks themselves are not part of the test suite (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _alive_and_ours(pid: int, marker: str) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return marker in cmd or marker in env
+
+
+def _cleanup(proc: subprocess.Popen, work: Path) -> None:
+    """By PID only: the bench's own process group, the torchrun sessions it recorded
+    (``torchrun.pid``), the processes `ceaseless up` recorded (``pids.txt``) and the
+    helper processes the benches record (``*.pids``)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for f in work.rglob("torchrun.pid"):
+        try:
+            os.killpg(int(f.read_text().split()[0]), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError):
+            pass
+    for f in [*work.rglob("pids.txt"), *work.rglob("*.pids")]:
+        for line in f.read_text().splitlines():
+            try:
+                pid = int(line.split()[-1])
+            except (ValueError, IndexError):
+                continue
+            if _alive_and_ours(pid, str(work)) or f.suffix == ".pids":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+
+
+def run_bench(tmp_path: Path, args: list[str], timeout: float) -> dict:
+    work = tmp_path / "work"
+    work.mkdir()
+    out_json = tmp_path / "res.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CEASELESS_BENCH_MARKER": str(work)}
+    cmd = [sys.executable, "-m", "services.cli", "bench", *args, "--work-dir", str(work),
+           "--json", str(out_json), "--svg", str(tmp_path / "plot.svg")]
+    log = open(tmp_path / "bench.out", "wb")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _cleanup(proc, work)
+    out = (tmp_path / "bench.out").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    svg = (tmp_path / "plot.svg").read_text()
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    res = json.loads(out_json.read_text())
+    assert "## " in out  # the markdown table was printed
+    return res
+
+
+@pytest.mark.timeout(30)
+def test_recovery_checkpoint_restart_baseline(tmp_path):
+    res = run_bench(tmp_path, ["recovery", "--systems", "ckpt4", "--scenarios", "kill",
+                               "--model", "tiny", "--workers", "2", "--steps", "12",
+                               "--repeats", "1"], timeout=26)
+    (run,) = res["runs"]
+    assert run["system"] == "ckpt4" and run["restarts"] >= 1
+    assert run["back_at_step_s"] >= run["downtime_s"] > 0
+    # restored from the last checkpoint before the kill; the steps after it were redone
+    assert run["restored_step"] % 4 == 3 or run["restored_step"] == -1
+    assert run["recomputed_steps"] == run["pre_kill_step"] - run["restored_step"]
+    assert run["final_step"] == 11
+
+
+@pytest.mark.timeout(30)
+def test_recovery_ceaseless_with_ratio(tmp_path):
+    res = run_bench(tmp_path, ["recovery", "--systems", "ceaseless", "--scenarios", "kill",
+                               "--model", "tiny", "--workers", "2", "--spares", "1",
+                               "--steps", "12", "--repeats", "1"], timeout=26)
+    (run,) = res["runs"]
+    assert run["system"] == "ceaseless" and run["lost_steps"] == 0
+    assert res["summary"]["kill"]["downtime_s"]["n"] == 1
+
+
+def test_recovery_ratio_and_table_from_runs():
+    """The ratio and the table, from made-up runs (no processes)."""
+    import argparse
+
+    from bench import recovery
+
+    systems, scenarios = ["ceaseless", "ckpt20"], ["kill"]
+    runs = []
+    for r, (c, b) in enumerate([(0.3, 6.0), (0.4, 8.0), (0.5, 5.0)]):
+        runs.append({"system": "ceaseless", "scenario": "kill", "repeat": r, "downtime_s": c,
+                     "kill_to_step_s": c + 0.1, "back_at_step_s": c + 0.1, "lost_steps": 0,
+                     "median_step_s": 0.25, "phases": {"detect": 2.0}})
+        runs.append({"system": "ckpt20", "scenario": "kill", "repeat": r, "downtime_s": b - 1,
+                     "back_at_step_s": b, "gap_s": b - 1.2, "recomputed_steps": 7,
+                     "median_step_s": 0.25, "phases_s": {"respawn": 0.5}})
+    agg = recovery.aggregate(runs, systems, scenarios)
+    ratio = agg["ckpt20"]["ratio_ceaseless_downtime_to_back_at_step"]["kill"]
+    assert ratio["of_medians"] == pytest.approx(0.4 / 6.0)
+    assert ratio["per_repeat"]["median"] == pytest.approx(0.05)
+    p = argparse.ArgumentParser()
+    recovery.add_arguments(p)
+    cfg = vars(p.parse_args(["--systems", "ceaseless,ckpt20", "--scenarios", "kill"]))
+    res = {"config": cfg | {"command": "x"}, "summary": agg,
+           "machine": {"date": "d", "cpu": "c", "cores": 2, "platform": "p", "python": "3",
+                       "torch": "t"}}
+    md = recovery.markdown(res)
+    assert "0.067" in md and "torch.save every 20 steps" in md
+    assert recovery.plot(res).startswith("<svg")
