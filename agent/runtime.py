@@ -130,7 +130,9 @@ class Runtime:
             if self.plan is not None and plan.generation <= self.plan.generation:
                 return  # stale or replayed
             self.plan, self.plan_ctx, self.plan_at = plan, ctx, time.time()
-            if plan.generation > self.joined_generation and self.joined_generation > 0:
+            # A planned (elastic) plan is entered at its step boundary, never by aborting.
+            if plan.generation > self.joined_generation and self.joined_generation > 0 \
+                    and plan.apply_step is None:
                 self.abort_at = self.plan_at
                 self.abort.set()
             self.cond.notify_all()
@@ -253,7 +255,8 @@ class Runtime:
         with self.cond:
             self.joined_generation = generation
             self.abort.clear()
-            if self.plan is not None and self.plan.generation > generation:
+            if self.plan is not None and self.plan.generation > generation \
+                    and self.plan.apply_step is None:
                 self.abort_at = self.plan_at
                 self.abort.set()
 

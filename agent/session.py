@@ -24,6 +24,7 @@ import torch
 from opentelemetry import trace
 
 from schemas import micro_batch_range, num_micro_batches
+from schemas.batching import lr_factor_at
 from schemas.messages import AgentState, InjectAction, Recovery, ReportKind, Role
 from services.common import logs
 
@@ -61,6 +62,7 @@ class _Incident:
     role: str = "survivor"
     attempts: int = 1
     promoted: bool = False             # a spare entering: nothing to abort, no abort span
+    planned: bool = False              # an elastic transition at a step boundary: no abort
 
 
 @dataclass
@@ -110,6 +112,13 @@ class Session:
         self._orders: dict[int, Any] = {}
         self._entered = False
         self._finished = False
+        self._released = False
+        # learning-rate factor (the plan's lr_factor, ramped over lr_warmup_steps): part of
+        # the training state, so a replacement continues the same ramp
+        self.lr_factor = 1.0
+        self._lr_from = 1.0
+        self._lr_start = 0
+        self._plan: Any = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -217,12 +226,18 @@ class Session:
             yield from self._local_steps(total)
             return
         if not self._recover(first=True):
-            self._leave()
+            self._leave(released=self._released)
             return
         while True:
             s = self.last_committed + 1
             if s >= total:
                 break
+            planned = self._planned_transition(s)
+            if planned is not None:
+                if not self._transition(planned):
+                    self._leave(released=self._released)
+                    return
+                continue
             self.current_step = s
             self._interrupted = False
             yield s
@@ -230,9 +245,37 @@ class Session:
                 if not self._interrupted:
                     raise RuntimeError("call s.step() exactly once per step")
                 if not self._recover():
-                    self._leave()
+                    self._leave(released=self._released)
                     return
         self._finish()
+
+    def _planned_transition(self, s: int) -> Any:
+        """A planned plan that applies from step ``s`` (or earlier: a late arrival)."""
+        p = self.runtime.plan
+        if p is not None and p.apply_step is not None and p.generation > self.generation \
+                and s >= p.apply_step:
+            return p
+        return None
+
+    def _transition(self, plan: Any) -> bool:
+        """Enter ``plan`` at this step boundary: stay (a member: rebuild the group, no
+        abort, nothing recomputed), go back to the spare pool, or leave (slot released).
+        False when this pod leaves the job."""
+        rt, pod = self.runtime, self.cfg.pod
+        if plan.rank_of(pod) is not None:
+            self._incident = _Incident(notice=time.time(), last_commit=self._last_commit_time,
+                                       reason=f"planned: {plan.reason}"[:200], planned=True)
+            return self._recover()
+        log.info("leaving at a planned transition", generation=plan.generation,
+                 step=self.last_committed, spare=pod in plan.spares, reason=plan.reason)
+        self._close_group()
+        self._seen_generation = plan.generation
+        if pod in plan.spares:
+            rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
+                      state=AgentState.waiting)
+            return self._recover(first=True)
+        self._released = True
+        return False
 
     def _local_steps(self, total: int) -> Iterator[int]:
         while self.last_committed + 1 < total:
@@ -318,8 +361,18 @@ class Session:
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = g
+        f = self._lr_at(s)
         for opt in self._optimizers():
-            opt.step()
+            if f != 1.0:  # scale around the update only: schedulers keep their own lr
+                saved = [g["lr"] for g in opt.param_groups]
+                for g in opt.param_groups:
+                    g["lr"] = g["lr"] * f
+                opt.step()
+                for g, lr in zip(opt.param_groups, saved):
+                    g["lr"] = lr
+            else:
+                opt.step()
+        self.lr_factor = f
         for sch in self._schedulers():
             sch.step()
         self._zero_grad()
@@ -327,6 +380,12 @@ class Session:
         return True
 
     # ------------------------------------------------------------------ commit / discard
+    def _lr_at(self, s: int) -> float:
+        p = self._plan
+        if p is None:
+            return 1.0
+        return lr_factor_at(s, self._lr_start, self._lr_from, p.lr_factor, p.lr_warmup_steps)
+
     def _zero_grad(self) -> None:
         for opt in self._optimizers():
             opt.zero_grad(set_to_none=True)
@@ -478,10 +537,15 @@ class Session:
             if plan.rank_of(pod) is not None:
                 return plan, ctx
             self._seen_generation = plan.generation
-            if self.generation > 0 and pod not in plan.spares:
+            if self.generation > 0 and pod in plan.fenced:
                 # We were a member and the plan dropped us (fenced, e.g. after a hang).
                 rt.report_sync(ReportKind.fenced, f"not in plan {plan.generation}")
                 self._fallback(f"fenced: pod {pod} is not in plan generation {plan.generation}")
+            if self.generation > 0 and pod not in plan.spares:
+                # Dropped without being fenced: a planned shrink released our slot (we saw
+                # the plan only after an error in the old group).
+                self._released = True
+                return None
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
                       state=AgentState.waiting)
 
@@ -500,7 +564,8 @@ class Session:
                                              last_commit=None, reason="promoted", promoted=True)
         if inc is not None:
             inc.t_plan, inc.generation, inc.incident, inc.plan_ctx = (
-                inc.notice if inc.promoted else time.time(), g, plan.incident, plan_ctx)
+                inc.notice if inc.promoted or inc.planned else time.time(), g, plan.incident,
+                plan_ctx)
         rt.join(g)
         self._close_group()
         self.generation = g
@@ -514,7 +579,7 @@ class Session:
         # source) is likely a source: copy the state while the peers connect, not after.
         snap: list[Any] = []
         if self.last_committed >= 0 or g == 1:
-            extra = {"step": self.last_committed, "loss": self.loss}
+            extra = {"step": self.last_committed, "loss": self.loss, "lr_factor": self.lr_factor}
             meanwhile = lambda: snap.append(snapshot(self.objs, extra))  # noqa: E731
         else:
             meanwhile = None
@@ -551,6 +616,7 @@ class Session:
             extra = st.extra or {}
             self.last_committed = int(extra.get("step", transfer.restore_step))
             self.loss = extra.get("loss")
+            self.lr_factor = float(extra.get("lr_factor", 1.0))
             if self.last_committed != transfer.restore_step:
                 raise RuntimeError(f"received state of step {self.last_committed}, "
                                    f"expected {transfer.restore_step}")
@@ -561,9 +627,12 @@ class Session:
             mine = {r: srcs for r, srcs in transfer.sources.items() if self.rank in srcs}
             if mine:
                 st = snap[0] if snap else snapshot(
-                    self.objs, {"step": self.last_committed, "loss": self.loss})
+                    self.objs, {"step": self.last_committed, "loss": self.loss,
+                                "lr_factor": self.lr_factor})
                 sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
         self._zero_grad()
+        # the learning-rate ramp of this generation starts from the restored factor
+        self._plan, self._lr_from, self._lr_start = plan, self.lr_factor, transfer.restore_step + 1
         if inc is not None:
             inc.t_sync = time.time()
             inc.restore_step = transfer.restore_step
@@ -628,8 +697,10 @@ class Session:
                                    attributes=attrs)
         pctx = trace.set_span_in_context(parent)
         t = inc.notice
+        if inc.planned:
+            parent.set_attribute("ceaseless.planned", True)
         for name, dur in phases.items():
-            if name == "abort" and inc.promoted:
+            if name == "abort" and (inc.promoted or inc.planned):
                 t += dur
                 continue
             span = tracer.start_span(name, context=pctx, start_time=ns(t), attributes=attrs)
@@ -660,8 +731,12 @@ class Session:
         rt.put_done(self.last_committed, self.generation)
         self._write_result()
 
-    def _leave(self) -> None:
-        log.info("job finished before this pod was promoted; leaving")
+    def _leave(self, released: bool = False) -> None:
+        if released:
+            log.info("slot released by a planned shrink; leaving", step=self.last_committed,
+                     generation=self._seen_generation)
+        else:
+            log.info("job finished before this pod was promoted; leaving")
         self.runtime.update(now=True, state=AgentState.done)
 
     def _write_result(self) -> None:
@@ -675,6 +750,13 @@ class Session:
                "param_sha256": self.param_sha256(),
                "losses": {str(k): v for k, v in sorted(self.stats.losses.items())},
                "commits": [[k, round(t, 6)] for k, t in self.stats.commits]}
+        if os.environ.get("CEASELESS_SAVE_PARAMS") == "1":  # exact values, for comparisons
+            params = {f"{n}.{k}": t.detach().cpu().clone()
+                      for n, o in sorted(self.objs.items()) if isinstance(o, torch.nn.Module)
+                      for k, t in o.state_dict().items()}
+            tmp_pt = out / f".{self.pod}.pt.tmp"
+            torch.save(params, tmp_pt)
+            tmp_pt.replace(out / f"{self.pod}.pt")
         tmp = out / f".{self.pod}.json.tmp"
         tmp.write_text(json.dumps(res))
         tmp.replace(out / f"{self.pod}.json")

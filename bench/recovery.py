@@ -3,13 +3,15 @@ checkpoint-restart baseline measured in the same invocation.
 
     python -m bench.recovery [--workers 4] [--spares 1] [--model 10m] [--steps 30]
                              [--repeats 3] [--scenarios kill,hang,kill0] [--seed 0]
-                             [--systems ceaseless,ckpt20,ckpt100] [--json PATH]
+                             [--systems ceaseless,ckpt20,ckpt100,torchft1000] [--json PATH]
                              [--svg PATH] [--write-doc]
     ceaseless bench recovery ...        (same options)
 
 Systems: ``ceaseless`` (every scenario below) and ``ckptN``: plain DDP under ``torchrun
 --max-restarts`` with ``torch.save`` every N steps and a load on start (``bench/ckpt_restart.py``;
-the SIGKILL-of-a-worker scenario only). In each repeat every system gets the same fault step
+the SIGKILL-of-a-worker scenario only) and ``torchftMS``: torchft (when installed), one
+process per replica group, lighthouse heartbeat timeout MS ms (``bench/torchft_bench.py``;
+SIGKILL of a worker only; survivors continue without it). In each repeat every system gets the same fault step
 and victim rank; the order of the systems rotates per repeat (A B C, B C A, C A B, …).
 
 Each run is a real `ceaseless up` cluster (nats-server, the services, gloo process groups on
@@ -73,9 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--scenarios", default="kill,hang,kill0")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", default="ceaseless,ckpt20,ckpt100",
-                   help="ceaseless and/or ckptN (torchrun --max-restarts, torch.save every N "
-                        "steps; crash scenario only)")
+    p.add_argument("--systems", default="ceaseless,ckpt20,ckpt100,torchft1000",
+                   help="ceaseless, ckptN (torchrun --max-restarts, torch.save every N "
+                        "steps) and/or torchftMS (torchft, lighthouse heartbeat timeout MS ms; "
+                        "skipped with a note when torchft is not installed); the baselines run "
+                        "the crash scenario only")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun, for ckptN")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun, for ckptN")
     p.add_argument("--svg", help="write the plot here (default with --write-doc: "
@@ -118,22 +122,38 @@ async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_ste
     return analyse(run_dir, scenario, rank, t_kill)
 
 
+def window_gap(commits: list[tuple[int, float]], t_kill: float, t_end: float) -> float | None:
+    """The longest gap between consecutive commits (time order) that ends after ``t_kill`` and
+    no later than ``t_end`` (the first step of the recovered job on this process)."""
+    ts = sorted(t for _, t in commits)
+    gaps = [b - a for a, b in zip(ts, ts[1:]) if t_kill <= b <= t_end and a < t_end]
+    return max(gaps) if gaps else None
+
+
 def analyse(run_dir: Path, scenario: str, rank: int, t_kill: float) -> dict[str, Any]:
     summ = json.loads((run_dir / "summary.json").read_text())
+    logs = []
+    for f in sorted((run_dir / "results").glob("*.json")):
+        logs.append([(int(s), float(t)) for s, t in json.loads(f.read_text()).get("commits", [])])
+    # The recovered job's first step: the first step a promoted spare committed (it commits
+    # only in the new generation); without one, the survivors' first step after the kill.
+    spare_first = [c[0][0] for c in logs if c and c[0][1] >= t_kill]
+    recovered_step = min(spare_first) if spare_first else None
     gaps, to_step, steps_med, pre_kill = [], [], [], -1
     back = []
-    for f in sorted((run_dir / "results").glob("*.json")):
-        commits = [(int(s), float(t)) for s, t in json.loads(f.read_text()).get("commits", [])]
+    for commits in logs:
         before = [c for c in commits if c[1] < t_kill]
         after = [c for c in commits if c[1] >= t_kill]
         if not before or not after:
             continue  # a promoted spare (or a pod that left): not a survivor
         diffs = [b[1] - a[1] for a, b in zip(commits, commits[1:])]
         med = statistics.median(diffs)
-        gap = after[0][1] - before[-1][1]
+        first = next((c for c in after if recovered_step is None or c[0] >= recovered_step),
+                     after[0])
+        gap = window_gap(commits, t_kill, first[1]) or (after[0][1] - before[-1][1])
         gaps.append(gap - med)
         steps_med.append(med)
-        to_step.append(after[0][1] - t_kill)
+        to_step.append(first[1] - t_kill)
         pre_kill = max(pre_kill, before[-1][0])
         nxt = [t for s, t in after if s > before[-1][0]]
         if nxt:
@@ -175,9 +195,10 @@ def parse_systems(a: argparse.Namespace) -> tuple[list[str], list[str]]:
             raise SystemExit(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     for s in systems:
-        if s != "ceaseless" and not (s.startswith("ckpt") and s[4:].isdigit()):
-            raise SystemExit(f"unknown system {s!r}: ceaseless or ckptN (N = checkpoint every "
-                             "N steps)")
+        if s != "ceaseless" and not (s.startswith("ckpt") and s[4:].isdigit()) and not (
+                s.startswith("torchft") and s[7:].isdigit()):
+            raise SystemExit(f"unknown system {s!r}: ceaseless, ckptN (N = checkpoint every "
+                             "N steps) or torchftMS (MS = heartbeat timeout, ms)")
     return systems, scenarios
 
 
@@ -185,10 +206,24 @@ def ckpt_every(system: str) -> int:
     return int(system[4:])
 
 
+def torchft_hb(system: str) -> int:
+    return int(system[7:])
+
+
 async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     systems, scenarios = parse_systems(a)
     if a.repeats < 1 or a.steps < 12:
         raise SystemExit("need --repeats >= 1 and --steps >= 12")
+    skipped = {}
+    if any(x.startswith("torchft") for x in systems):
+        from bench import torchft_bench
+
+        why = torchft_bench.available()
+        if why:
+            skipped = {x: f"torchft not usable here: {why}" for x in systems
+                       if x.startswith("torchft")}
+            systems = [x for x in systems if x not in skipped]
+            print(f"skipping {', '.join(skipped)}: {why}", flush=True)
     rng = random.Random(a.seed)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
     data = work / "data"
@@ -212,6 +247,13 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.monotonic()
                 if system == "ceaseless":
                     res = await one_run(d, a, scenario, fault_step, rank)
+                elif system.startswith("torchft"):
+                    from bench import torchft_bench
+
+                    res = await asyncio.to_thread(
+                        torchft_bench.run_once, d, a, torchft_hb(system), data, fault_step,
+                        rank, 120 + a.steps * 30)
+                    res["scenario"] = "kill"
                 else:
                     from bench import ckpt_restart
 
@@ -227,6 +269,12 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                           f"{res['pre_kill_step']:>3}: downtime {res['downtime_s']:.3f}s, "
                           f"kill->step {res['kill_to_step_s']:.3f}s, lost {res['lost_steps']}, "
                           f"step {res['median_step_s']:.3f}s  {res['phases']}", flush=True)
+                elif system.startswith("torchft"):
+                    print(f"[{r + 1}/{a.repeats}] {system:<9} kill   step "
+                          f"{res['pre_kill_step']:>3}: downtime {res['downtime_s']:.3f}s, "
+                          f"kill->step {res['kill_to_step_s']:.3f}s, back at step "
+                          f"{res['back_at_step_s']:.3f}s, recomputed {res['recomputed_steps']}, "
+                          f"step {res['median_step_s']:.3f}s", flush=True)
                 else:
                     print(f"[{r + 1}/{a.repeats}] {system:<9} kill   step "
                           f"{res['pre_kill_step']:>3}: kill->step {res['downtime_s']:.3f}s, "
@@ -234,8 +282,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                           f"{res['recomputed_steps']} (restored {res['restored_step']}), step "
                           f"{res['median_step_s']:.3f}s  {res['phases_s']}", flush=True)
     return {"benchmark": "recovery", "machine": machine(),
-            "config": config(a) | {"command": cmdline()}, "runs": runs,
-            "summary": aggregate(runs, systems, scenarios)}
+            "config": config(a) | {"command": cmdline(), "systems_run": ",".join(systems)},
+            "runs": runs, "skipped": skipped, "summary": aggregate(runs, systems, scenarios)}
 
 
 def aggregate(runs: list[dict[str, Any]], systems: list[str],
@@ -255,24 +303,33 @@ def aggregate(runs: list[dict[str, Any]], systems: list[str],
                   "phases_ms": {k: summary(x["phases"].get(k, 0.0) for x in rs) for k in names}}
     for b in [x for x in systems if x != "ceaseless"]:
         rs = [x for x in runs if x["system"] == b]
-        names = list(rs[0]["phases_s"]) if rs else []
         agg[b] = {"downtime_s": summary(x["downtime_s"] for x in rs),
-                  "back_at_step_s": summary(x["back_at_step_s"] for x in rs),
-                  "gap_s": summary(x["gap_s"] for x in rs if x["gap_s"] is not None),
+                  "back_at_step_s": summary(x["back_at_step_s"] for x in rs
+                                            if x["back_at_step_s"] is not None),
                   "recomputed_steps": summary(x["recomputed_steps"] for x in rs),
-                  "median_step_s": summary(x["median_step_s"] for x in rs),
-                  "phases_ms": {k: summary(1000 * x["phases_s"][k] for x in rs) for k in names}}
-        # Ceaseless' downtime per scenario / this baseline's "back at the pre-kill step":
-        # the ratio of the medians, and the per-repeat ratios (same fault schedule)
-        ratios = {}
-        for s in scenarios if "ceaseless" in systems else []:
-            cs = {x["repeat"]: x["downtime_s"] for x in runs
-                  if x["system"] == "ceaseless" and x["scenario"] == s}
-            pairs = [cs[x["repeat"]] / x["back_at_step_s"] for x in rs if x["repeat"] in cs]
-            med_c, med_b = agg[s]["downtime_s"]["median"], agg[b]["back_at_step_s"]["median"]
-            ratios[s] = {"of_medians": (med_c / med_b) if med_c is not None and med_b else None,
-                         "per_repeat": summary(pairs)}
-        agg[b]["ratio_ceaseless_downtime_to_back_at_step"] = ratios
+                  "median_step_s": summary(x["median_step_s"] for x in rs)}
+        if b.startswith("torchft"):
+            agg[b]["kill_to_step_s"] = summary(x["kill_to_step_s"] for x in rs)
+        else:
+            names = list(rs[0]["phases_s"]) if rs else []
+            agg[b]["gap_s"] = summary(x["gap_s"] for x in rs if x["gap_s"] is not None)
+            agg[b]["phases_ms"] = {k: summary(1000 * x["phases_s"][k] for x in rs)
+                                   for k in names}
+        # Ceaseless' downtime per scenario / this baseline's "back at the pre-kill step" (and,
+        # for torchft, / its own downtime, the stall): the ratio of the medians, and the
+        # per-repeat ratios (same fault schedule)
+        for key, theirs in (("ratio_ceaseless_downtime_to_back_at_step", "back_at_step_s"),
+                            ("ratio_ceaseless_downtime_to_downtime", "downtime_s")):
+            ratios = {}
+            for s in scenarios if "ceaseless" in systems else []:
+                cs = {x["repeat"]: x["downtime_s"] for x in runs
+                      if x["system"] == "ceaseless" and x["scenario"] == s}
+                pairs = [cs[x["repeat"]] / x[theirs] for x in rs
+                         if x["repeat"] in cs and x[theirs]]
+                med_c, med_b = agg[s]["downtime_s"]["median"], agg[b][theirs]["median"]
+                ratios[s] = {"of_medians": (med_c / med_b) if med_c is not None and med_b
+                             else None, "per_repeat": summary(pairs)}
+            agg[b][key] = ratios
     return agg
 
 
@@ -282,71 +339,116 @@ def cmdline() -> str:
 
 
 def label(system: str) -> str:
-    return (f"torchrun --max-restarts, torch.save every {ckpt_every(system)} steps"
-            if system != "ceaseless" else "Ceaseless")
+    if system.startswith("ckpt"):
+        return f"torchrun --max-restarts, torch.save every {ckpt_every(system)} steps"
+    if system.startswith("torchft"):
+        return f"torchft, heartbeat timeout {torchft_hb(system)} ms"
+    return "Ceaseless"
+
+
+def _systems(c: dict[str, Any]) -> tuple[list[str], list[str]]:
+    return parse_systems(argparse.Namespace(**(c | {"systems": c.get("systems_run",
+                                                                      c["systems"])})))
+
+
+def crash_row(agg: dict[str, Any], system: str) -> dict[str, Any]:
+    """The crash figures of one system under common names."""
+    if system == "ceaseless":
+        a = agg["kill"]
+        return {"downtime": a["downtime_s"], "to_step": a["kill_to_step_s"],
+                "back": a["back_at_step_s"], "redone": a["lost_steps"],
+                "step": a["median_step_s"]}
+    a = agg[system]
+    if system.startswith("ckpt"):
+        return {"downtime": a["gap_s"], "to_step": a["downtime_s"], "back": a["back_at_step_s"],
+                "redone": a["recomputed_steps"], "step": a["median_step_s"]}
+    return {"downtime": a["downtime_s"], "to_step": a["kill_to_step_s"],
+            "back": a["back_at_step_s"], "redone": a["recomputed_steps"],
+            "step": a["median_step_s"]}
 
 
 def markdown(res: dict[str, Any]) -> str:
     c, m, agg = res["config"], res["machine"], res["summary"]
-    systems, scenarios = parse_systems(argparse.Namespace(**c))
+    systems, scenarios = _systems(c)
     base = [b for b in systems if b != "ceaseless"]
+    ckpt = [b for b in base if b.startswith("ckpt")]
+    tft = [b for b in base if b.startswith("torchft")]
     out = [SECTION, "",
            machine_line(m),
            f"Command: `{c['command']}`. {c['workers']} workers, model `{c['model']}`, "
            f"{c['steps']} steps, global batch {c['global_batch_size']} (micro-batch "
            f"{c['micro_batch_size']}), AdamW, gloo on CPU, loopback. Ceaseless: "
            f"{c['spares']} spare, heartbeat fault timeout {c['fault_timeout']} s. "
-           + (f"Baselines: plain DDP under `torchrun --max-restarts {c['max_restarts']} "
+           + (f"Checkpoint-restart: plain DDP under `torchrun --max-restarts {c['max_restarts']} "
               f"--monitor-interval {c['monitor_interval']}` (c10d rendezvous on 127.0.0.1, "
               "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`), rank 0 `torch.save`s model + optimizer "
-              "+ scheduler every N steps, every rank loads it on start. " if base else "")
+              "+ scheduler every N steps, every rank loads it on start. " if ckpt else "")
+           + ("torchft: one process per replica group, `Manager` + `ProcessGroupGloo`, "
+              "synchronous quorum, its lighthouse on 127.0.0.1 (min replicas = workers − 1); "
+              "the killed replica is not replaced. " if tft else "")
            + f"{c['repeats']} repeats; in each, every system gets the same fault step and "
            "victim rank (seeded), systems interleaved with the order rotated per repeat; "
            "median (min–max).", ""]
+    for b, why in (res.get("skipped") or {}).items():
+        out += [f"Not run: `{b}`: {why}", ""]
+    if "kill" in scenarios or base:
+        out += ["**SIGKILL of a worker, every system**", "",
+                "| system | downtime (longest commit gap − step time) | kill → first step after "
+                "recovery | back at pre-kill step | steps recomputed | step time |",
+                "|---|---|---|---|---|---|"]
+        for b in (["ceaseless"] if "ceaseless" in systems and "kill" in scenarios else []) + base:
+            r = crash_row(agg, b)
+            out.append(f"| {label(b)} | {fmt(r['downtime'])} | {fmt(r['to_step'])} | "
+                       f"{fmt(r['back'])} | {fmt(r['redone'], '', 0)} | {fmt(r['step'])} |")
+        out.append("")
     if "ceaseless" in systems:
-        out += ["| Ceaseless, scenario | downtime | kill → next step | back at pre-kill step "
+        out += ["**Ceaseless, every scenario**", "",
+                "| scenario | downtime | kill → next step | back at pre-kill step "
                 "| lost steps | step time |", "|---|---|---|---|---|---|"]
         for s in scenarios:
             a = agg[s]
             out.append(f"| {SCENARIOS[s][0]} | {fmt(a['downtime_s'])} | "
                        f"{fmt(a['kill_to_step_s'])} | {fmt(a['back_at_step_s'])} | "
                        f"{fmt(a['lost_steps'], '', 0)} | {fmt(a['median_step_s'])} |")
-        out += ["", "Downtime = the survivors' longest gap between committed steps around the "
-                "fault minus their median step time.", ""]
-    if base:
-        out += ["| SIGKILL of a worker, baseline | kill → first step after restart | back at "
-                "pre-kill step | gap − step time | steps recomputed | step time |",
-                "|---|---|---|---|---|---|"]
-        for b in base:
-            a = agg[b]
-            out.append(f"| {label(b)} | {fmt(a['downtime_s'])} | {fmt(a['back_at_step_s'])} "
-                       f"| {fmt(a['gap_s'])} | {fmt(a['recomputed_steps'], '', 0)} | "
-                       f"{fmt(a['median_step_s'])} |")
-        out += ["", "Restart phases of the baselines (the slowest rank; ms): "]
-        for b in base:
+        out.append("")
+    if base and "ceaseless" in systems:
+        cols = [(b, "ratio_ceaseless_downtime_to_back_at_step", f"÷ {b} back at pre-kill step")
+                for b in base]
+        cols += [(b, "ratio_ceaseless_downtime_to_downtime", f"÷ {b} downtime (stall)")
+                 for b in tft]
+        out += ["**Ratios** (Ceaseless downtime ÷ the baseline's figure; ratio of the medians, "
+                "then the per-repeat ratios, same fault step and victim)", "",
+                "| Ceaseless scenario | " + " | ".join(h for _, _, h in cols) + " |",
+                "|---|" + "---|" * len(cols)]
+        for s in scenarios:
+            cells = []
+            for b, key, _ in cols:
+                r = agg[b][key][s]
+                om = r["of_medians"]
+                cells.append((f"{om:.3f}" if om is not None else "–")
+                             + f" (per repeat {fmt(r['per_repeat'], '', 3)})")
+            out.append(f"| {SCENARIOS[s][0]} | " + " | ".join(cells) + " |")
+        out.append("")
+    if ckpt:
+        out += ["Restart phases of the checkpoint-restart baselines (the slowest rank, ms): "
+                "respawn = kill → the new worker's first line; import = torch, the model code; "
+                "process_group = `init_process_group`; build = data + model + optimizer; "
+                "ckpt_load = `torch.load` + `load_state_dict`; first_step = the first step "
+                "after it:", ""]
+        for b in ckpt:
             out.append(f"- {label(b)}: " + "; ".join(
                 f"{k} {fmt(v, 'ms', 0)}" for k, v in agg[b]["phases_ms"].items()))
-        if "ceaseless" in systems:
-            out += ["", "| ratio: Ceaseless downtime ÷ baseline's back at pre-kill step | "
-                    + " | ".join(f"vs {b}" for b in base) + " |",
-                    "|---|" + "---|" * len(base)]
-            for s in scenarios:
-                cells = []
-                for b in base:
-                    r = agg[b]["ratio_ceaseless_downtime_to_back_at_step"][s]
-                    om = r["of_medians"]
-                    cells.append((f"{om:.3f}" if om is not None else "–")
-                                 + f" (per repeat {fmt(r['per_repeat'], '', 3)})")
-                out.append(f"| {SCENARIOS[s][0]} | " + " | ".join(cells) + " |")
+        out.append("")
     if "ceaseless" in systems:
-        out += ["", "Ceaseless phase breakdown (the incident's critical path from the traces, "
+        out += ["Ceaseless phase breakdown (the incident's critical path from the traces, "
                 "ms, median (min–max)):", ""]
         for s in scenarios:
             a = agg[s]
             if a["phases_ms"]:
                 out.append(f"- {SCENARIOS[s][0]}: " + "; ".join(
                     f"{k} {fmt(v, 'ms', 1)}" for k, v in a["phases_ms"].items()))
-    out += ["", "![recovery](img/bench-recovery.svg)"]
+        out.append("")
+    out += ["![recovery](img/bench-recovery.svg)"]
     return "\n".join(out) + "\n"
 
 
@@ -354,25 +456,28 @@ def plot(res: dict[str, Any]) -> str:
     from bench import svg
 
     c, agg = res["config"], res["summary"]
-    systems, scenarios = parse_systems(argparse.Namespace(**c))
+    systems, scenarios = _systems(c)
     groups, vals = [], {}
     for s in scenarios if "ceaseless" in systems else []:
         g = f"Ceaseless: {s}"
         groups.append(g)
         vals[(g, "downtime")] = agg[s]["downtime_s"]
-        vals[(g, "kill → next step")] = agg[s]["kill_to_step_s"]
+        vals[(g, "kill → first step")] = agg[s]["kill_to_step_s"]
         vals[(g, "back at pre-kill step")] = agg[s]["back_at_step_s"]
     for b in [x for x in systems if x != "ceaseless"]:
-        g = f"torchrun + ckpt every {ckpt_every(b)}"
+        g = (f"torchrun + ckpt every {ckpt_every(b)}" if b.startswith("ckpt")
+             else f"torchft, heartbeat {torchft_hb(b)} ms")
         groups.append(g)
-        vals[(g, "downtime")] = agg[b]["gap_s"]
-        vals[(g, "kill → next step")] = agg[b]["downtime_s"]
-        vals[(g, "back at pre-kill step")] = agg[b]["back_at_step_s"]
+        r = crash_row(agg, b)
+        vals[(g, "downtime")] = r["downtime"]
+        vals[(g, "kill → first step")] = r["to_step"]
+        vals[(g, "back at pre-kill step")] = r["back"]
     return svg.bars(f"Recovery after a fault: model {c['model']}, {c['workers']} workers, "
                     f"{res['machine']['cores']} CPU cores", groups,
-                    ["downtime", "kill → next step", "back at pre-kill step"], vals, "seconds",
+                    ["downtime", "kill → first step", "back at pre-kill step"], vals, "seconds",
                     log=True, note=f"{res['machine']['date']}; {c['repeats']} repeats; "
-                                   "downtime = longest commit gap minus median step time")
+                                   "downtime = longest commit gap minus median step time; "
+                                   "baselines: SIGKILL of a worker")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -31,3 +31,12 @@ def micro_batch_range(num_micro: int, world_size: int, rank: int) -> range:
     base, extra = divmod(num_micro, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
+
+
+def lr_factor_at(step: int, start: int, prev: float, target: float, warmup_steps: int) -> float:
+    """The learning-rate factor at ``step`` of a generation that began at ``start``: a
+    linear ramp from ``prev`` to ``target`` over ``warmup_steps`` steps (0: at once)."""
+    if warmup_steps <= 0 or step >= start + warmup_steps - 1:
+        return target
+    frac = (max(step, start) - start + 1) / warmup_steps
+    return prev + (target - prev) * frac

@@ -53,7 +53,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
-                     live=not args.quiet, model=args.model)
+                     live=not args.quiet, model=args.model, policy=args.policy,
+                     max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
+                     save_params=args.save_params)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -62,6 +64,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         check_timeouts(fault_timeout=opts.fault_timeout, stall_timeout=opts.stall_timeout)
     except TimeoutConfigError as e:
+        print(f"ceaseless up: {e}", file=sys.stderr)
+        return 2
+    from schemas.policy import load_policy
+
+    try:  # refuse a bad policy here, not in a scaler that the supervisor restarts forever
+        pol = load_policy(opts.policy, min_replicas=opts.min_replicas,
+                          max_replicas=opts.max_replicas,
+                          scale_up_snooze_s=opts.scale_up_snooze)
+        if opts.policy:
+            opts.policy = str(Path(opts.policy).resolve())
+        if opts.workers > pol.max_replicas:
+            raise ValueError(f"--workers {opts.workers} exceeds max_replicas {pol.max_replicas}")
+    except ValueError as e:
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2
     return asyncio.run(run(opts))
@@ -230,7 +245,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--run-dir")
     up.add_argument("--global-batch-size", type=int, default=32)
     up.add_argument("--micro-batch-size", type=int, default=4)
-    up.add_argument("--min-replicas", type=int, default=1)
+    up.add_argument("--min-replicas", type=int, help="(default: the policy's, else 1)")
+    up.add_argument("--max-replicas", type=int, help="(default: the policy's, else 64)")
+    up.add_argument("--policy", help="scaling policy file (TOML/YAML), see docs/elastic.md")
+    up.add_argument("--scale-up-snooze", type=float,
+                    help="no scale-up within this many seconds of the last change (default 10)")
+    up.add_argument("--save-params", action="store_true",
+                    help="each finishing member also writes its final parameters to "
+                         "results/<pod>.pt (for comparisons across world sizes)")
     up.add_argument("--fault-timeout", type=float, default=1.5)
     up.add_argument("--stall-timeout", type=float, default=30.0)
     up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")

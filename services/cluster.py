@@ -43,7 +43,11 @@ class UpOptions:
     cmd: list[str] = field(default_factory=list)
     global_batch_size: int = 32
     micro_batch_size: int = 4
-    min_replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    policy: str | None = None            # scaling policy file
+    scale_up_snooze: float | None = None
+    save_params: bool = False
     fault_timeout: float = 1.5
     stall_timeout: float = 30.0
     allow_inject: bool = True
@@ -195,9 +199,13 @@ async def run(opts: UpOptions) -> int:
     await bus.store_kv()
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = {
-        "scaler": ["--workers", str(opts.workers), "--min-replicas", str(opts.min_replicas),
+        "scaler": ["--workers", str(opts.workers),
                    "--global-batch-size", str(opts.global_batch_size),
-                   "--micro-batch-size", str(opts.micro_batch_size)],
+                   "--micro-batch-size", str(opts.micro_batch_size),
+                   *_opt("--min-replicas", opts.min_replicas),
+                   *_opt("--max-replicas", opts.max_replicas),
+                   *_opt("--policy", opts.policy),
+                   *_opt("--scale-up-snooze", opts.scale_up_snooze)],
         "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
                            "--stall-timeout", str(opts.stall_timeout)],
     }
@@ -215,6 +223,8 @@ async def run(opts: UpOptions) -> int:
            "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
+    if opts.save_params:
+        env["CEASELESS_SAVE_PARAMS"] = "1"
     if tls is not None:
         env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
@@ -302,6 +312,10 @@ async def run(opts: UpOptions) -> int:
               f"{len(summary['incidents'])}, lost steps {summary['lost_steps']}", file=out)
     print(f"  summary: {run_dir / 'summary.json'}", file=out, flush=True)
     return code
+
+
+def _opt(flag: str, value: Any) -> list[str]:
+    return [] if value is None else [flag, str(value)]
 
 
 def _prepare_default_data(data_dir: Path) -> None:

@@ -8,8 +8,8 @@ actuator and the CLI: inject, capacity, priority). What each may publish:
   ``done``; read access to the plan key. Never ``plan``, ``inject``, ``capacity``,
   ``priority``, ``fault`` or the ``plan`` key.
 * health_monitor: ``fault``.  state_broker: ``transfer``, ``state_lost``.
-* scaler: ``plan``, ``decision``, actuator requests, and the KV keys ``plan`` and
-  ``scaler_lease`` (the only writer of membership).
+* scaler: ``plan``, ``decision``, actuator requests, and the KV keys ``plan``,
+  ``scaler_lease`` and ``scale`` (the only writer of membership and of the target size).
 * operator: everything.
 
 Services may use the JetStream API (they create the stream and buckets when they start);
@@ -26,6 +26,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from schemas.policy import SCALE_KEY
 from schemas.subjects import Subjects
 
 from .bus import Credentials
@@ -62,14 +63,16 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
     own = {
         "health_monitor": [s.fault],
         "state_broker": [s.transfer, s.state_lost],
-        "scaler": [s.plan, s.decision, s.actuator, f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease"],
+        "scaler": [s.plan, s.decision, s.actuator, f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
+                   f"$KV.{kv}.{SCALE_KEY}"],
     }[role]
     pub = _COMMON_PUB + own + ["$JS.API.>", s.service_status("*")]
     # The JetStream API is open to services (stream/bucket creation at start-up), so the
     # plan key is denied explicitly to every service but the scaler.
     perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role != "scaler":
-        perms["publish"]["deny"] = [f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease", s.plan]
+        perms["publish"]["deny"] = [f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
+                                    f"$KV.{kv}.{SCALE_KEY}", s.plan]
     return perms
 
 

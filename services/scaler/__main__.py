@@ -6,16 +6,47 @@ import asyncio
 
 from services.common.service import common_args, serve
 
+from schemas.policy import load_policy
+
 from .policy import PolicyConfig
 from .scaler import Scaler
+
+POLICY_FLAGS = ("min_replicas", "max_replicas", "replica_increment_step", "scale_up_snooze_s",
+                "scaling_timeout_s", "graceful_shutdown_timeout_s", "transition_lead_s",
+                "lr_warmup_steps")
+
+
+def policy_from_args(args):
+    over = {k: getattr(args, k) for k in POLICY_FLAGS}
+    if args.replica_discrete_values:
+        try:
+            over["replica_discrete_values"] = [
+                int(v) for v in args.replica_discrete_values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError("--replica-discrete-values takes integers, e.g. 2,4,8") from None
+    return load_policy(args.policy, **over)
 
 
 def parser():
     p = common_args("Ceaseless scaler: the single writer of membership plans")
     p.add_argument("--workers", type=int, default=2,
                    help="desired initial replicas (default 2)")
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--max-replicas", type=int, default=64)
+    g = p.add_argument_group("scaling policy (flags override --policy / $CEASELESS_POLICY)")
+    g.add_argument("--policy", help="TOML (or YAML) policy file, see schemas/policy.py")
+    g.add_argument("--min-replicas", type=int, help="(default 1)")
+    g.add_argument("--max-replicas", type=int, help="(default 64)")
+    g.add_argument("--replica-increment-step", type=int, help="(default 1)")
+    g.add_argument("--replica-discrete-values", help="allowed replica counts, e.g. 2,4,8")
+    g.add_argument("--scale-up-snooze", type=float, dest="scale_up_snooze_s",
+                   help="no scale-up within this many seconds of the last change (default 10)")
+    g.add_argument("--scaling-timeout", type=float, dest="scaling_timeout_s",
+                   help="a joiner not training by then is dropped (default 60)")
+    g.add_argument("--graceful-shutdown-timeout", type=float,
+                   dest="graceful_shutdown_timeout_s",
+                   help="a leaving replica still running by then is stopped (default 30)")
+    g.add_argument("--transition-lead", type=float, dest="transition_lead_s",
+                   help="schedule planned changes this far ahead of the members (default 0.2)")
+    g.add_argument("--lr-warmup-steps", type=int, help="lr_factor ramp length (default 0)")
     p.add_argument("--global-batch-size", type=int, default=64, help="samples per step")
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
     p.add_argument("--lease-ttl", type=float, default=3.0, help="scaler lease TTL in seconds")
@@ -34,15 +65,16 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     try:
-        PolicyConfig(workers=args.workers, min_replicas=args.min_replicas,
-                     max_replicas=args.max_replicas, global_batch_size=args.global_batch_size,
-                     micro_batch_size=args.micro_batch_size)
+        pol = policy_from_args(args)
+        PolicyConfig.from_policy(pol, workers=args.workers,
+                                 global_batch_size=args.global_batch_size,
+                                 micro_batch_size=args.micro_batch_size)
         if args.lease_ttl <= 0 or args.fault_timeout <= 0:
             raise ValueError("--lease-ttl and --fault-timeout must be positive")
     except ValueError as e:
         p.error(str(e))
-    asyncio.run(serve(Scaler, args, workers=args.workers, min_replicas=args.min_replicas,
-                      max_replicas=args.max_replicas, global_batch_size=args.global_batch_size,
+    asyncio.run(serve(Scaler, args, workers=args.workers, policy=pol,
+                      global_batch_size=args.global_batch_size,
                       micro_batch_size=args.micro_batch_size, lease_ttl=args.lease_ttl,
                       start_timeout=args.start_timeout, fault_timeout=args.fault_timeout,
                       fence_timeout=args.fence_timeout, scaler_id=args.scaler_id))

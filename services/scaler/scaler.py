@@ -336,6 +336,19 @@ class Scaler(Service):
             self._ignore(subject, "not the lease holder; the holder answers",
                          request_id=request_id)
             return
+        try:
+            await self._request_locked(subject, request_id, decide, start=start,
+                                       release=release, why=why)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the requester always gets an answer
+            self.log.exception("request failed", subject=subject, request_id=request_id)
+            await self._answer(subject, request_id, False,
+                               f"the scaler could not act on it: {type(e).__name__}: "
+                               f"{str(e)[:200]}")
+
+    async def _request_locked(self, subject: str, request_id: str, decide: Any, *, start: int,
+                              release: int, why: str) -> None:
         async with self._lock:
             plan = self.plans.plan
             if plan is None:
