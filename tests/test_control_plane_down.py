@@ -1,0 +1,82 @@
+"""A fault that happens while part of the control plane is down is handled once it is back.
+
+Real nats-server, real services, real gloo. The service (or nats-server) is first SIGSTOPped,
+so that it is really unavailable for a known time (a frozen process answers nothing, exactly
+like a dead one, and its supervisor does not restart it yet); a worker is SIGKILLed during
+that outage; after the outage the frozen process is SIGKILLed, its supervisor (`ceaseless up`)
+restarts it, and the restarted process must find and handle the fault from what it rebuilds
+(KV plan, stream, fresh heartbeats): the spare takes the rank and the final parameters are
+bitwise those of the fault-free run. Everything is cleaned up by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from test_recovery_e2e import STEPS, _assert_same, _kill, _run, reference  # noqa: F401
+
+pytestmark = [pytest.mark.timeout(300)]
+OUTAGE = 3.0  # seconds: twice the fault timeout (1.5 s), so the fault is overdue meanwhile
+
+
+def _latest(c, name: str) -> int:
+    return [pid for n, pid in c.pids() if n == name][-1]
+
+
+def _count(c, name: str) -> int:
+    return len([1 for n, _ in c.pids() if n == name])
+
+
+async def _fault_during_outage(c, name: str, checks: dict) -> None:
+    await c.wait_rank_step(1, 4)
+    pid = _latest(c, name)
+    os.kill(pid, signal.SIGSTOP)  # down: answers nothing, not yet restarted
+    try:
+        gen = c.plans[-1].generation
+        _kill(c, 1)
+        t0 = time.monotonic()
+        await asyncio.sleep(OUTAGE)
+        checks["plans_during_outage"] = [p.generation for p in c.plans if p.generation > gen]
+        checks["outage_s"] = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGKILL)  # the supervisor restarts it
+    await c.wait_for(lambda: _count(c, name) >= 2, 30, f"{name} restarted")
+
+
+@pytest.mark.parametrize("name", ["health_monitor", "state_broker", "nats-server"])
+async def test_fault_while_down_is_handled_once_back(tmp_path, reference, name):
+    checks: dict = {}
+
+    async def fault(c):
+        await _fault_during_outage(c, name, checks)
+
+    s = await _run(tmp_path, f"down-{name}", 2, 1, fault)
+    _assert_same(s, reference(2))
+    gens = [p.generation for p in s["plans"]]
+    assert gens[-1] == 2 and gens.count(2) >= 1, gens          # one replacement, no more
+    assert max(gens) == 2, gens
+    assert s["plans"][-1].world_size == 2
+    assert s["plans"][-1].pod_of(1) != s["plans"][0].pod_of(1)  # the spare took rank 1
+    if name in ("health_monitor", "nats-server"):
+        # Nobody could detect (or publish) the fault during the outage: it was handled after.
+        assert checks["plans_during_outage"] == [], checks
+
+
+async def test_fault_while_health_monitor_restarts(tmp_path, reference):
+    """The health monitor and a worker are SIGKILLed together: the fault happens while the
+    monitor is starting again (it misses the exit event); the restarted monitor still
+    declares it from what it rebuilds (the plan's members, their silence)."""
+    async def fault(c):
+        await c.wait_rank_step(1, 4)
+        os.kill(_latest(c, "health_monitor"), signal.SIGKILL)
+        _kill(c, 1)
+        await c.wait_for(lambda: _count(c, "health_monitor") >= 2, 30, "monitor restarted")
+
+    s = await _run(tmp_path, "monitor-restart", 2, 1, fault)
+    _assert_same(s, reference(2))
+    assert [p.generation for p in s["plans"]] == [1, 2], s["plans"]
