@@ -163,6 +163,17 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
+def _kill_workers(d: Path) -> None:
+    """torchrun starts its workers in sessions of their own: any left, by the pid each wrote."""
+    for rec in read_commits(d):
+        pid = rec.get("pid")
+        try:
+            if pid and str(d) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def run_once(d: Path, a: argparse.Namespace, every: int, data: Path, fault_step: int,
              victim: int, timeout: float) -> dict[str, Any]:
     """One torchrun job with a SIGKILL of rank ``victim`` once it has committed ``fault_step``."""
@@ -200,6 +211,7 @@ def run_once(d: Path, a: argparse.Namespace, every: int, data: Path, fault_step:
                                f"{(d / 'torchrun.out').read_text()[-3000:]}")
     finally:
         _kill_tree(proc)
+        _kill_workers(d)
     return analyse(d, t_kill, victim, every)
 
 

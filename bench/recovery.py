@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "steps) and/or torchftMS (torchft, lighthouse heartbeat timeout MS ms; "
                         "skipped with a note when torchft is not installed); the baselines run "
                         "the crash scenario only")
+    p.add_argument("--corpus-tokens", type=int, default=2_000_000,
+                   help="the baselines' synthetic corpus (default: what `ceaseless up` "
+                        "generates for its runs)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun, for ckptN")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun, for ckptN")
     p.add_argument("--svg", help="write the plot here (default with --write-doc: "
@@ -212,8 +215,10 @@ def torchft_hb(system: str) -> int:
 
 async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     systems, scenarios = parse_systems(a)
-    if a.repeats < 1 or a.steps < 12:
-        raise SystemExit("need --repeats >= 1 and --steps >= 12")
+    if a.repeats < 1 or a.steps < 8:
+        raise SystemExit("need --repeats >= 1 and --steps >= 8")
+    lo = min(5, a.steps // 3)
+    hi = max(lo, a.steps - 6)
     skipped = {}
     if any(x.startswith("torchft") for x in systems):
         from bench import torchft_bench
@@ -226,15 +231,15 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
             print(f"skipping {', '.join(skipped)}: {why}", flush=True)
     rng = random.Random(a.seed)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
-    data = work / "data"
+    data = work / f"data-{a.corpus_tokens}"
     if any(s != "ceaseless" for s in systems) and not (data / "index.json").exists():
         from agent.data import corpus
 
-        corpus.generate(data, n_tokens=2_000_000, seed=0)  # what `ceaseless up` trains on
+        corpus.generate(data, n_tokens=a.corpus_tokens, seed=0)  # as `ceaseless up` does
     runs: list[dict[str, Any]] = []
     for r in range(a.repeats):
         # one fault schedule per repeat, shared by every system: step and victim rank
-        sched = {sc: (rng.randint(5, a.steps - 6),
+        sched = {sc: (rng.randint(lo, hi),
                       0 if SCENARIOS[sc][2] else rng.randrange(1, a.workers))
                  for sc in (scenarios if "kill" in scenarios else [*scenarios, "kill"])}
         # rotate the order each repeat (A B C, B C A, ...) so no system always runs first

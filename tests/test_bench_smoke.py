@@ -29,13 +29,7 @@ def _cleanup(proc: subprocess.Popen, work: Path) -> None:
     """By PID only: the bench's own process group, the torchrun sessions it recorded
     (``torchrun.pid``), the processes `ceaseless up` recorded (``pids.txt``) and the
     helper processes the benches record (``*.pids``)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    try:  # the bench and whatever it started in its own process group
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
@@ -44,6 +38,13 @@ def _cleanup(proc: subprocess.Popen, work: Path) -> None:
             os.killpg(int(f.read_text().split()[0]), signal.SIGKILL)
         except (ProcessLookupError, PermissionError, ValueError):
             pass
+    for f in work.rglob("commits/*.txt"):  # torchrun's workers: their own sessions
+        for line in f.read_text().splitlines()[:1]:
+            if line.startswith("# pid ") and _alive_and_ours(int(line.split()[2]), str(work)):
+                try:
+                    os.kill(int(line.split()[2]), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
     for f in [*work.rglob("pids.txt"), *work.rglob("*.pids")]:
         for line in f.read_text().splitlines():
             try:
@@ -89,25 +90,36 @@ def run_bench(tmp_path: Path, args: list[str], timeout: float) -> dict:
 @pytest.mark.timeout(30)
 def test_recovery_checkpoint_restart_baseline(tmp_path):
     res = run_bench(tmp_path, ["recovery", "--systems", "ckpt4", "--scenarios", "kill",
-                               "--model", "tiny", "--workers", "2", "--steps", "12",
-                               "--repeats", "1"], timeout=26)
+                               "--model", "tiny", "--workers", "2", "--steps", "10",
+                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=26)
     (run,) = res["runs"]
     assert run["system"] == "ckpt4" and run["restarts"] >= 1
     assert run["back_at_step_s"] >= run["downtime_s"] > 0
     # restored from the last checkpoint before the kill; the steps after it were redone
     assert run["restored_step"] % 4 == 3 or run["restored_step"] == -1
     assert run["recomputed_steps"] == run["pre_kill_step"] - run["restored_step"]
-    assert run["final_step"] == 11
+    assert run["final_step"] == 9
 
 
 @pytest.mark.timeout(30)
 def test_recovery_ceaseless_with_ratio(tmp_path):
     res = run_bench(tmp_path, ["recovery", "--systems", "ceaseless", "--scenarios", "kill",
                                "--model", "tiny", "--workers", "2", "--spares", "1",
-                               "--steps", "12", "--repeats", "1"], timeout=26)
+                               "--steps", "10", "--repeats", "1"], timeout=26)
     (run,) = res["runs"]
     assert run["system"] == "ceaseless" and run["lost_steps"] == 0
     assert res["summary"]["kill"]["downtime_s"]["n"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_recovery_torchft_baseline(tmp_path):
+    pytest.importorskip("torchft", reason="torchft-nightly is optional (pip install .[bench])")
+    res = run_bench(tmp_path, ["recovery", "--systems", "torchft1000", "--scenarios", "kill",
+                               "--model", "tiny", "--workers", "2", "--steps", "8",
+                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=27)
+    (run,) = res["runs"]
+    assert run["system"] == "torchft1000" and run["recomputed_steps"] == 0
+    assert run["kill_to_step_s"] > 0 and run["final_step"] == 7
 
 
 def test_recovery_ratio_and_table_from_runs():

@@ -1,0 +1,265 @@
+"""torchft baseline of ``bench recovery`` (systems ``torchftMS``, MS = the lighthouse's heartbeat
+timeout in ms): one process per replica group (group world size 1), torchft's ``Manager``
+with a gloo ``ProcessGroupGloo``, its lighthouse (``torchft_lighthouse``) on 127.0.0.1.
+
+Needs ``torchft-nightly`` (``pip install --no-deps torchft-nightly==2026.10.26``; its other
+requirements, opentelemetry-api/sdk/exporter-otlp-proto-http, are already Ceaseless' own);
+it is never a requirement of Ceaseless itself.
+
+The worker trains the same model, data, global batch, micro-batches, AdamW and scheduler as
+``examples/train_gpt.py``. Each step: ``start_quorum`` (synchronous), this replica's share of
+the micro-batches (``micro_batch_range`` over the quorum's participants, so the global batch
+stays the same when a replica is gone), one flat-buffer ``manager.allreduce`` (AVG) of the
+gradients, ``should_commit``; on commit the optimizer and scheduler step and the worker
+appends ``step wall-time participants`` to ``<dir>/commits/replica<R>.txt``.
+
+The orchestrator (:func:`run_once`) SIGKILLs one replica once it has committed the fault
+step; the survivors go on without it (torchft has no spare here; the killed replica is not
+restarted). From the survivors' commit files: **downtime** = longest gap between commits
+around the kill minus the median step time, **kill -> next step**, **back at step**, and
+**steps recomputed** (steps committed twice; torchft discards the failed step rather than
+rolling back, so this is expected to be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def available() -> str | None:
+    """None if torchft imports; else why not."""
+    try:
+        import torchft  # noqa: F401
+        from torchft._torchft import LighthouseServer  # noqa: F401
+    except Exception as e:  # ImportError, or a binary built for another torch
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# ---------------------------------------------------------------------------- the worker
+def worker(a: argparse.Namespace) -> None:
+    import logging
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torchft import Manager, ProcessGroupGloo
+
+    from agent.order import order_for
+    from examples.train_gpt import GPT, MODELS, load_dataset
+    from schemas.batching import micro_batch_range, num_micro_batches
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(a.threads)
+    d = Path(a.dir)
+    (d / "commits").mkdir(parents=True, exist_ok=True)
+    log = open(d / "commits" / f"replica{a.replica}.txt", "a", buffering=1)
+    log.write(f"# pid {os.getpid()}\n")
+    dm, layers, heads, seq_len = MODELS[a.model]
+    dataset, vocab = load_dataset(a.data, seq_len)
+    torch.manual_seed(a.seed)
+    net = GPT(vocab, dm, layers, heads, seq_len, dropout=0.1)
+    opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
+
+    def state_dict():
+        return {"model": net.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict()}
+
+    def load_state_dict(st):
+        net.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+
+    store = dist.TCPStore("127.0.0.1", a.store_port, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout))
+    manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
+                      min_replica_size=a.min_replicas, use_async_quorum=False,
+                      rank=0, world_size=1, store_addr="127.0.0.1", store_port=a.store_port,
+                      lighthouse_addr=a.lighthouse, replica_id=f"replica{a.replica}",
+                      hostname="127.0.0.1", timeout=timedelta(seconds=a.pg_timeout),
+                      quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30))
+    B, m = a.global_batch_size, a.micro_batch_size
+    M = num_micro_batches(B, m)
+    order = order_for(dataset, B, a.seed)
+    params = [p for p in net.parameters()]
+    while manager.current_step() < a.steps:
+        opt.zero_grad(set_to_none=False)
+        manager.start_quorum()
+        s = manager.current_step()
+        world, rank = manager.num_participants(), manager.participating_rank()
+        mine = list(micro_batch_range(M, world, rank if rank is not None else 0))
+        net.train()
+        for k in mine:
+            x, y = dataset.batch(order.indices(s, k, m))
+            logits = net(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            # the AVG all-reduce divides by the participants: scale so the result is the
+            # mean over the global batch
+            (loss * (m * world / B)).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        manager.allreduce(flat).wait()
+        if manager.should_commit():
+            off = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p))
+                off += n
+            opt.step()
+            sched.step()
+            log.write(f"{s} {time.time():.6f} {world}\n")
+    log.close()
+    manager.shutdown(wait=False)
+    del store
+
+
+# ---------------------------------------------------------------------------- orchestrator
+def read_commits(d: Path) -> dict[int, dict[str, Any]]:
+    out = {}
+    for f in sorted((d / "commits").glob("replica*.txt")):
+        rec: dict[str, Any] = {"pid": None, "commits": []}
+        for ln in f.read_text().splitlines():
+            p = ln.split()
+            if len(p) >= 3 and p[0] == "#" and p[1] == "pid":
+                rec["pid"] = int(p[2])
+            elif len(p) == 3 and p[0] != "#":
+                try:
+                    rec["commits"].append((int(p[0]), float(p[1]), int(p[2])))
+                except ValueError:
+                    pass
+        out[int(f.stem[7:])] = rec
+    return out
+
+
+def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, fault_step: int,
+             victim: int, timeout: float) -> dict[str, Any]:
+    from services.common.natsserver import free_port
+
+    d.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+    lh_port = free_port()
+    pidfile = d / "torchft.pids"  # for cleanup by PID (tests)
+
+    def start(cmd: list[str], name: str) -> subprocess.Popen:
+        out = open(d / f"{name}.out", "wb")
+        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+        out.close()
+        procs.append(p)
+        with open(pidfile, "a") as f:
+            f.write(f"{name} {p.pid}\n")
+        return p
+
+    lh_bin = str(Path(sys.executable).parent / "torchft_lighthouse")
+    t_kill = None
+    deadline = time.monotonic() + timeout
+    try:
+        start([lh_bin, "--bind", f"127.0.0.1:{lh_port}", "--min_replicas",
+               str(max(1, a.workers - 1)), "--join_timeout_ms", "60000", "--quorum_tick_ms",
+               "100", "--heartbeat_timeout_ms", str(heartbeat_ms)], "lighthouse")
+        workers = [start([sys.executable, "-m", "bench.torchft_bench", "worker", "--dir", str(d),
+                          "--replica", str(r), "--steps", str(a.steps), "--model", a.model,
+                          "--data", str(data), "--global-batch-size", str(a.global_batch_size),
+                          "--micro-batch-size", str(a.micro_batch_size), "--min-replicas",
+                          str(max(1, a.workers - 1)), "--lighthouse",
+                          f"http://127.0.0.1:{lh_port}", "--store-port", str(free_port())],
+                         f"replica{r}") for r in range(a.workers)]
+        while t_kill is None:
+            if any(p.poll() is not None for p in workers):
+                raise RuntimeError(f"a torchft replica exited before the fault: see {d}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"torchft: replica {victim} did not reach step {fault_step}")
+            recs = read_commits(d)
+            # every replica in the quorum (the full global batch) and the victim at the step
+            v = recs.get(victim)
+            if (len(recs) == a.workers and v and v["commits"] and v["pid"]
+                    and v["commits"][-1][0] >= fault_step and v["commits"][-1][2] == a.workers):
+                t_kill = time.time()
+                os.kill(v["pid"], signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        for r, p in enumerate(workers):
+            if r == victim:
+                continue
+            p.wait(max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"torchft replica {r} exited {p.returncode}: see {d}")
+    finally:
+        for p in procs:  # by PID
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return analyse(d, t_kill, victim, heartbeat_ms)
+
+
+def analyse(d: Path, t_kill: float, victim: int, heartbeat_ms: int) -> dict[str, Any]:
+    from bench.recovery import window_gap
+
+    recs = read_commits(d)
+    full = max(c[2] for rec in recs.values() for c in rec["commits"])
+    # the highest step committed anywhere before the kill (the victim's included)
+    pre_kill = max(c[0] for rec in recs.values() for c in rec["commits"] if c[1] < t_kill)
+    gaps, to_step, back, meds, redone = [], [], [], [], 0
+    for r, rec in recs.items():
+        cs = rec["commits"]
+        if r == victim:
+            continue
+        before = [c for c in cs if c[1] < t_kill]
+        # the recovered job's first step: the first commit by the smaller quorum
+        after = [c for c in cs if c[1] >= t_kill and c[2] < full]
+        if not before or not after:
+            continue
+        meds.append(statistics.median(b[1] - a[1] for a, b in zip(cs, cs[1:])))
+        gaps.append((window_gap([(c[0], c[1]) for c in cs], t_kill, after[0][1])
+                     or after[0][1] - before[-1][1]) - meds[-1])
+        to_step.append(after[0][1] - t_kill)
+        steps = [c[0] for c in cs]
+        redone = max(redone, len(steps) - len(set(steps)))
+        nxt = [c[1] for c in cs if c[0] > pre_kill and c[1] >= t_kill]
+        if nxt:
+            back.append(nxt[0] - t_kill)
+    if not gaps:
+        raise RuntimeError(f"torchft: no survivor committed on both sides of the kill in {d}")
+    return {"heartbeat_ms": heartbeat_ms, "rank": victim, "pre_kill_step": pre_kill,
+            "downtime_s": max(gaps), "kill_to_step_s": max(to_step),
+            "back_at_step_s": max(back) if back else None, "recomputed_steps": redone,
+            "median_step_s": statistics.median(meds), "participants_before": full,
+            "final_step": max(c[0] for rec in recs.values() for c in rec["commits"]),
+            "run_dir": str(d)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="one replica group (one process)")
+    w.add_argument("--dir", required=True)
+    w.add_argument("--replica", type=int, required=True)
+    w.add_argument("--steps", type=int, default=30)
+    w.add_argument("--model", default="small")
+    w.add_argument("--data", required=True)
+    w.add_argument("--global-batch-size", type=int, default=32)
+    w.add_argument("--micro-batch-size", type=int, default=4)
+    w.add_argument("--lr", type=float, default=3e-3)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--threads", type=int, default=1)
+    w.add_argument("--min-replicas", type=int, default=1)
+    w.add_argument("--lighthouse", required=True)
+    w.add_argument("--store-port", type=int, required=True)
+    w.add_argument("--pg-timeout", type=float, default=10.0)
+    worker(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
