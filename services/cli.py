@@ -289,7 +289,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ex.add_argument("dir")
     ex.set_defaults(func=cmd_schemas_export)
 
-    for mod in ("services.cli_trace", "services.cli_data", "bench.cli"):
+    for mod in ("services.cli_trace", "services.cli_data", "services.chaos", "bench.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ImportError:

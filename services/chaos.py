@@ -1,0 +1,654 @@
+"""``ceaseless chaos``: the bundled example under a seeded, reproducible fault schedule.
+
+    ceaseless chaos --duration 600 --seed 1 [--workers 3 --spares 2] [--elastic]
+
+1. A fault-free reference run of the same example, world size and steps.
+2. The chaos run (``ceaseless up`` via services/launcher.py's ``Cluster``), where a schedule
+   drawn from ``--seed`` injects, one after the other, worker SIGKILLs, hangs (SIGSTOP), spare
+   kills, rank-0 kills, SIGKILLs of each control-plane service, nats-server SIGKILLs (the
+   launcher restarts it on the same port and store), a second fault during recovery (the
+   promoted spare dies while it enters the new generation) and a worker fault while a service
+   is down; with ``--elastic`` also capacity add/remove and priority release on the bus.
+   Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
+   fast this machine is), each once the job is healthy again (every member of the latest plan
+   training, enough spares; the chaos tool asks the actuator for new spares as faults use
+   them up). Each fault must be *survived*: a new plan without the victim and every member
+   past the step the fault interrupted (worker faults), or the service back and training on
+   (control-plane faults), within a bounded time.
+3. The verdict: the chaos run's final parameters must equal the reference's bitwise when the
+   world size never changed (losses within 1e-4 relative otherwise), no committed step lost,
+   every injected fault survived. It prints faults injected and survived, downtime p50/p99
+   (per incident, from the Recovery messages as ``ceaseless up`` summarises them) and lost
+   steps, writes ``chaos.json`` in the run dir, and exits non-zero if anything failed.
+
+Everything started is cleaned up by PID (``pids.txt``), never by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVICES = ("health_monitor", "scaler", "state_broker")
+# Worker faults need a spare each (two for a fault during recovery): then the world size
+# never changes and the result must be bitwise the reference's.
+KINDS = ("kill", "hang", "kill_rank0", "spare_kill", "kill_health_monitor", "kill_scaler",
+         "kill_state_broker", "nats_restart", "during_recovery", "kill_with_service")
+ELASTIC_KINDS = ("capacity_add", "capacity_remove", "priority")
+WEIGHTS = {"kill": 3, "hang": 2, "kill_rank0": 1, "spare_kill": 1, "kill_health_monitor": 1,
+           "kill_scaler": 1, "kill_state_broker": 1, "nats_restart": 1, "during_recovery": 1,
+           "kill_with_service": 1, "capacity_add": 1, "capacity_remove": 1, "priority": 1}
+SPARES_NEEDED = {"kill": 1, "hang": 1, "kill_rank0": 1, "during_recovery": 2,
+                 "kill_with_service": 1, "spare_kill": 1, "capacity_add": 1}
+# Steps per second of the tiny example on a 2-core machine, by world size (to size a run
+# from --duration; the schedule itself is in steps, so a slower machine only runs longer).
+RATE = {1: 12.0, 2: 9.0, 3: 7.0, 4: 5.0}
+READY_TIMEOUT = 120.0     # the job healthy again (members training, spares registered)
+RECOVER_TIMEOUT = 90.0    # a fault handled: new plan, everyone past the interrupted step
+FRESH = 1.5               # a heartbeat younger than this is a live pod
+
+
+@dataclass
+class ChaosOptions:
+    duration: float = 600.0
+    seed: int = 0
+    workers: int = 3
+    spares: int = 2
+    steps: int | None = None
+    gap: float = 8.0             # mean seconds between events (sets how many there are)
+    elastic: bool = False
+    run_dir: str | None = None
+    model: str = "tiny"
+    kinds: list[str] | None = None
+
+
+@dataclass
+class Event:
+    index: int
+    at_fraction: float   # of the run's steps
+    kind: str
+    u: float             # target choice in [0, 1)
+    u2: float            # second choice (the service of kill_with_service)
+
+
+@dataclass
+class Outcome:
+    index: int
+    kind: str
+    injected: bool = False
+    survived: bool = False
+    at_step: int | None = None
+    target: str = ""
+    detail: str = ""
+    recover_s: float | None = None   # injection to "handled and training again" (observer)
+    t: float | None = None           # injection wall time
+
+
+class ChaosFailure(Exception):
+    pass
+
+
+def _signal(pid: int, sig: int, what: str) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        raise ChaosFailure(f"{what} (pid {pid}) is already gone") from None
+
+
+def make_schedule(seed: int, duration: float, gap: float = 8.0, elastic: bool = False,
+                  kinds: list[str] | None = None) -> list[Event]:
+    """The events of a run: a pure function of its arguments. Every kind once (in a seeded
+    order) before any repeats, as long as there are enough events."""
+    rng = random.Random(seed)
+    pool = list(kinds or (KINDS + (ELASTIC_KINDS if elastic else ())))
+    n = max(1, int(duration // gap))
+    order = rng.sample(pool, len(pool))
+    while len(order) < n:
+        order.append(rng.choices(pool, weights=[WEIGHTS.get(k, 1) for k in pool])[0])
+    order = order[:n]
+    lo, hi = 0.05, 0.80
+    out = []
+    for i, kind in enumerate(order):
+        frac = lo + (hi - lo) * (i + rng.uniform(0.15, 0.85)) / n
+        out.append(Event(i, round(frac, 4), kind, rng.random(), rng.random()))
+    return out
+
+
+def default_steps(opts: ChaosOptions) -> int:
+    rate = RATE.get(opts.workers, 4.0) if opts.model == "tiny" else 1.0
+    return max(60, int(opts.duration * rate))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = max(0, min(len(v) - 1, int(-(-q * len(v) // 100)) - 1))
+    return v[k]
+
+
+# ----------------------------------------------------------------------------- the run
+class Chaos:
+    def __init__(self, c: Any, opts: ChaosOptions, steps: int) -> None:
+        self.c, self.opts, self.steps = c, opts, steps
+        self.stopped: list[int] = []          # SIGSTOPped pids: SIGKILLed at the end
+        self.requested: dict[str, float] = {}  # spares asked of the actuator, not yet seen
+        self._top_lock = asyncio.Lock()
+        self.decisions: list[Any] = []
+        self.recoveries: list[Any] = []
+        self.faults: list[Any] = []
+        self.log: list[str] = []
+        self.t_start = time.time()
+
+    def say(self, text: str) -> None:
+        line = f"[{time.time() - self.t_start:7.2f}s] {text}"
+        self.log.append(line)
+        print(line, flush=True)
+
+    async def attach(self) -> None:
+        from schemas.messages import Decision, Fault, Recovery
+
+        bus = self.c.bus
+        s = bus.subjects
+
+        async def on_dec(m, env):
+            self.decisions.append(m)
+
+        async def on_rec(m, env):
+            self.recoveries.append(m)
+
+        async def on_fault(m, env):
+            self.faults.append(m)
+
+        await bus.subscribe(s.decision, Decision, on_dec)
+        await bus.subscribe(s.recovery, Recovery, on_rec)
+        await bus.subscribe(s.fault, Fault, on_fault)
+
+    # ------------------------------------------------------------------ views
+    def plan(self):
+        return max(self.c.plans, key=lambda p: p.generation) if self.c.plans else None
+
+    def fresh(self, h) -> bool:
+        return time.time() - h.ts < FRESH
+
+    def spares(self) -> list[Any]:
+        plan = self.plan()
+        members = {m.pod for m in plan.members} if plan else set()
+        return [h for h in self.c.hb.values()
+                if h.role.value == "spare" and h.pod not in members and self.fresh(h)
+                and h.state.value == "waiting"]
+
+    def step(self) -> int:
+        plan = self.plan()
+        if plan is None:
+            return -1
+        steps = [self.c.hb[m.pod].step for m in plan.members if m.pod in self.c.hb]
+        return max(steps, default=-1)
+
+    def healthy(self, gen: int | None = None, past: int | None = None,
+                exclude: set[str] = frozenset()) -> bool:
+        plan = self.plan()
+        if plan is None or (gen is not None and plan.generation <= gen):
+            return False
+        if any(m.pod in exclude for m in plan.members):
+            return False
+        for m in plan.members:
+            h = self.c.hb.get(m.pod)
+            if h is None:
+                return False
+            if h.state.value == "done" or h.step >= self.steps - 1:
+                continue  # finished: nothing left to recover
+            if (not self.fresh(h) or h.generation != plan.generation
+                    or h.state.value != "training" or (past is not None and h.step <= past)):
+                return False
+        return True
+
+    def finished(self) -> bool:
+        return self.c.proc.poll() is not None or self.step() >= self.steps - 1
+
+    def latest_pid(self, name: str) -> int:
+        pids = [pid for n, pid in self.c.pids() if n == name]
+        if not pids:
+            raise ChaosFailure(f"no {name} pid recorded")
+        return pids[-1]
+
+    def count(self, name: str) -> int:
+        return sum(1 for n, _ in self.c.pids() if n == name)
+
+    async def wait(self, pred, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            v = pred()
+            if v:
+                return v
+            if self.c.proc.poll() is not None:
+                raise ChaosFailure(f"the cluster exited ({self.c.proc.returncode}) while "
+                                   f"waiting for {what}")
+            if time.monotonic() > deadline:
+                raise ChaosFailure(f"timed out after {timeout:.0f}s waiting for {what}")
+            await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ spares
+    async def top_up(self) -> None:
+        """Ask the actuator for spares until the job has --spares of them (counting those
+        asked for and not registered yet)."""
+        async with self._top_lock:
+            await self._top_up()
+
+    async def _top_up(self) -> None:
+        from schemas.messages import ActuatorAction, ActuatorCommand, ActuatorReply, Role
+
+        have = {h.pod for h in self.spares()}
+        now = time.monotonic()
+        # asked for and not registered yet (a pod that never registers is forgotten after
+        # a minute, then replaced)
+        self.requested = {p: t for p, t in self.requested.items()
+                          if p not in have and now - t < 60
+                          and (p not in self.c.hb or self.fresh(self.c.hb[p]))}
+        missing = self.opts.spares - len(have) - len(self.requested)
+        if missing <= 0:
+            return
+        bus = self.c.bus
+        try:
+            reply = await bus.request(
+                bus.subjects.actuator,
+                ActuatorCommand(action=ActuatorAction.start, role=Role.spare, count=missing,
+                                reason="chaos: keep the spare pool full"),
+                ActuatorReply, timeout=10.0)
+        except Exception as e:
+            self.say(f"  spare request failed ({type(e).__name__}); retrying later")
+            return
+        if reply.ok:
+            self.requested.update({p: now for p in reply.pods})
+            self.say(f"  started spare(s) {', '.join(reply.pods)}")
+
+    async def keep_spares(self) -> None:
+        """In the background all run long: spares are replaced as soon as faults use them
+        (starting one takes seconds: import torch), not when the next event needs them."""
+        while True:
+            await asyncio.sleep(2.0)
+            if self.c.proc.poll() is not None or self.finished():
+                return
+            try:
+                await self.top_up()
+            except Exception as e:  # the bus may be restarting
+                self.say(f"  spare top-up failed: {type(e).__name__}")
+
+    async def ready(self, need: int) -> None:
+        """Every member training in the latest plan and ``need`` spares registered."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        last_top = 0.0
+        while True:
+            if self.finished():
+                return
+            ok = self.healthy() and len(self.spares()) >= need
+            if ok:
+                return
+            if time.monotonic() - last_top > 3.0:
+                last_top = time.monotonic()
+                await self.top_up()
+            if self.c.proc.poll() is not None:
+                raise ChaosFailure(f"the cluster exited ({self.c.proc.returncode})")
+            if time.monotonic() > deadline:
+                raise ChaosFailure(f"job not healthy with {need} spare(s) after "
+                                   f"{READY_TIMEOUT:.0f}s")
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------ faults
+    def _victim(self, ev: Event, rank0: bool = False):
+        plan = self.plan()
+        ranks = sorted(m.rank for m in plan.members)
+        if not rank0 and len(ranks) > 1:
+            ranks = [r for r in ranks if r != 0]
+        rank = 0 if rank0 else ranks[int(ev.u * len(ranks)) % len(ranks)]
+        h = self.c.hb.get(plan.pod_of(rank))   # the plan's pod, not an old holder of the rank
+        if h is None or not h.pid or not self.fresh(h):
+            raise ChaosFailure(f"no live pod at rank {rank}")
+        return rank, h
+
+    async def _recovered(self, out: Outcome, gen: int, victims: set[str], step: int,
+                         t0: float) -> None:
+        await self.wait(lambda: self.finished() or self.healthy(gen=gen, past=step,
+                                                                exclude=victims),
+                        RECOVER_TIMEOUT, f"recovery from {out.kind} of {', '.join(victims)}")
+        out.recover_s = time.monotonic() - t0
+
+    async def _progress(self, out: Outcome, step: int, t0: float, steps: int = 3) -> None:
+        await self.wait(lambda: self.finished() or (self.healthy() and self.step() >= step + steps),
+                        RECOVER_TIMEOUT, f"training on after {out.kind}")
+        out.recover_s = time.monotonic() - t0
+
+    async def _service_back(self, name: str, before: int) -> None:
+        await self.wait(lambda: self.count(name) > before, 30, f"{name} restarted")
+        if name == "nats-server":
+            return
+        bus = self.c.bus
+        deadline = time.monotonic() + 30
+        while True:  # it answers its status endpoint: connected and serving again
+            try:
+                await bus.nc.request(bus.subjects.service_status(name), b"", timeout=1.0)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise ChaosFailure(f"{name} restarted but does not answer") from None
+                await asyncio.sleep(0.2)
+
+    async def inject(self, ev: Event, out: Outcome) -> None:
+        kind = ev.kind
+        plan = self.plan()
+        gen, step = plan.generation, self.step()
+        out.at_step = step
+        t0 = time.monotonic()
+        out.t = time.time()
+        if kind in ("kill", "hang", "kill_rank0", "kill_with_service"):
+            rank, h = self._victim(ev, rank0=kind == "kill_rank0")
+            out.target = f"rank {rank} ({h.pod})"
+            if kind == "hang":
+                _signal(h.pid, signal.SIGSTOP, h.pod)
+                self.stopped.append(h.pid)
+            else:
+                _signal(h.pid, signal.SIGKILL, h.pod)
+            if kind == "kill_with_service":
+                name = SERVICES[int(ev.u2 * len(SERVICES)) % len(SERVICES)]
+                before = self.count(name)
+                _signal(self.latest_pid(name), signal.SIGKILL, name)
+                out.target += f" + {name}"
+            out.injected = True
+            self.say(f"#{ev.index} {kind}: {out.target} at step {step} (g{gen})")
+            if kind == "kill_with_service":
+                await self._service_back(name, before)
+            await self._recovered(out, gen, {h.pod}, step, t0)
+        elif kind == "during_recovery":
+            rank, h = self._victim(ev)
+            _signal(h.pid, signal.SIGKILL, h.pod)
+            out.injected = True
+            await self.wait(lambda: (p := self.plan()).generation > gen or self.finished(), 60,
+                            "the replacement plan")
+            new = self.plan()
+            promoted = new.pod_of(rank)
+            victims = {h.pod}
+            if promoted and promoted != h.pod:
+                await self.wait(lambda: self.finished() or (
+                    (x := self.c.hb.get(promoted)) is not None
+                    and x.generation >= new.generation), 30, "the promoted spare adopting it")
+                p = self.c.hb[promoted]
+                if p.pid and not self.finished():
+                    _signal(p.pid, signal.SIGKILL, promoted)
+                    victims.add(promoted)
+            out.target = f"rank {rank} ({h.pod}), then its replacement {promoted}"
+            self.say(f"#{ev.index} {kind}: {out.target} at step {step} (g{gen})")
+            await self._recovered(out, new.generation if len(victims) > 1 else gen, victims,
+                                  step, t0)
+        elif kind == "spare_kill":
+            sp = sorted(self.spares(), key=lambda h: h.pod)
+            if not sp:
+                raise ChaosFailure("no spare to kill")
+            h = sp[int(ev.u * len(sp)) % len(sp)]
+            _signal(h.pid, signal.SIGKILL, h.pod)
+            out.injected, out.target = True, h.pod
+            self.say(f"#{ev.index} {kind}: {h.pod} at step {step}")
+            await self._progress(out, step, t0)
+            # the job did not change: same plan, nobody else affected
+            if self.plan().generation != gen and not self.finished():
+                out.detail = f"plan changed to g{self.plan().generation}"
+        elif kind.startswith("kill_") or kind == "nats_restart":
+            name = "nats-server" if kind == "nats_restart" else kind[len("kill_"):]
+            before = self.count(name)
+            _signal(self.latest_pid(name), signal.SIGKILL, name)
+            out.injected, out.target = True, name
+            self.say(f"#{ev.index} {kind}: SIGKILL {name} at step {step}")
+            await self._service_back(name, before)
+            await self._progress(out, max(step, self.step()), t0)
+        elif kind in ELASTIC_KINDS:
+            from schemas.messages import Capacity, CapacityChange, Priority
+
+            bus = self.c.bus
+            if kind == "priority":
+                msg = Priority(release=1, priority=10, reason="chaos")
+                subject = bus.subjects.priority
+            else:
+                msg = Capacity(change=CapacityChange.add if kind == "capacity_add"
+                               else CapacityChange.remove, count=1, reason="chaos")
+                subject = bus.subjects.capacity
+            n = len(self.decisions)
+            await bus.publish(subject, msg)
+            out.injected, out.target = True, f"{subject.rsplit('.', 1)[1]} {msg.request_id}"
+            self.say(f"#{ev.index} {kind} at step {step}")
+            d = await self.wait(lambda: next((x for x in self.decisions[n:]
+                                              if x.request_id == msg.request_id), None),
+                                60, f"the scaler's decision on {kind}")
+            out.detail = f"{'accepted' if d.accepted else 'refused'}: {d.reason}"
+            await self._progress(out, step, t0)
+        else:
+            raise ChaosFailure(f"unknown event kind {kind!r}")
+        out.survived = True
+        self.say(f"  survived in {out.recover_s:.2f}s{(' (' + out.detail + ')') if out.detail else ''}")
+
+    def cleanup(self) -> None:
+        from services.launcher import _ours
+
+        for pid in self.stopped:
+            if _ours(pid, str(self.c.run_dir)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+async def _reference(run_dir: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
+    from services.launcher import Cluster
+
+    async with Cluster(run_dir, opts.workers, 0, steps, timeout=timeout,
+                       extra=["--model", opts.model]) as c:
+        code = await c.finish(timeout + 30)
+        if code != 0:
+            raise ChaosFailure(f"the reference run failed (exit {code}):\n{c.output()}")
+        s = c.summary()
+        s["world_sizes"] = sorted({p.world_size for p in c.plans})
+        return s
+
+
+async def run(opts: ChaosOptions) -> int:
+    from services.launcher import Cluster
+
+    steps = opts.steps or default_steps(opts)
+    base = Path(opts.run_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}-s{opts.seed}")
+    base.mkdir(parents=True, exist_ok=True)
+    schedule = make_schedule(opts.seed, opts.duration, opts.gap, opts.elastic, opts.kinds)
+    print(f"ceaseless chaos: seed {opts.seed}, {opts.workers} workers + {opts.spares} spares, "
+          f"{steps} steps, {len(schedule)} events\n  run dir: {base}", flush=True)
+    for ev in schedule:
+        print(f"  #{ev.index:<3} at {ev.at_fraction:5.1%} of the steps: {ev.kind}", flush=True)
+    run_timeout = max(600.0, 6 * opts.duration)
+    t = time.monotonic()
+    ref = await _reference(base / "reference", opts, steps, run_timeout)
+    ref_s = time.monotonic() - t
+    print(f"reference: {steps} steps in {ref_s:.1f}s, params {ref['param_sha256'][:16]}…",
+          flush=True)
+
+    outcomes: list[Outcome] = []
+    failures: list[str] = []
+    t = time.monotonic()
+    async with Cluster(base / "chaos", opts.workers, opts.spares, steps, timeout=run_timeout,
+                       extra=["--model", opts.model]) as c:
+        ch = Chaos(c, opts, steps)
+        try:
+            await ch.attach()
+            await c.wait_spares(opts.spares, timeout=READY_TIMEOUT)
+            keeper = asyncio.create_task(ch.keep_spares())
+            for ev in schedule:
+                out = Outcome(ev.index, ev.kind)
+                outcomes.append(out)
+                if failures:
+                    out.detail = "not injected: an earlier fault failed"
+                    continue
+                margin = max(30, steps // 12)
+                try:
+                    await ch.wait(lambda: ch.finished() or ch.step() >= ev.at_fraction * steps,
+                                  run_timeout, f"step {ev.at_fraction * steps:.0f}")
+                    await ch.ready(SPARES_NEEDED.get(ev.kind, 0))
+                    if ch.finished() or ch.step() >= steps - margin:
+                        out.detail = "not injected: training too close to its end"
+                        continue
+                    await ch.inject(ev, out)
+                except Exception as e:
+                    out.detail = (str(e).splitlines() or [type(e).__name__])[0][:300]
+                    failures.append(f"#{ev.index} {ev.kind}: {out.detail}")
+                    ch.say(f"  FAILED: {out.detail}")
+            code = await c.finish(run_timeout + 30)
+        finally:
+            if "keeper" in locals():
+                keeper.cancel()
+                await asyncio.gather(keeper, return_exceptions=True)
+            ch.cleanup()
+        chaos_s = time.monotonic() - t
+        s = c.summary()
+        plans = list(c.plans)
+    return _verdict(base, opts, steps, schedule, outcomes, failures, ref, s, plans, code,
+                    ref_s, chaos_s, ch)
+
+
+def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
+             outcomes: list[Outcome], failures: list[str], ref: dict, s: dict, plans: list,
+             code: int, ref_s: float, chaos_s: float, ch: Chaos) -> int:
+    failures = list(failures)
+    if code != 0:
+        failures.append(f"the chaos run exited {code}: {s.get('reason')}")
+    if s.get("final_step") != steps - 1:
+        failures.append(f"final step {s.get('final_step')}, expected {steps - 1}")
+    world_sizes = sorted({p.world_size for p in plans} | {s.get("world_size") or opts.workers})
+    fixed = world_sizes == [opts.workers]
+    lost = int(s.get("lost_steps") or 0)
+    if s.get("final_step") is not None and s["final_step"] < steps - 1:
+        lost += steps - 1 - s["final_step"]
+    if lost:
+        failures.append(f"{lost} lost step(s)")
+    ref_losses, losses = ref["losses"], s.get("losses", {})
+    compared = [k for k in losses if k in ref_losses]
+    if fixed:
+        check = "bitwise parameters"
+        if s.get("param_sha256") != ref["param_sha256"]:
+            failures.append(f"params {str(s.get('param_sha256'))[:16]} != reference "
+                            f"{ref['param_sha256'][:16]}")
+        bad = [k for k in compared if losses[k] != ref_losses[k]]
+    else:
+        check = f"losses within 1e-4 (world sizes {world_sizes})"
+        if not s.get("param_sha256_consistent", True):
+            failures.append("members finished with different parameters")
+        bad = [k for k in compared
+               if abs(losses[k] - ref_losses[k]) > 1e-4 * max(1.0, abs(ref_losses[k]))]
+    if bad:
+        failures.append(f"{len(bad)} step loss(es) differ from the reference, e.g. step "
+                        f"{bad[0]}: {losses[bad[0]]} vs {ref_losses[bad[0]]}")
+    if not compared:
+        failures.append("no losses to compare")
+    injected = [o for o in outcomes if o.injected]
+    survived = [o for o in injected if o.survived]
+    downs = [i["downtime"] for i in s.get("incidents", []) if i.get("downtime") is not None]
+    rec = [o.recover_s for o in survived if o.recover_s is not None
+           and o.kind in ("kill", "hang", "kill_rank0", "during_recovery", "kill_with_service")]
+    by_kind: dict[str, list[int]] = {}
+    for o in injected:
+        by_kind.setdefault(o.kind, [0, 0])
+        by_kind[o.kind][0] += 1
+        by_kind[o.kind][1] += int(o.survived)
+    report = {
+        "seed": opts.seed, "duration": opts.duration, "workers": opts.workers,
+        "spares": opts.spares, "steps": steps, "elastic": opts.elastic,
+        "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
+        "events": len(schedule), "faults_injected": len(injected),
+        "faults_survived": len(survived), "by_kind": by_kind,
+        "incidents": len(s.get("incidents", [])),
+        "downtime_p50": percentile(downs, 50), "downtime_p99": percentile(downs, 99),
+        "downtime_max": max(downs) if downs else None,
+        "recover_p50": percentile(rec, 50), "recover_p99": percentile(rec, 99),
+        "lost_steps": lost, "check": check, "world_sizes": world_sizes,
+        "generation": s.get("generation"), "param_sha256": s.get("param_sha256"),
+        "reference_sha256": ref["param_sha256"], "losses_compared": len(compared),
+        "failures": failures, "outcomes": [asdict(o) for o in outcomes],
+        "schedule": [asdict(e) for e in schedule], "log": ch.log,
+    }
+    (base / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    def f(x):
+        return "-" if x is None else f"{x:.3f}s"
+
+    print("\nceaseless chaos: " + ("PASSED" if not failures else "FAILED"))
+    print(f"  faults injected   {len(injected)} of {len(schedule)} scheduled "
+          f"({', '.join(f'{k} {v[0]}' for k, v in sorted(by_kind.items()))})")
+    print(f"  faults survived   {len(survived)}")
+    print(f"  incidents         {len(s.get('incidents', []))} (generation {s.get('generation')})")
+    print(f"  downtime          p50 {f(report['downtime_p50'])}, p99 {f(report['downtime_p99'])}"
+          f" (per incident, last evidence of the fault to every rank's first step after it)")
+    print(f"  fault to healthy  p50 {f(report['recover_p50'])}, p99 {f(report['recover_p99'])}"
+          f" (observer: injection to every member training past the interrupted step)")
+    print(f"  lost steps        {lost}")
+    print(f"  result            {check}: "
+          f"{'equal' if not any('params' in x or 'loss' in x for x in failures) else 'DIFFERENT'}"
+          f" ({len(compared)} losses compared)")
+    print(f"  time              reference {ref_s:.0f}s, chaos {chaos_s:.0f}s; report "
+          f"{base / 'chaos.json'}")
+    for x in failures:
+        print(f"  FAILURE: {x}")
+    return 0 if not failures else 1
+
+
+# ----------------------------------------------------------------------------- CLI
+def cmd_chaos(args: argparse.Namespace) -> int:
+    kinds = args.kinds.split(",") if args.kinds else None
+    if kinds:
+        unknown = set(kinds) - set(KINDS) - set(ELASTIC_KINDS)
+        if unknown:
+            print(f"ceaseless chaos: unknown kinds {sorted(unknown)}", file=sys.stderr)
+            return 2
+    if args.workers < 1 or args.spares < 2:
+        print("ceaseless chaos: needs --workers >= 1 and --spares >= 2 (a fault during "
+              "recovery uses two)", file=sys.stderr)
+        return 2
+    opts = ChaosOptions(duration=args.duration, seed=args.seed, workers=args.workers,
+                        spares=args.spares, steps=args.steps, gap=args.gap,
+                        elastic=args.elastic, run_dir=args.run_dir, model=args.model,
+                        kinds=kinds)
+    try:
+        return asyncio.run(run(opts))
+    except ChaosFailure as e:
+        print(f"ceaseless chaos: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("chaos", help="run the example under a seeded fault schedule and "
+                                     "compare with a fault-free run")
+    p.add_argument("--duration", type=float, default=600.0,
+                   help="seconds of chaos (sizes the run: steps and number of events)")
+    p.add_argument("--seed", type=int, default=0, help="the schedule is a function of the seed")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--spares", type=int, default=2)
+    p.add_argument("--steps", type=int, help="training steps (default: from --duration)")
+    p.add_argument("--gap", type=float, default=8.0, help="mean seconds between events")
+    p.add_argument("--elastic", action="store_true",
+                   help="also capacity add/remove and priority release events (the world "
+                        "size then changes: losses are compared within 1e-4)")
+    p.add_argument("--kinds", help="comma-separated subset of: " + ",".join(KINDS + ELASTIC_KINDS))
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--run-dir", help="default: runs/chaos-<time>-s<seed>")
+    p.set_defaults(func=cmd_chaos)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m services.chaos")
+    register(ap.add_subparsers(dest="command", required=True))
+    a = ap.parse_args(["chaos", *sys.argv[1:]])
+    sys.exit(a.func(a))

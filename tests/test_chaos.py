@@ -1,0 +1,103 @@
+"""`ceaseless chaos`: the seeded schedule, and a ~90-second chaos run end to end.
+
+The e2e run is the real thing: `ceaseless chaos` as a child process, a fault-free reference
+run, then the chaos run (real nats-server, services, gloo workers and spares) under every
+fault kind of the schedule; it must pass (bitwise result, zero lost steps, every fault
+survived). Hard timeout; everything is cleaned up by PID (the chaos process, then every pid
+its clusters recorded in pids.txt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.chaos import ELASTIC_KINDS, KINDS, make_schedule, percentile
+from services.launcher import REPO, _ours
+
+CI_SEED = 1
+CI_TIMEOUT = 900  # seconds for reference + chaos on a loaded 2-core machine
+
+
+def test_schedule_is_a_function_of_the_seed():
+    a, b = make_schedule(7, 600), make_schedule(7, 600)
+    assert a == b
+    assert make_schedule(8, 600) != a
+    fr = [e.at_fraction for e in a]
+    assert fr == sorted(fr) and 0.0 < fr[0] and fr[-1] < 0.85
+    assert len(a) == 600 // 8
+
+
+def test_schedule_covers_every_kind_before_repeating():
+    ev = make_schedule(3, 90)
+    assert len(ev) == 11
+    assert {e.kind for e in ev} == set(KINDS)
+    assert not {e.kind for e in make_schedule(3, 600)} & set(ELASTIC_KINDS)
+    el = make_schedule(3, 600, elastic=True)
+    assert set(ELASTIC_KINDS) <= {e.kind for e in el}
+    only = make_schedule(3, 100, kinds=["kill", "hang"])
+    assert {e.kind for e in only} == {"kill", "hang"}
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    v = [float(i) for i in range(1, 101)]
+    assert percentile(v, 50) == 50.0 and percentile(v, 99) == 99.0
+    assert percentile([1.0, 2.0, 10.0], 99) == 10.0
+
+
+def _cleanup(proc: subprocess.Popen, run_dir: Path) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for pids in run_dir.glob("*/pids.txt"):
+        for line in pids.read_text().splitlines():
+            pid = int(line.split()[1])
+            if _ours(pid, str(run_dir)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.mark.timeout(CI_TIMEOUT + 60)
+def test_chaos_90s_passes(tmp_path):
+    run_dir = tmp_path / "chaos"
+    out = tmp_path / "chaos.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "chaos", "--duration", "90", "--seed",
+             str(CI_SEED), "--workers", "2", "--spares", "2", "--run-dir", str(run_dir)],
+            stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        try:
+            code = proc.wait(CI_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"chaos did not finish in {CI_TIMEOUT}s:\n{out.read_text()[-4000:]}")
+    finally:
+        _cleanup(proc, run_dir)
+    text = out.read_text()
+    assert code == 0, text[-6000:]
+    rep = json.loads((run_dir / "chaos.json").read_text())
+    assert rep["failures"] == [], rep["failures"]
+    assert rep["faults_injected"] >= 8, text[-4000:]
+    assert rep["faults_survived"] == rep["faults_injected"]
+    assert rep["lost_steps"] == 0
+    assert rep["check"] == "bitwise parameters"
+    assert rep["param_sha256"] == rep["reference_sha256"]
+    worker_faults = {"kill", "hang", "kill_rank0", "during_recovery", "kill_with_service"}
+    assert rep["incidents"] >= sum(v[0] for k, v in rep["by_kind"].items() if k in worker_faults)
+    assert rep["downtime_p50"] is not None
+    assert "faults survived" in text and "downtime" in text and "lost steps" in text
