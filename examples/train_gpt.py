@@ -114,13 +114,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="parameter dtype (float64: runs that differ only in the order of "
+                        "additions, e.g. at different world sizes, agree to ~1e-12)")
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     d, layers, heads, seq_len = MODELS[a.model]
     dataset, vocab = load_dataset(a.data, seq_len)
     torch.manual_seed(a.seed)  # every rank builds the same model; rank 0's weights win anyway
-    model = GPT(vocab, d, layers, heads, seq_len, dropout=a.dropout)
+    model = GPT(vocab, d, layers, heads, seq_len, dropout=a.dropout).to(getattr(torch, a.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     n_params = sum(p.numel() for p in model.parameters())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 
 import pytest
 import torch
@@ -14,13 +15,19 @@ import torch
 from harness import Cluster
 from schemas.messages import Capacity, CapacityChange, Decision, Priority
 
-STEPS = 200
+STEPS = 300
 EXTRA = ["--save-params", "--scale-up-snooze", "0"]
+# float64: the world size changes only the order of floating-point additions, and in
+# float32 AdamW turns that noise into visible drift in directions whose true gradient is 0
+# (e.g. attention key biases) over hundreds of steps; in float64 it stays far below 1e-4.
+CMD = [sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS),
+       "--global-batch-size", "32", "--micro-batch-size", "4", "--dtype", "float64",
+       "--log-every", "10"]
 pytestmark = [pytest.mark.timeout(420)]
 
 
 async def _reference(d):
-    async with Cluster(d, 4, 0, STEPS, extra=["--save-params"]) as c:
+    async with Cluster(d, 4, 0, STEPS, extra=["--save-params"], cmd=CMD) as c:
         assert await c.finish() == 0, c.output()
         return c.summary()
 
@@ -45,7 +52,7 @@ async def test_scale_schedule_4_2_3_4_matches_fixed_size(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(1) as ex:  # one loop per cluster run
         ref = ex.submit(asyncio.run, _reference(tmp_path / "ref")).result()
     decisions: list[Decision] = []
-    async with Cluster(tmp_path / "el", 4, 0, STEPS, extra=EXTRA) as c:
+    async with Cluster(tmp_path / "el", 4, 0, STEPS, extra=EXTRA, cmd=CMD) as c:
         async def on_decision(d, _e):
             decisions.append(d)
         await c.bus.subscribe(c.bus.subjects.decision, Decision, on_decision)
