@@ -37,7 +37,9 @@ def _module(bsub, name: str, module: str) -> None:
 
 HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first batch",
         "recovery": "downtime and phases of in-process recovery",
-        "overhead": "step time under Ceaseless vs plain DDP"}
+        "overhead": "step time under Ceaseless vs plain DDP",
+        "control-plane": "simulated agents vs the services: detection, plan delivery, CPU",
+        "init": "process-group creation: NATS-backed store vs TCPStore, per generation"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -52,4 +54,6 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _data(bsub)
     _module(bsub, "recovery", "bench.recovery")
     _module(bsub, "overhead", "bench.overhead")
+    _module(bsub, "control-plane", "bench.control_plane")
+    _module(bsub, "init", "bench.init_bench")
     return p

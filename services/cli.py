@@ -132,7 +132,28 @@ def _render_status(st: dict[str, Any]) -> str:
         lines.append(f"service {name}: {state}")
     sc = st["services"].get("scaler", {})
     if sc.get("policy"):
-        lines.append(f"policy: {json.dumps(sc['policy'])}")
+        pol = sc["policy"]
+        sizes = (",".join(map(str, pol["replica_discrete_values"]))
+                 if pol.get("replica_discrete_values") else
+                 f"{pol['min_replicas']}..{pol['max_replicas']} step "
+                 f"{pol.get('replica_increment_step', 1)}")
+        lines.append(f"policy: replicas {sizes}; scale-up snooze {pol.get('scale_up_snooze_s')}s, "
+                     f"scaling timeout {pol.get('scaling_timeout_s')}s, graceful shutdown "
+                     f"{pol.get('graceful_shutdown_timeout_s')}s; global batch "
+                     f"{pol['global_batch_size']} (constant)")
+    if plan or sc.get("scale"):
+        scale = sc.get("scale") or {}
+        target = scale.get("target", plan["world_size"] if plan else "?")
+        cur = plan["world_size"] if plan else 0
+        lines.append(f"scale: {cur} replica(s), target {target}"
+                     + (f" (last request: {scale['reason']})" if scale.get("reason") else ""))
+        if plan:
+            lines.append(f"  last change: generation {plan['generation']}: {plan['reason']}")
+        for r in scale.get("releases", []):
+            lines.append(f"  release {r['request_id']} ({r['count']}): freed {r['freed']}, "
+                         f"leaving {r['leaving']}")
+        if sc.get("waiting"):
+            lines.append(f"  waiting: {sc['waiting']}")
     return "\n".join(lines)
 
 

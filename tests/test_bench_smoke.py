@@ -150,3 +150,16 @@ def test_recovery_ratio_and_table_from_runs():
     md = recovery.markdown(res)
     assert "0.067" in md and "torch.save every 20 steps" in md
     assert recovery.plot(res).startswith("<svg")
+
+
+@pytest.mark.timeout(30)
+def test_control_plane(tmp_path):
+    res = run_bench(tmp_path, ["control-plane", "--agents", "24", "--procs", "1", "--rounds",
+                               "1", "--silences", "2", "--fault-timeout", "1.0"], timeout=26)
+    (run,) = res["runs"]
+    assert run["agents"] == 24 and len(run["silences"]) == 2
+    assert all(s["kind"] in ("lost", "hang") for s in run["silences"])
+    # detected no earlier than the fault timeout after the last heartbeat
+    assert 0.9 <= run["detect_p50_s"] < 10
+    assert run["plan_delivery"]["n"] >= 1
+    assert run["cpu_core_fraction"]["health_monitor"] is not None

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 
 from schemas import micro_batch_range, num_micro_batches, shares
 from schemas.messages import Plan
-from services.scaler.policy import PolicyConfig, Wait, initial_plan, on_fault
+from schemas.policy import ScalingPolicy
+from services.scaler.policy import (PolicyConfig, Refused, Wait, desired_size, initial_plan,
+                                    on_fault, on_release, scale_plan)
 
 settings.register_profile("ceaseless", max_examples=300, deadline=None)
 settings.load_profile("ceaseless")
@@ -90,3 +92,65 @@ def test_fault_decisions(sc):
     assert nxt is not None
     if isinstance(nxt, Plan):
         assert nxt.generation == out.generation + 1
+
+
+# ----------------------------------------------------------------------------- elastic
+@st.composite
+def elastic_scenario(draw):
+    micro = draw(st.integers(1, 4))
+    num_micro = draw(st.integers(2, 24))
+    max_rep = draw(st.integers(1, 16))
+    min_rep = draw(st.integers(1, max_rep))
+    discrete = draw(st.none() | st.lists(st.integers(min_rep, max_rep), min_size=1,
+                                         max_size=5, unique=True).map(sorted))
+    pol = ScalingPolicy(min_replicas=min_rep, max_replicas=max_rep,
+                        replica_discrete_values=discrete)
+    sizes = [n for n in pol.sizes() if n <= num_micro]
+    if not sizes:
+        return None
+    workers = draw(st.sampled_from(sizes))
+    cfg = PolicyConfig.from_policy(pol, workers=workers, global_batch_size=micro * num_micro,
+                                   micro_batch_size=micro)
+    plan = initial_plan([f"w{i}" for i in range(workers)], [], cfg)
+    assert isinstance(plan, Plan)
+    spares = [f"s{i}" for i in range(draw(st.integers(0, 6)))]
+    return cfg, plan, spares, draw(st.integers(1, 20)), draw(st.integers(0, 10_000))
+
+
+@given(elastic_scenario())
+def test_scale_plans_keep_ranks_batch_and_policy(sc):
+    if sc is None:
+        return
+    cfg, plan, spares, target, step = sc
+    new = scale_plan(plan, target, spares, cfg, apply_step=step)
+    if new is None:
+        assert desired_size(plan.world_size, target, len(spares), cfg) == plan.world_size
+        return
+    assert new.generation == plan.generation + 1 and new.apply_step == step
+    assert sorted(m.rank for m in new.members) == list(range(new.world_size))
+    assert new.world_size in cfg.sizes() and new.world_size <= cfg.num_micro
+    assert sum(new.shares.values()) * new.micro_batch_size == plan.global_batch_size
+    old = {m.rank: m.pod for m in plan.members}
+    for m in new.members:  # nobody moves: ranks below the old size keep their pod
+        assert old.get(m.rank, m.pod) == m.pod
+        assert m.rank < plan.world_size or m.pod in spares
+    if new.world_size > plan.world_size:
+        assert new.world_size <= target
+    else:
+        assert new.world_size < plan.world_size and not set(old.values()) & set(new.spares)
+
+
+@given(elastic_scenario(), st.integers(1, 10))
+def test_release_answers_within_policy(sc, count):
+    if sc is None:
+        return
+    cfg, plan, spares, _, _ = sc
+    d = on_release(plan.world_size, plan.world_size, count, spares, cfg)
+    if isinstance(d, Refused):
+        assert d.reason.startswith("release")
+        assert plan.world_size - (count - min(count, len(spares))) < cfg.min_replicas or \
+            plan.world_size - (count - min(count, len(spares))) not in cfg.sizes()
+        return
+    assert len(d.stop_spares) == min(count, len(spares))  # spares go first
+    assert d.target == plan.world_size - d.shrink_by >= cfg.min_replicas
+    assert len(d.stop_spares) + d.shrink_by == count

@@ -315,6 +315,13 @@ async def test_capacity_add_starts_spares_and_grows_at_a_step_boundary(env, bus)
     await asyncio.sleep(0.3)
     assert len(env.plans) == 2  # at the target: no further change
     assert sc.status()["scale"]["target"] == 3
+    from services.cli import _render_status
+
+    text = _render_status({"job": "test", "services": {"scaler": sc.status()},
+                           "plan": json.loads(env.plans[-1].model_dump_json()),
+                           "plan_revision": 3})
+    assert "scale: 3 replica(s), target 3 (last request: capacity add 2" in text, text
+    assert "policy: replicas 1..3 step 1" in text and "grow 2 -> 3" in text, text
 
 
 async def test_priority_release_spares_first_then_highest_rank(env, bus):
