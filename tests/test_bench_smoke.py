@@ -163,3 +163,13 @@ def test_control_plane(tmp_path):
     assert 0.9 <= run["detect_p50_s"] < 10
     assert run["plan_delivery"]["n"] >= 1
     assert run["cpu_core_fraction"]["health_monitor"] is not None
+
+
+@pytest.mark.timeout(30)
+def test_init(tmp_path):
+    res = run_bench(tmp_path, ["init", "--world-sizes", "2", "--repeats", "1",
+                               "--generations", "2"], timeout=26)
+    assert {(r["world"], r["kind"]) for r in res["runs"]} == {(2, "nats"), (2, "tcp")}
+    for r in res["runs"]:
+        assert 0 < r["create_s"] < 20 and len(r["rebuild_s"]) == 1
+    assert res["summary"]["2"]["ratio_create_nats_tcp"] > 0

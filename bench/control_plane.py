@@ -1,0 +1,426 @@
+"""Control-plane benchmark: many simulated agents against one real health monitor, scaler and
+state broker on a real nats-server.
+
+    python -m bench.control_plane [--agents 256,1024,4096] [--procs 4] [--rounds 4]
+                                  [--silences 5] [--fault-timeout 1.5] [--json PATH]
+                                  [--svg PATH] [--write-doc]
+    ceaseless bench control-plane ...        (same options)
+
+For each size N: nats-server (JetStream) on a free 127.0.0.1 port, the job's stream and KV
+buckets as ``ceaseless up`` creates them, the three services as their own processes
+(``python -m services.health_monitor`` / ``services.scaler --workers N`` /
+``services.state_broker``), and N simulated agents spread over ``--procs`` processes. A
+simulated agent is an asyncio heartbeater using the real ``schemas`` models and ``Bus``: it
+heartbeats every 0.25 s (the agent's default) as a waiting worker, follows the plan (its rank
+and generation from the plan it received, state ``training``, a step that advances with wall
+time), and stops when it is fenced. The agents of one process share one NATS connection and
+one plan subscription (one decode of a plan serves all of them).
+
+Then ``--rounds`` rounds: in each, ``--silences`` random members stop heartbeating (as a
+SIGSTOPped or vanished process does). Reported:
+
+* **detection latency**: from the silenced agent's last heartbeat to the ``fault`` for it
+  arriving at the benchmark's own subscriber, p50 / p99 / max over every silence;
+* **plan delivery**: from a plan's ``ts`` (the scaler stamps it when it builds it) to the
+  last agent process having received and decoded it (all N agents then know it); also from
+  the fault to that moment;
+* **CPU** of each service process (and of nats-server and the agent processes) over the
+  measured phase, as a fraction of one core (from ``/proc/<pid>/stat``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, config, emit, fmt, machine, machine_line, summary
+
+SECTION = "## Control plane"
+HB_INTERVAL = 0.25
+STEP_PERIOD = 0.5  # simulated step time: every member's step advances with wall time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agents", default="256,1024,4096", help="simulated agents per run")
+    p.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--silences", type=int, default=5, help="silenced agents per round")
+    p.add_argument("--fault-timeout", type=float, default=1.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--svg", help="write the plot here (default with --write-doc: "
+                                 "docs/img/bench-control-plane.svg)")
+    p.add_argument("--write-doc", action="store_true", help="update docs/benchmarks.md")
+
+
+# ---------------------------------------------------------------------------- agents
+async def agents_main(a: argparse.Namespace) -> None:
+    from schemas.messages import AgentState, Heartbeat, Plan, Role
+    from services.common.bus import Bus, Credentials
+
+    bus = await Bus.connect(a.nats, a.job, f"sim-agents-{a.first}", Credentials.load(a.creds))
+    pods = [f"w{i}" for i in range(a.first, a.first + a.count)]
+    rng = random.Random(a.first)
+    due = {p: time.monotonic() + rng.random() * HB_INTERVAL for p in pods}
+    silenced: dict[str, float] = {}
+    last_sent: dict[str, float] = {}
+    state = {"gen": 0, "ranks": {}, "fenced": set()}
+    out = open(a.out, "a", buffering=1)
+    t0 = a.t0
+
+    async def on_plan(plan: Plan, env) -> None:
+        if plan.generation <= state["gen"]:
+            return
+        state["gen"] = plan.generation
+        state["ranks"] = {m.pod: m.rank for m in plan.members}
+        state["fenced"] = set(plan.fenced)
+        out.write(json.dumps({"plan": plan.generation, "ts": plan.ts, "recv": time.time(),
+                              "world": plan.world_size, "incident": plan.incident}) + "\n")
+
+    await bus.subscribe(bus.subjects.plan, Plan, on_plan)
+
+    async def on_ctl(msg) -> None:
+        req = json.loads(msg.data)
+        pod = req["pod"]
+        silenced[pod] = time.time()
+        await msg.respond(json.dumps({"pod": pod, "last_hb": last_sent.get(pod)}).encode())
+
+    await bus.nc.subscribe(f"bench.{a.job}.silence.{a.first}", cb=on_ctl)
+    await bus.nc.flush()
+    out.write(json.dumps({"ready": time.time(), "pid": os.getpid()}) + "\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    subj = {p: bus.subjects.heartbeat(p) for p in pods}
+    while not stop.is_set():
+        now = time.monotonic()
+        step = int((time.time() - t0) / STEP_PERIOD)
+        for p in pods:
+            if due[p] > now or p in silenced or p in state["fenced"]:
+                continue
+            due[p] = now + HB_INTERVAL
+            rank = state["ranks"].get(p)
+            hb = Heartbeat(pod=p, role=Role.worker, generation=state["gen"], rank=rank,
+                           step=step if rank is not None else -1, pid=os.getpid(),
+                           state=AgentState.training if rank is not None else AgentState.waiting,
+                           step_time=STEP_PERIOD if rank is not None else None)
+            await bus.publish(subj[p], hb)
+            last_sent[p] = time.time()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.01)
+        except asyncio.TimeoutError:
+            pass
+    out.close()
+    await bus.close()
+
+
+# ---------------------------------------------------------------------------- one size
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    from schemas.messages import Fault, Plan
+    from services.common.bus import Bus
+    from services.common.natsserver import NatsServer, write_credentials
+
+    d.mkdir(parents=True, exist_ok=True)
+    job = "cpbench"
+    creds_path = d / "creds.json"
+    creds = write_credentials(creds_path)
+    srv = NatsServer.start(d / "nats", creds=creds)
+    pidfile = d / "control-plane.pids"
+    pidfile.write_text(f"nats-server {srv.proc.pid}\n")
+    procs: dict[str, subprocess.Popen] = {}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CEASELESS_LOG_LEVEL": "warning"}
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+
+    def start(name: str, cmd: list[str]) -> None:
+        log = open(d / f"{name}.log", "wb")
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        with open(pidfile, "a") as f:
+            f.write(f"{name} {procs[name].pid}\n")
+
+    bus = None
+    try:
+        bus = await Bus.connect(srv.url, job, "bench-control-plane", creds)
+        await bus.ensure_stream()
+        await bus.kv()
+        await bus.store_kv()
+        faults: dict[str, tuple[float, Fault]] = {}
+        plans: dict[int, tuple[float, Plan]] = {}
+
+        async def on_fault(f: Fault, env) -> None:
+            faults.setdefault(f.pod, (time.time(), f))
+
+        async def on_plan(p: Plan, env) -> None:
+            plans.setdefault(p.generation, (time.time(), p))
+
+        await bus.subscribe(bus.subjects.fault, Fault, on_fault)
+        await bus.subscribe(bus.subjects.plan, Plan, on_plan)
+        base = [sys.executable, "-m"]
+        common = ["--nats", srv.url, "--creds", str(creds_path), "--job", job, "--run-dir",
+                  str(d), "--log-level", "warning"]
+        start("health_monitor", [*base, "services.health_monitor", *common,
+                                 "--fault-timeout", str(a.fault_timeout)])
+        start("scaler", [*base, "services.scaler", *common, "--workers", str(n),
+                         "--max-replicas", str(n), "--min-replicas", "1",
+                         "--global-batch-size", str(n), "--micro-batch-size", "1",
+                         "--start-timeout", "120", "--fault-timeout", str(a.fault_timeout)])
+        start("state_broker", [*base, "services.state_broker", *common])
+        t0 = time.time()
+        t_setup = time.monotonic()
+        per = [n // a.procs + (1 if i < n % a.procs else 0) for i in range(a.procs)]
+        firsts = [sum(per[:i]) for i in range(a.procs)]
+        outs = []
+        for i, (first, count) in enumerate(zip(firsts, per)):
+            if count == 0:
+                continue
+            o = d / f"agents{i}.jsonl"
+            outs.append((first, o))
+            start(f"agents{i}", [*base, "bench.control_plane", "agents", "--nats", srv.url,
+                                 "--creds", str(creds_path), "--job", job, "--first", str(first),
+                                 "--count", str(count), "--out", str(o), "--t0", str(t0)])
+        start_to = 120 + n / 20
+
+        async def wait(pred, timeout: float, what: str) -> None:
+            end = time.monotonic() + timeout
+            while not pred():
+                for name, p in procs.items():
+                    if p.poll() is not None:
+                        raise RuntimeError(f"{name} exited {p.returncode}: "
+                                           f"{(d / f'{name}.log').read_text()[-2000:]}")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"control-plane bench, {n} agents: {what}")
+                await asyncio.sleep(0.02)
+
+        def received(o: Path) -> list[dict]:
+            try:
+                return [json.loads(x) for x in o.read_text().splitlines() if x.strip()]
+            except (OSError, ValueError):
+                return []
+
+        def delivered(gen: int) -> float | None:
+            """When the last agent process had plan ``gen`` (None: not all yet)."""
+            ts = []
+            for _, o in outs:
+                r = [x["recv"] for x in received(o) if x.get("plan") == gen]
+                if not r:
+                    return None
+                ts.append(r[0])
+            return max(ts)
+
+        await wait(lambda: 1 in plans and delivered(1) is not None, start_to,
+                   "the first plan to reach every agent")
+        t_g1 = time.monotonic()
+        init_delivery = delivered(1) - plans[1][1].ts
+        await asyncio.sleep(2 * HB_INTERVAL + 1.0)  # every agent heartbeats as a member
+        cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+        cpu0["nats-server"] = cpu_seconds(srv.proc.pid)
+        w0 = time.monotonic()
+        silenced: list[dict[str, Any]] = []
+        for r in range(a.rounds):
+            gen = max(plans)
+            members = [m.pod for m in plans[gen][1].members]
+            victims = rng.sample(members, min(a.silences, len(members) - 1))
+            for pod in victims:
+                i = int(pod[1:])
+                first = max(f for f, _ in outs if f <= i)
+                rep = await bus.nc.request(f"bench.{job}.silence.{first}",
+                                           json.dumps({"pod": pod}).encode(), timeout=5)
+                info = json.loads(rep.data)
+                silenced.append({"pod": pod, "round": r, "last_hb": info["last_hb"],
+                                 "silenced": time.time()})
+                await asyncio.sleep(rng.random() * 0.05)
+            await wait(lambda: all(v in faults for v in victims), a.fault_timeout * 4 + 10,
+                       f"faults for {victims}")
+            # every victim fenced in a plan that reached every agent
+            def settled() -> bool:
+                done = [g for g, (_, p) in plans.items()
+                        if all(v in p.fenced or v not in {m.pod for m in p.members}
+                               for v in victims)]
+                return bool(done) and delivered(min(done)) is not None
+            await wait(settled, 30, f"a plan without {victims} at every agent")
+            await asyncio.sleep(0.5)
+        wall = time.monotonic() - w0
+        cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+        cpu1["nats-server"] = cpu_seconds(srv.proc.pid)
+        for s in silenced:
+            t_recv, f = faults[s["pod"]]
+            s["detect_s"] = t_recv - s["last_hb"] if s["last_hb"] else None
+            s["detected_at_s"] = f.detected_at - s["last_hb"] if s["last_hb"] else None
+            s["kind"] = f.kind.value
+            s["incident"] = f.incident
+        deliveries = []
+        for g in sorted(plans):
+            if g == 1:
+                continue
+            t_all = delivered(g)
+            p = plans[g][1]
+            if t_all is None:
+                continue
+            fault_t = faults[p.incident.split("-")[1]][0] if p.incident and p.incident.startswith(
+                "inc-") and p.incident.split("-")[1] in faults else None
+            deliveries.append({"generation": g, "world": p.world_size, "ts_to_all_s": t_all - p.ts,
+                               "fault_to_all_s": (t_all - fault_t) if fault_t else None,
+                               "bytes": len(p.model_dump_json())})
+        cpu = {k: ((cpu1[k] - cpu0[k]) / wall if cpu0.get(k) is not None and cpu1.get(k)
+                   is not None else None) for k in cpu1}
+        det = [s["detect_s"] for s in silenced if s["detect_s"] is not None]
+        return {"agents": n, "procs": len(outs), "silences": silenced, "plans": deliveries,
+                "initial_plan_delivery_s": init_delivery,
+                "setup_s": round(t_g1 - t_setup, 3),
+                "measured_s": wall, "cpu_core_fraction": cpu,
+                "detect_p50_s": quantile(det, 0.5), "detect_p99_s": quantile(det, 0.99),
+                "detect_max_s": max(det) if det else None,
+                "plan_delivery": summary(x["ts_to_all_s"] for x in deliveries),
+                "fault_to_plan_everywhere": summary(x["fault_to_all_s"] for x in deliveries
+                                                    if x["fault_to_all_s"] is not None),
+                "heartbeats_per_s": n / HB_INTERVAL}
+    finally:
+        if bus is not None:
+            try:
+                await asyncio.wait_for(bus.close(), 3)
+            except Exception:
+                pass
+        for p in procs.values():  # by PID
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        srv.stop()
+
+
+def quantile(v: list[float], q: float) -> float | None:
+    """Nearest-rank quantile (p99 of fewer than 100 samples is their maximum)."""
+    if not v:
+        return None
+    s = sorted(v)
+    import math
+
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+# ---------------------------------------------------------------------------- all sizes
+async def run_all(a: argparse.Namespace) -> dict[str, Any]:
+    sizes = [int(x) for x in a.agents.split(",") if x.strip()]
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
+    rng = random.Random(a.seed)
+    runs = []
+    for n in sizes:
+        t = time.monotonic()
+        res = await one_size(work / f"agents-{n}", n, a, rng)
+        res["wall_s"] = round(time.monotonic() - t, 1)
+        runs.append(res)
+        c = res["cpu_core_fraction"]
+        print(f"{n:>5} agents: detect p50 {res['detect_p50_s']:.3f}s p99 "
+              f"{res['detect_p99_s']:.3f}s; plan to all {fmt(res['plan_delivery'])}; initial "
+              f"plan {res['initial_plan_delivery_s']:.3f}s; CPU monitor "
+              f"{c.get('health_monitor') or 0:.2f} scaler {c.get('scaler') or 0:.2f} broker "
+              f"{c.get('state_broker') or 0:.2f} nats {c.get('nats-server') or 0:.2f}",
+              flush=True)
+    return {"benchmark": "control-plane", "machine": machine(),
+            "config": config(a) | {"command": "python -m bench.control_plane "
+                                   + " ".join(sys.argv[1:])}, "runs": runs}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    out = [SECTION, "", machine_line(res["machine"]),
+           f"Command: `{c['command']}`. One nats-server, one health monitor, one scaler, one "
+           f"state broker (each its own process, as `ceaseless up` runs them), simulated agents "
+           f"in {c['procs']} processes heartbeating every {HB_INTERVAL} s with the real schemas "
+           f"and bus; fault timeout {c['fault_timeout']} s; {c['rounds']} rounds of "
+           f"{c['silences']} silenced members per size. Detection = last heartbeat of the "
+           "silenced agent → its `fault` received by a subscriber; plan delivery = the plan's "
+           "`ts` → the last agent process has it decoded; CPU = fraction of one core over the "
+           "measured phase.", "",
+           "| agents | detection p50 | p99 | max | plan → all agents, median (min–max) | "
+           "fault → plan at all agents | first plan → all | CPU monitor | scaler | broker | "
+           "nats-server | agents (all procs) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        cpu = r["cpu_core_fraction"]
+        ag = sum(v for k, v in cpu.items() if k.startswith("agents") and v is not None)
+        f = (lambda v: f"{v:.3f} s" if v is not None else "–")
+        out.append(f"| {r['agents']} | {f(r['detect_p50_s'])} | {f(r['detect_p99_s'])} | "
+                   f"{f(r['detect_max_s'])} | {fmt(r['plan_delivery'])} | "
+                   f"{fmt(r['fault_to_plan_everywhere'])} | {f(r['initial_plan_delivery_s'])} | "
+                   f"{cpu.get('health_monitor') or 0:.2f} | {cpu.get('scaler') or 0:.2f} | "
+                   f"{cpu.get('state_broker') or 0:.2f} | {cpu.get('nats-server') or 0:.2f} | "
+                   f"{ag:.2f} |")
+    out += ["", "![control plane](img/bench-control-plane.svg)"]
+    return "\n".join(out) + "\n"
+
+
+def plot(res: dict[str, Any]) -> str:
+    from bench import svg
+
+    groups, vals = [], {}
+    for r in res["runs"]:
+        g = f"{r['agents']} agents"
+        groups.append(g)
+        det = [s["detect_s"] for s in r["silences"] if s["detect_s"] is not None]
+        vals[(g, "detection p50")] = r["detect_p50_s"]
+        vals[(g, "detection p99")] = r["detect_p99_s"]
+        vals[(g, "plan → all agents")] = r["plan_delivery"]
+        vals[(g, "fault → plan at all")] = r["fault_to_plan_everywhere"]
+        del det
+    return svg.bars(f"Control plane: detection and plan delivery ({res['machine']['cores']} "
+                    "CPU cores)", groups, ["detection p50", "detection p99", "plan → all agents",
+                                           "fault → plan at all"], vals, "seconds",
+                    note=f"{res['machine']['date']}; fault timeout "
+                         f"{res['config']['fault_timeout']} s; heartbeat every {HB_INTERVAL} s")
+
+
+def run(a: argparse.Namespace) -> int:
+    res = asyncio.run(run_all(a))
+    if a.svg or a.write_doc:
+        from bench import svg
+
+        p = Path(a.svg) if a.svg else svg.IMG / "bench-control-plane.svg"
+        svg.write(p.name, plot(res), p.parent)
+    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["agents"]:
+        p = argparse.ArgumentParser(description="simulated agents (one process)")
+        for k in ("--nats", "--creds", "--job", "--out"):
+            p.add_argument(k, required=True)
+        p.add_argument("--first", type=int, required=True)
+        p.add_argument("--count", type=int, required=True)
+        p.add_argument("--t0", type=float, required=True)
+        asyncio.run(agents_main(p.parse_args(argv[1:])))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
