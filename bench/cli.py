@@ -39,7 +39,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "recovery": "downtime and phases of in-process recovery",
         "overhead": "step time under Ceaseless vs plain DDP",
         "control-plane": "simulated agents vs the services: detection, plan delivery, CPU",
-        "init": "process-group creation: NATS-backed store vs TCPStore, per generation"}
+        "init": "process-group creation: NATS-backed store vs TCPStore, per generation",
+        "elastic": "capacity/priority events: join and release times, pause of the others"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -56,4 +57,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "overhead", "bench.overhead")
     _module(bsub, "control-plane", "bench.control_plane")
     _module(bsub, "init", "bench.init_bench")
+    _module(bsub, "elastic", "bench.elastic")
     return p
