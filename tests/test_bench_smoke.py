@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Each smoke test is meant to finish in under 30 s on an idle 2-core machine; on a loaded one,
+# CEASELESS_SMOKE_SCALE=3 gives every limit three times the time.
+SCALE = float(os.environ.get("CEASELESS_SMOKE_SCALE", "1"))
+LIMIT = 30 * SCALE
 
 
 def _alive_and_ours(pid: int, marker: str) -> bool:
@@ -87,11 +91,11 @@ def run_bench(tmp_path: Path, args: list[str], timeout: float) -> dict:
     return res
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(LIMIT)
 def test_recovery_checkpoint_restart_baseline(tmp_path):
     res = run_bench(tmp_path, ["recovery", "--systems", "ckpt4", "--scenarios", "kill",
                                "--model", "tiny", "--workers", "2", "--steps", "10",
-                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=26)
+                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=26 * SCALE)
     (run,) = res["runs"]
     assert run["system"] == "ckpt4" and run["restarts"] >= 1
     assert run["back_at_step_s"] >= run["downtime_s"] > 0
@@ -101,22 +105,22 @@ def test_recovery_checkpoint_restart_baseline(tmp_path):
     assert run["final_step"] == 9
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(LIMIT)
 def test_recovery_ceaseless_with_ratio(tmp_path):
     res = run_bench(tmp_path, ["recovery", "--systems", "ceaseless", "--scenarios", "kill",
                                "--model", "tiny", "--workers", "2", "--spares", "1",
-                               "--steps", "10", "--repeats", "1"], timeout=26)
+                               "--steps", "10", "--repeats", "1"], timeout=26 * SCALE)
     (run,) = res["runs"]
     assert run["system"] == "ceaseless" and run["lost_steps"] == 0
     assert res["summary"]["kill"]["downtime_s"]["n"] == 1
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(LIMIT)
 def test_recovery_torchft_baseline(tmp_path):
     pytest.importorskip("torchft", reason="torchft-nightly is optional (pip install .[bench])")
     res = run_bench(tmp_path, ["recovery", "--systems", "torchft1000", "--scenarios", "kill",
                                "--model", "tiny", "--workers", "2", "--steps", "8",
-                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=27)
+                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=27 * SCALE)
     (run,) = res["runs"]
     assert run["system"] == "torchft1000" and run["recomputed_steps"] == 0
     assert run["kill_to_step_s"] > 0 and run["final_step"] == 7
@@ -152,10 +156,10 @@ def test_recovery_ratio_and_table_from_runs():
     assert recovery.plot(res).startswith("<svg")
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(LIMIT)
 def test_control_plane(tmp_path):
     res = run_bench(tmp_path, ["control-plane", "--agents", "24", "--procs", "1", "--rounds",
-                               "1", "--silences", "2", "--fault-timeout", "1.0"], timeout=26)
+                               "1", "--silences", "2", "--fault-timeout", "1.0"], timeout=26 * SCALE)
     (run,) = res["runs"]
     assert run["agents"] == 24 and len(run["silences"]) == 2
     assert all(s["kind"] in ("lost", "hang") for s in run["silences"])
@@ -165,10 +169,10 @@ def test_control_plane(tmp_path):
     assert run["cpu_core_fraction"]["health_monitor"] is not None
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(LIMIT)
 def test_init(tmp_path):
     res = run_bench(tmp_path, ["init", "--world-sizes", "2", "--repeats", "1",
-                               "--generations", "2"], timeout=26)
+                               "--generations", "2"], timeout=26 * SCALE)
     assert {(r["world"], r["kind"]) for r in res["runs"]} == {(2, "nats"), (2, "tcp")}
     for r in res["runs"]:
         assert 0 < r["create_s"] < 20 and len(r["rebuild_s"]) == 1
