@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "generates for its runs)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun, for ckptN")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun, for ckptN")
+    p.add_argument("--torchft-timeout", type=float, default=10.0,
+                   help="torchft: timeout of its collectives (ProcessGroupGloo and Manager), s; "
+                        "a survivor whose all-reduce peer died waits this long (default 10)")
     p.add_argument("--svg", help="write the plot here (default with --write-doc: "
                                  "docs/img/bench-recovery.svg)")
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
@@ -389,8 +392,9 @@ def markdown(res: dict[str, Any]) -> str:
               "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`), rank 0 `torch.save`s model + optimizer "
               "+ scheduler every N steps, every rank loads it on start. " if ckpt else "")
            + ("torchft: one process per replica group, `Manager` + `ProcessGroupGloo`, "
-              "synchronous quorum, its lighthouse on 127.0.0.1 (min replicas = workers − 1); "
-              "the killed replica is not replaced. " if tft else "")
+              "synchronous quorum, its lighthouse on 127.0.0.1 (min replicas = workers − 1), "
+              f"collective timeout {c.get('torchft_timeout', 10.0)} s; the killed replica is "
+              "not replaced. " if tft else "")
            + f"{c['repeats']} repeats; in each, every system gets the same fault step and "
            "victim rank (seeded), systems interleaved with the order rotated per repeat; "
            "median (min–max).", ""]

@@ -174,7 +174,8 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
                           "--data", str(data), "--global-batch-size", str(a.global_batch_size),
                           "--micro-batch-size", str(a.micro_batch_size), "--min-replicas",
                           str(max(1, a.workers - 1)), "--lighthouse",
-                          f"http://127.0.0.1:{lh_port}", "--store-port", str(free_port())],
+                          f"http://127.0.0.1:{lh_port}", "--store-port", str(free_port()),
+                          "--pg-timeout", str(getattr(a, "torchft_timeout", 10.0))],
                          f"replica{r}") for r in range(a.workers)]
         while t_kill is None:
             if any(p.poll() is not None for p in workers):
@@ -184,7 +185,9 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
             recs = read_commits(d)
             # every replica in the quorum (the full global batch) and the victim at the step
             v = recs.get(victim)
-            if (len(recs) == a.workers and v and v["commits"] and v["pid"]
+            full = len(recs) == a.workers and all(
+                any(c[2] == a.workers for c in rec["commits"]) for rec in recs.values())
+            if (full and v and v["commits"] and v["pid"]
                     and v["commits"][-1][0] >= fault_step and v["commits"][-1][2] == a.workers):
                 t_kill = time.time()
                 os.kill(v["pid"], signal.SIGKILL)
