@@ -152,9 +152,30 @@ class Session:
             self.runtime = Runtime(self.cfg)
             self.runtime.start()
             self.runtime.update(now=True, state=AgentState.waiting)
+            self._install_sigterm()
             # Import now (heartbeats already run), not on a promoted spare's critical path.
             from . import collectives, state, store  # noqa: F401
         return self
+
+    def _install_sigterm(self) -> None:
+        """SIGTERM to a pod that is not a member (a spare being released) is a clean leave:
+        exit 0, no fault. A member keeps the default (it dies; the job recovers)."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the script handles SIGTERM itself, or we cannot install handlers
+
+        def on_term(signum: int, frame: Any) -> None:
+            rt = self.runtime
+            if rt is not None and rt.hb.get("rank") is None and not self._finished:
+                log.info("SIGTERM while not a member: leaving", pod=self.pod)
+                rt.update(now=True, state=AgentState.leaving)
+                raise SystemExit(0)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_term)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         rt = self.runtime
