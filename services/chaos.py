@@ -445,11 +445,41 @@ class Chaos:
                     pass
 
 
-async def _reference(run_dir: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
+class SmallStart(Exception):
+    """The first plan is smaller than --workers: some workers registered after the scaler's
+    start timeout (an overloaded machine). Such a run is not comparable bitwise, so it is
+    started again."""
+
+
+ATTEMPTS = 3
+
+
+async def _full_start(c: Any, workers: int) -> None:
+    p = await c.wait_for(lambda: c.plans and c.plans[0], READY_TIMEOUT, "the first plan")
+    if p.world_size < workers:
+        raise SmallStart(f"the first plan has {p.world_size} of {workers} workers (the others "
+                         f"registered after the scaler's start timeout): starting again")
+
+
+async def _reference(base: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return await _reference_once(base / ("reference" if attempt == 1 else
+                                                 f"reference-{attempt}"),
+                                         opts, steps, timeout)
+        except SmallStart as e:
+            print(f"reference: {e}", flush=True)
+            if attempt == ATTEMPTS:
+                raise ChaosFailure(str(e)) from None
+    raise AssertionError("unreachable")
+
+
+async def _reference_once(run_dir: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
     from services.launcher import Cluster
 
     async with Cluster(run_dir, opts.workers, 0, steps, timeout=timeout,
                        extra=["--model", opts.model]) as c:
+        await _full_start(c, opts.workers)
         code = await c.finish(timeout + 30)
         if code != 0:
             raise ChaosFailure(f"the reference run failed (exit {code}):\n{c.output()}")
@@ -471,19 +501,35 @@ async def run(opts: ChaosOptions) -> int:
         print(f"  #{ev.index:<3} at {ev.at_fraction:5.1%} of the steps: {ev.kind}", flush=True)
     run_timeout = max(600.0, 6 * opts.duration)
     t = time.monotonic()
-    ref = await _reference(base / "reference", opts, steps, run_timeout)
+    ref = await _reference(base, opts, steps, run_timeout)
     ref_s = time.monotonic() - t
     print(f"reference: {steps} steps in {ref_s:.1f}s, params {ref['param_sha256'][:16]}…",
           flush=True)
 
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return await _chaos_once(base / ("chaos" if attempt == 1 else f"chaos-{attempt}"),
+                                     base, opts, steps, schedule, ref, ref_s, run_timeout)
+        except SmallStart as e:
+            print(f"chaos run: {e}", flush=True)
+            if attempt == ATTEMPTS:
+                raise ChaosFailure(str(e)) from None
+    raise AssertionError("unreachable")
+
+
+async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
+                      schedule: list[Event], ref: dict, ref_s: float, run_timeout: float) -> int:
+    from services.launcher import Cluster
+
     outcomes: list[Outcome] = []
     failures: list[str] = []
     t = time.monotonic()
-    async with Cluster(base / "chaos", opts.workers, opts.spares, steps, timeout=run_timeout,
+    async with Cluster(run_dir, opts.workers, opts.spares, steps, timeout=run_timeout,
                        extra=["--model", opts.model]) as c:
         ch = Chaos(c, opts, steps)
         try:
             await ch.attach()
+            await _full_start(c, opts.workers)
             await c.wait_spares(opts.spares, timeout=READY_TIMEOUT)
             keeper = asyncio.create_task(ch.keep_spares())
             for ev in schedule:
@@ -547,6 +593,7 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
             failures.append("members finished with different parameters")
         bad = [k for k in compared
                if abs(losses[k] - ref_losses[k]) > 1e-4 * max(1.0, abs(ref_losses[k]))]
+    rel = [abs(losses[k] - ref_losses[k]) / max(1e-12, abs(ref_losses[k])) for k in compared]
     if bad:
         failures.append(f"{len(bad)} step loss(es) differ from the reference, e.g. step "
                         f"{bad[0]}: {losses[bad[0]]} vs {ref_losses[bad[0]]}")
@@ -575,6 +622,7 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         "lost_steps": lost, "check": check, "world_sizes": world_sizes,
         "generation": s.get("generation"), "param_sha256": s.get("param_sha256"),
         "reference_sha256": ref["param_sha256"], "losses_compared": len(compared),
+        "max_loss_rel_diff": max(rel, default=None),
         "failures": failures, "outcomes": [asdict(o) for o in outcomes],
         "schedule": [asdict(e) for e in schedule], "log": ch.log,
     }
