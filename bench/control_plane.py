@@ -238,34 +238,20 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         cpu0["nats-server"] = cpu_seconds(srv.proc.pid)
         w0 = time.monotonic()
         silenced: list[dict[str, Any]] = []
-        for r in range(a.rounds):
-            gen = max(plans)
-            members = [m.pod for m in plans[gen][1].members]
-            victims = rng.sample(members, min(a.silences, len(members) - 1))
-            for pod in victims:
-                i = int(pod[1:])
-                first = max(f for f, _ in outs if f <= i)
-                rep = await bus.nc.request(f"bench.{job}.silence.{first}",
-                                           json.dumps({"pod": pod}).encode(), timeout=5)
-                info = json.loads(rep.data)
-                silenced.append({"pod": pod, "round": r, "last_hb": info["last_hb"],
-                                 "silenced": time.time()})
-                await asyncio.sleep(rng.random() * 0.05)
-            await wait(lambda: all(v in faults for v in victims), a.fault_timeout * 4 + 10,
-                       f"faults for {victims}")
-            # every victim fenced in a plan that reached every agent
-            def settled() -> bool:
-                done = [g for g, (_, p) in plans.items()
-                        if all(v in p.fenced or v not in {m.pod for m in p.members}
-                               for v in victims)]
-                return bool(done) and delivered(min(done)) is not None
-            await wait(settled, 30, f"a plan without {victims} at every agent")
-            await asyncio.sleep(0.5)
+        error = None
+        try:
+            await rounds(silenced, plans, faults, outs, wait, delivered, bus, job, a, rng)
+        except TimeoutError as e:  # a result too: the control plane did not keep up
+            error = str(e)
         wall = time.monotonic() - w0
         cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
         cpu1["nats-server"] = cpu_seconds(srv.proc.pid)
         for s in silenced:
-            t_recv, f = faults[s["pod"]]
+            hit = faults.get(s["pod"])
+            if hit is None:
+                s["detect_s"] = s["detected_at_s"] = None
+                continue
+            t_recv, f = hit
             s["detect_s"] = t_recv - s["last_hb"] if s["last_hb"] else None
             s["detected_at_s"] = f.detected_at - s["last_hb"] if s["last_hb"] else None
             s["kind"] = f.kind.value
@@ -312,6 +298,37 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                 p.kill()
                 p.wait(5)
         srv.stop()
+
+
+async def rounds(silenced, plans, faults, outs, wait, delivered, bus, job, a, rng) -> None:
+    for r in range(a.rounds):
+        gen = max(plans)
+        members = [m.pod for m in plans[gen][1].members]
+        victims = rng.sample(members, min(a.silences, len(members) - 1))
+        for pod in victims:
+            i = int(pod[1:])
+            first = max(f for f, _ in outs if f <= i)
+            rep = await bus.nc.request(f"bench.{job}.silence.{first}",
+                                       json.dumps({"pod": pod}).encode(), timeout=5)
+            info = json.loads(rep.data)
+            silenced.append({"pod": pod, "round": r, "last_hb": info["last_hb"],
+                             "silenced": time.time()})
+            await asyncio.sleep(rng.random() * 0.05)
+        await wait(lambda: all(v in faults for v in victims), a.fault_timeout * 4 + 10,
+                   f"faults for {victims}")
+        # every victim fenced in a plan that reached every agent
+        def settled() -> bool:
+            done = [g for g, (_, p) in plans.items()
+                    if all(v in p.fenced or v not in {m.pod for m in p.members}
+                           for v in victims)]
+            return bool(done) and delivered(min(done)) is not None
+        await wait(settled, 30, f"a plan without {victims} at every agent")
+        await asyncio.sleep(0.5)
+    wall = time.monotonic() - w0
+    cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+    cpu1["nats-server"] = cpu_seconds(srv.proc.pid)
+    for s in silenced:
+        t_recv, f = faults[s["pod"]]
 
 
 def quantile(v: list[float], q: float) -> float | None:

@@ -459,3 +459,26 @@ async def test_deleted_plan_key_never_reuses_a_generation(env, bus):
     await until(lambda: len(env.plans) >= 2, what="a fresh plan")
     p = env.plans[1]
     assert p.generation == 2 and p.reason.startswith("initial (plan key was deleted")
+
+
+async def test_joiner_not_training_is_dropped_after_scaling_timeout(env, bus):
+    """A planned grow whose joiner never trains is undone after scaling_timeout_s (the
+    joiner is handled like a faulted pod: an immediate plan without it)."""
+    await env.scaler(workers=2, policy=ScalingPolicy(scale_up_snooze_s=0,
+                                                     scaling_timeout_s=0.5))
+    for p in ("w0", "w1"):
+        await env.agent(p)
+    await until(lambda: env.plans, what="initial plan")
+    class Stuck(FakeAgent):
+        async def _on_plan(self, plan, e):  # hears plans, never enters them
+            pass
+
+    stuck = await Stuck(bus, "s0", Role.spare).start()
+    await bus.publish(bus.subjects.capacity, Capacity(change="add", count=1, request_id="c"))
+    await until(lambda: len(env.plans) >= 2, what="grow plan")
+    assert env.plans[1].world_size == 3 and env.plans[1].apply_step is not None
+    await until(lambda: len(env.plans) >= 3, timeout=5, what="joiner dropped")
+    g3 = env.plans[2]
+    assert g3.apply_step is None and members(g3) == {0: "w0", 1: "w1"}
+    assert "s0" in g3.fenced and g3.incident == "inc-s0-g2"
+    await stuck.stop()
