@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--silences", type=int, default=5, help="silenced agents per round")
     p.add_argument("--fault-timeout", type=float, default=1.5)
+    p.add_argument("--settle-timeout", type=float, default=30.0,
+                   help="seconds a round may take to get its plan to every agent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", help="write the results here")
@@ -200,7 +202,7 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
             start(f"agents{i}", [*base, "bench.control_plane", "agents", "--nats", srv.url,
                                  "--creds", str(creds_path), "--job", job, "--first", str(first),
                                  "--count", str(count), "--out", str(o), "--t0", str(t0)])
-        start_to = 120 + n / 20
+        start_to = 60 + n / 50
 
         async def wait(pred, timeout: float, what: str) -> None:
             end = time.monotonic() + timeout
@@ -281,7 +283,8 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                 "plan_delivery": summary(x["ts_to_all_s"] for x in deliveries),
                 "fault_to_plan_everywhere": summary(x["fault_to_all_s"] for x in deliveries
                                                     if x["fault_to_all_s"] is not None),
-                "heartbeats_per_s": n / HB_INTERVAL}
+                "heartbeats_per_s": n / HB_INTERVAL, "error": error,
+                "faults_seen": sum(1 for x in silenced if x.get("detect_s") is not None)}
     finally:
         if bus is not None:
             try:
@@ -322,13 +325,8 @@ async def rounds(silenced, plans, faults, outs, wait, delivered, bus, job, a, rn
                     if all(v in p.fenced or v not in {m.pod for m in p.members}
                            for v in victims)]
             return bool(done) and delivered(min(done)) is not None
-        await wait(settled, 30, f"a plan without {victims} at every agent")
+        await wait(settled, a.settle_timeout, f"a plan without {victims} at every agent")
         await asyncio.sleep(0.5)
-    wall = time.monotonic() - w0
-    cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
-    cpu1["nats-server"] = cpu_seconds(srv.proc.pid)
-    for s in silenced:
-        t_recv, f = faults[s["pod"]]
 
 
 def quantile(v: list[float], q: float) -> float | None:
@@ -349,13 +347,21 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for n in sizes:
         t = time.monotonic()
-        res = await one_size(work / f"agents-{n}", n, a, rng)
+        try:
+            res = await one_size(work / f"agents-{n}", n, a, rng)
+        except (TimeoutError, RuntimeError) as e:  # did not even get going: a result too
+            print(f"{n:>5} agents: failed: {e}", flush=True)
+            runs.append({"agents": n, "failed": str(e)[:500]})
+            continue
         res["wall_s"] = round(time.monotonic() - t, 1)
         runs.append(res)
         c = res["cpu_core_fraction"]
-        print(f"{n:>5} agents: detect p50 {res['detect_p50_s']:.3f}s p99 "
-              f"{res['detect_p99_s']:.3f}s; plan to all {fmt(res['plan_delivery'])}; initial "
-              f"plan {res['initial_plan_delivery_s']:.3f}s; CPU monitor "
+        if res["error"]:
+            print(f"{n:>5} agents: did not keep up: {res['error']}", flush=True)
+        f3 = (lambda v: f"{v:.3f}" if v is not None else "-")
+        print(f"{n:>5} agents: detect p50 {f3(res['detect_p50_s'])}s p99 "
+              f"{f3(res['detect_p99_s'])}s; plan to all {fmt(res['plan_delivery'])}; initial "
+              f"plan {f3(res['initial_plan_delivery_s'])}s; CPU monitor "
               f"{c.get('health_monitor') or 0:.2f} scaler {c.get('scaler') or 0:.2f} broker "
               f"{c.get('state_broker') or 0:.2f} nats {c.get('nats-server') or 0:.2f}",
               flush=True)
@@ -380,6 +386,9 @@ def markdown(res: dict[str, Any]) -> str:
            "nats-server | agents (all procs) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
+        if r.get("failed"):
+            out.append(f"| {r['agents']} | failed: {r['failed'][:200]} |" + " |" * 10)
+            continue
         cpu = r["cpu_core_fraction"]
         ag = sum(v for k, v in cpu.items() if k.startswith("agents") and v is not None)
         f = (lambda v: f"{v:.3f} s" if v is not None else "–")
@@ -389,6 +398,11 @@ def markdown(res: dict[str, Any]) -> str:
                    f"{cpu.get('health_monitor') or 0:.2f} | {cpu.get('scaler') or 0:.2f} | "
                    f"{cpu.get('state_broker') or 0:.2f} | {cpu.get('nats-server') or 0:.2f} | "
                    f"{ag:.2f} |")
+    for r in res["runs"]:
+        if r.get("error"):
+            out += ["", f"{r['agents']} agents: the run stopped early: {r['error']} "
+                    f"({r['faults_seen']} of {len(r['silences'])} silences were detected; "
+                    "the figures above are from what completed)."]
     out += ["", "![control plane](img/bench-control-plane.svg)"]
     return "\n".join(out) + "\n"
 
@@ -397,7 +411,7 @@ def plot(res: dict[str, Any]) -> str:
     from bench import svg
 
     groups, vals = [], {}
-    for r in res["runs"]:
+    for r in [x for x in res["runs"] if not x.get("failed")]:
         g = f"{r['agents']} agents"
         groups.append(g)
         det = [s["detect_s"] for s in r["silences"] if s["detect_s"] is not None]
