@@ -189,6 +189,18 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                          "--global-batch-size", str(n), "--micro-batch-size", "1",
                          "--start-timeout", "120", "--fault-timeout", str(a.fault_timeout)])
         start("state_broker", [*base, "services.state_broker", *common])
+        # as `ceaseless up` does, the agents come after the services; here after each one
+        # answers on its status endpoint (registered last in its start-up)
+        end = time.monotonic() + 60
+        for name in ("health_monitor", "scaler", "state_broker"):
+            while True:
+                try:
+                    await bus.nc.request(bus.subjects.service_status(name), b"{}", timeout=1)
+                    break
+                except Exception:
+                    if procs[name].poll() is not None or time.monotonic() > end:
+                        raise RuntimeError(f"{name} did not come up: "
+                                           f"{(d / f'{name}.log').read_text()[-2000:]}")
         t0 = time.time()
         t_setup = time.monotonic()
         per = [n // a.procs + (1 if i < n % a.procs else 0) for i in range(a.procs)]
