@@ -39,6 +39,9 @@ class AgentConfig:
     recovery_timeout: float = 60.0     # one in-process attempt
     max_attempts: int = 3              # then exit FALLBACK_EXIT_CODE
     backend: str | None = None         # gloo | nccl | None (nccl when CUDA is available)
+    # A member whose slot a planned shrink releases exits 0 at once (False: s.steps() just
+    # returns and the script ends by itself).
+    exit_on_release: bool = True
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -78,4 +81,5 @@ class AgentConfig:
             recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", "60")),
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
             backend=env("CEASELESS_BACKEND") or None,
+            exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", True),
         )

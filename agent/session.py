@@ -755,10 +755,23 @@ class Session:
     def _leave(self, released: bool = False) -> None:
         if released:
             log.info("slot released by a planned shrink; leaving", step=self.last_committed,
-                     generation=self._seen_generation)
+                     generation=self._seen_generation, exit_now=self.cfg.exit_on_release)
         else:
             log.info("job finished before this pod was promoted; leaving")
         self.runtime.update(now=True, state=AgentState.done)
+        if released and self.cfg.exit_on_release:
+            # The slot is reclaimed: free it now (exit 0) instead of after the interpreter's
+            # teardown (about 0.5 s with torch loaded), as a scheduler killing it would.
+            self.runtime.stop()
+            try:
+                from services.common import telemetry
+
+                telemetry.shutdown()
+            except Exception:
+                pass
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
     def _write_result(self) -> None:
         run_dir = self.cfg.run_dir if self.cfg else os.environ.get("CEASELESS_RUN_DIR")

@@ -51,7 +51,7 @@ class ScalingPolicy(BaseModel):
     graceful_shutdown_timeout_s: Annotated[float, Field(gt=0, le=86400)] = 30.0
     # How far ahead of the members' current step a planned change is scheduled: enough for
     # the plan to reach every member before it starts the step the change applies from.
-    transition_lead_s: Annotated[float, Field(ge=0, le=60)] = 0.2
+    transition_lead_s: Annotated[float, Field(ge=0, le=60)] = 0.05
     lr_warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     per_scale: dict[Annotated[int, Field(ge=1, le=MAX_REPLICAS)], PerScale] = {}
 

@@ -45,7 +45,7 @@ def parser():
                    dest="graceful_shutdown_timeout_s",
                    help="a leaving replica still running by then is stopped (default 30)")
     g.add_argument("--transition-lead", type=float, dest="transition_lead_s",
-                   help="schedule planned changes this far ahead of the members (default 0.2)")
+                   help="schedule planned changes this far ahead of the members (default 0.05)")
     g.add_argument("--lr-warmup-steps", type=int, help="lr_factor ramp length (default 0)")
     p.add_argument("--global-batch-size", type=int, default=64, help="samples per step")
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
