@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import BY_KIND, Subjects
-from schemas.messages import Capacity, CapacityChange, Inject, InjectAction, Priority
+from schemas.messages import Capacity, CapacityChange, Decision, Inject, InjectAction, Priority
 
 SERVICE_NAMES = ("health_monitor", "scaler", "state_broker")
 
@@ -201,23 +201,49 @@ def build_inject(args: argparse.Namespace) -> tuple[str, Any]:
                             at_step=args.at_step)
 
 
-async def _inject(args: argparse.Namespace) -> None:
+async def _inject(args: argparse.Namespace) -> int:
     bus = await _connect(args, "ceaseless-inject")
     try:
         if not args.job:
             args.job = bus.subjects.job
         subject, msg = build_inject(args)
+        answers: asyncio.Queue = asyncio.Queue()
+        rid = getattr(msg, "request_id", None)
+        if rid is not None and args.wait > 0:
+            async def on_decision(d: Decision, _e) -> None:
+                if d.request_id == rid:
+                    answers.put_nowait(d)
+            await bus.subscribe(bus.subjects.decision, Decision, on_decision)
         await bus.publish(subject, msg)
         await bus.nc.flush()
-        print(f"published on {subject}: {msg.model_dump_json()}")
+        print(f"published on {subject}: {msg.model_dump_json()}", flush=True)
+        if rid is None or args.wait <= 0:
+            return 0
+        # The scaler answers on `decision`: accepted (what will happen) or refused (why);
+        # a release once more when its slots are free.
+        deadline = time.monotonic() + args.wait
+        while True:
+            try:
+                d = await asyncio.wait_for(answers.get(), max(0.01, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                print(f"no answer from the scaler in {args.wait:g}s (is it running?)",
+                      file=sys.stderr)
+                return 1
+            kind = "completed" if d.completed else "accepted" if d.accepted else "refused"
+            print(f"{kind}: {d.reason}" + (f" (target {d.target})" if d.target else ""),
+                  flush=True)
+            if not d.accepted:
+                return 1
+            if d.completed or not isinstance(msg, Priority) and not (
+                    isinstance(msg, Capacity) and msg.change == CapacityChange.remove):
+                return 0
     finally:
         await bus.close()
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
     try:
-        asyncio.run(_inject(args))
-        return 0
+        return asyncio.run(_inject(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"ceaseless inject: {e}", file=sys.stderr)
         return 2
@@ -302,6 +328,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj.add_argument("--release", type=int)
     inj.add_argument("--priority", type=int, default=0)
     inj.add_argument("--reason")
+    inj.add_argument("--wait", type=float, default=10.0,
+                     help="capacity/priority: seconds to wait for the scaler's answer, printed "
+                          "(a release: until its slots are free); 0: do not wait")
     inj.set_defaults(func=cmd_inject)
 
     sc = sub.add_parser("schemas", help="the wire contract")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from schemas.messages import (ActuatorCommand, ActuatorReply, AgentState, Capaci
 from services.common.bus import Bus, decode
 from schemas.policy import ScalingPolicy
 from services.scaler import PolicyConfig, Scaler, Wait, initial_plan, on_fault
-from harness import until
+from harness import REPO, until
 
 FT = 0.3  # fault_timeout in these tests
 
@@ -482,3 +483,26 @@ async def test_joiner_not_training_is_dropped_after_scaling_timeout(env, bus):
     assert g3.apply_step is None and members(g3) == {0: "w0", 1: "w1"}
     assert "s0" in g3.fenced and g3.incident == "inc-s0-g2"
     await stuck.stop()
+
+
+async def test_cli_inject_prints_the_scalers_answer(env, bus, nats_server):
+    """`ceaseless inject priority|capacity` publishes what the README's `nats pub` does and
+    prints the scaler's answer: refused with why, or accepted."""
+    await env.scaler(workers=1)
+    await env.agent("w0")
+    await until(lambda: env.plans, what="initial plan")
+    base = [sys.executable, "-m", "services.cli", "inject", "--nats", nats_server.url,
+            "--creds", str(nats_server.creds_path), "--job", "test"]
+
+    async def run(*argv):
+        p = await asyncio.create_subprocess_exec(*base, *argv, cwd=REPO,
+                                                 stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(p.communicate(), 60)
+        return p.returncode, out.decode()
+
+    code, out = await run("priority", "--release", "1", "--reason", "prod")
+    assert code == 1 and "refused: release 1: only 0 idle spare(s)" in out, out
+    assert "below min_replicas 1" in out
+    code, out = await run("capacity", "+1")
+    assert code == 0 and "accepted: capacity add 1: target 1 -> 2 replicas" in out, out
