@@ -19,6 +19,7 @@ from opentelemetry import context as otel_context
 from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan, Report,
                               ReportKind, StateLost, Transfer)
 from services.common import logs
+from services.common.aio import cancel_all
 from services.common.bus import Bus, Credentials, Envelope, decode
 
 from .config import AgentConfig
@@ -100,9 +101,7 @@ class Runtime:
         done_task = asyncio.create_task(self._watch_done())
         self._ready.set()
         await self._stopping.wait()
-        for t in (hb_task, done_task):
-            t.cancel()
-        await asyncio.gather(hb_task, done_task, return_exceptions=True)
+        await cancel_all([hb_task, done_task])
         try:
             await self._send_heartbeat()  # the final state (done / leaving)
         except Exception:

@@ -55,7 +55,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
                      live=not args.quiet, model=args.model, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
-                     save_params=args.save_params)
+                     save_params=args.save_params, start_timeout=args.start_timeout)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -300,6 +300,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--save-params", action="store_true",
                     help="each finishing member also writes its final parameters to "
                          "results/<pod>.pt (for comparisons across world sizes)")
+    up.add_argument("--start-timeout", type=float,
+                    help="the first plan waits this long for every worker before it starts "
+                         "with the ones alive (default 30)")
     up.add_argument("--fault-timeout", type=float, default=1.5)
     up.add_argument("--stall-timeout", type=float, default=30.0)
     up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")

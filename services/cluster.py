@@ -47,6 +47,7 @@ class UpOptions:
     max_replicas: int | None = None
     policy: str | None = None            # scaling policy file
     scale_up_snooze: float | None = None
+    start_timeout: float | None = None   # None: the scaler's default
     save_params: bool = False
     fault_timeout: float = 1.5
     stall_timeout: float = 30.0
@@ -205,7 +206,8 @@ async def run(opts: UpOptions) -> int:
                    *_opt("--min-replicas", opts.min_replicas),
                    *_opt("--max-replicas", opts.max_replicas),
                    *_opt("--policy", opts.policy),
-                   *_opt("--scale-up-snooze", opts.scale_up_snooze)],
+                   *_opt("--scale-up-snooze", opts.scale_up_snooze),
+                   *_opt("--start-timeout", opts.start_timeout)],
         "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
                            "--stall-timeout", str(opts.stall_timeout)],
     }

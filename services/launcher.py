@@ -29,7 +29,10 @@ class Cluster:
         self.run_dir = run_dir
         self.argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
                      "--workers", str(workers), "--spares", str(spares), "--steps", str(steps),
-                     "--quiet", "--timeout", str(timeout), *(extra or [])]
+                     "--quiet", "--timeout", str(timeout),
+                     # Tests compare against fault-free runs of the full world size: on a
+                     # loaded machine the first plan must not start without a slow worker.
+                     "--start-timeout", "120", *(extra or [])]
         if cmd:
             self.argv += ["--", *cmd]
         self.proc: subprocess.Popen | None = None

@@ -180,7 +180,10 @@ async def test_bad_input_on_every_subject(nats_server, bus):
     buses = [await Bus.connect(url, "test", n, creds)
              for n in ("health_monitor", "scaler", "state_broker")]
     mon = HealthMonitor(buses[0], fault_timeout=FT, suspect_timeout=1.0, stall_timeout=5.0)
-    sc = Scaler(buses[1], workers=2, fault_timeout=FT, lease_ttl=3.0, tick_interval=0.02)
+    # min = max = 2 replicas: the valid capacity/priority requests among the messages are
+    # refused (at the policy's bounds) instead of legitimately resizing the job.
+    sc = Scaler(buses[1], workers=2, min_replicas=2, max_replicas=2, fault_timeout=FT,
+                lease_ttl=3.0, tick_interval=0.02)
     br = StateBroker(buses[2], member_wait=2.0)
     subs = {mon: ["heartbeat.*", "report.*", "lifecycle.*", "plan"],
             sc: ["heartbeat.*", "lifecycle.*", "fault", "capacity", "priority", "plan"],

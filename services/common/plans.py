@@ -18,6 +18,7 @@ from opentelemetry import context as otel_context
 
 from schemas import PLAN_KEY, Plan
 
+from .aio import cancel_all
 from .bus import Bus, DropError, Envelope, decode
 
 OnChange = Callable[[Plan | None, Plan], Awaitable[None] | None]
@@ -71,8 +72,7 @@ class PlanFollower:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

@@ -16,6 +16,7 @@ import nats.micro
 from schemas import check_id
 
 from . import logs
+from .aio import cancel_all, wait_event  # noqa: F401  (re-exported)
 from .bus import Bus, Credentials
 
 
@@ -73,9 +74,7 @@ class Service:
             name="status", subject=self.bus.subjects.service_status(self.name), handler=_status)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         if self._micro is not None:
             try:
                 await self._micro.stop()

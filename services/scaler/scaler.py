@@ -39,7 +39,7 @@ from services.common import telemetry
 from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
 from services.common.plans import PlanFollower
-from services.common.service import Service
+from services.common.service import Service, wait_event
 
 from . import policy
 from .policy import PolicyConfig, Wait
@@ -480,10 +480,7 @@ class Scaler(Service):
     # ------------------------------------------------------------------ decisions
     async def _tick_loop(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._kick.wait(), self.tick_interval)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._kick, self.tick_interval)
             self._kick.clear()
             if not self.acting:
                 continue

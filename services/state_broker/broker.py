@@ -36,7 +36,7 @@ from opentelemetry import trace
 from schemas.messages import Heartbeat, Plan, StateLost, Transfer
 from services.common.bus import Bus, Envelope
 from services.common.plans import PlanFollower
-from services.common.service import Service
+from services.common.service import Service, cancel_all, wait_event
 
 tracer = trace.get_tracer("ceaseless")
 MAX_PODS = 4096
@@ -128,8 +128,7 @@ class StateBroker(Service):
                 pass
         self._subs.clear()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
         await super().stop()
         await self.plans.stop()
 
@@ -253,10 +252,7 @@ class StateBroker(Service):
                                      waited=round(time.monotonic() - t0, 3))
                     break
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._changed, left)
         if self.plans.generation != g:
             return  # superseded while waiting
         result = decide_transfer(plan, reported, self.high_water, plan.incident)
