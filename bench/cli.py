@@ -40,7 +40,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "overhead": "step time under Ceaseless vs plain DDP",
         "control-plane": "simulated agents vs the services: detection, plan delivery, CPU",
         "init": "process-group creation: NATS-backed store vs TCPStore, per generation",
-        "elastic": "capacity/priority events: join and release times, pause of the others"}
+        "elastic": "capacity/priority events: join and release times, pause of the others",
+        "goodput": "fixed-length run with a fault every K seconds: useful time / wall time"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -58,4 +59,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "control-plane", "bench.control_plane")
     _module(bsub, "init", "bench.init_bench")
     _module(bsub, "elastic", "bench.elastic")
+    _module(bsub, "goodput", "bench.goodput")
     return p

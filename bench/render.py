@@ -1,6 +1,6 @@
 """Re-render a benchmark's docs/benchmarks.md section and SVG from its saved JSON:
 
-    python -m bench.render recovery|control-plane|init RESULT.json [--no-doc] [--svg PATH]
+    python -m bench.render recovery|control-plane|init|goodput RESULT.json [--no-doc] [--svg PATH]
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 MODULES = {"recovery": ("bench.recovery", "bench-recovery.svg"),
            "control-plane": ("bench.control_plane", "bench-control-plane.svg"),
-           "init": ("bench.init_bench", "bench-init.svg")}
+           "init": ("bench.init_bench", "bench-init.svg"),
+           "goodput": ("bench.goodput", "bench-goodput.svg")}
 
 
 def main(argv: list[str] | None = None) -> int:

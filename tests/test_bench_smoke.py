@@ -105,11 +105,13 @@ def test_recovery_checkpoint_restart_baseline(tmp_path):
     assert run["final_step"] == 9
 
 
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(60 * SCALE)
 def test_recovery_ceaseless_with_ratio(tmp_path):
     res = run_bench(tmp_path, ["recovery", "--systems", "ceaseless", "--scenarios", "kill",
                                "--model", "tiny", "--workers", "2", "--spares", "1",
-                               "--steps", "10", "--repeats", "1"], timeout=26 * SCALE)
+                               # the tiny model does ~10 steps/s: 10 steps could end before
+                               # a 0.25 s heartbeat showed the fault step
+                               "--steps", "40", "--repeats", "1"], timeout=50 * SCALE)
     (run,) = res["runs"]
     assert run["system"] == "ceaseless" and run["lost_steps"] == 0
     assert res["summary"]["kill"]["downtime_s"]["n"] == 1
@@ -177,3 +179,54 @@ def test_init(tmp_path):
     for r in res["runs"]:
         assert 0 < r["create_s"] < 20 and len(r["rebuild_s"]) == 1
     assert res["summary"]["2"]["ratio_create_nats_tcp"] > 0
+
+
+@pytest.mark.timeout(60 * SCALE)
+def test_goodput_ceaseless(tmp_path):
+    t = time.monotonic()
+    res = run_bench(tmp_path, ["goodput", "--systems", "ceaseless", "--model", "tiny",
+                               "--workers", "2", "--duration", "20", "--fault-every", "8",
+                               "--corpus-tokens", "50000"], timeout=55 * SCALE)
+    (run,) = res["runs"]
+    assert run["system"] == "ceaseless" and run["faults"] >= 1
+    assert 0 < run["goodput"] <= 1
+    assert run["lost_steps"] == 0 and run["recomputed_steps"] == 0
+    assert run["steps_committed"] > 0 and run["median_step_s"] > 0
+    assert res["summary"]["ceaseless"]["goodput"]["n"] == 1
+    print(f"goodput smoke: {time.monotonic() - t:.1f}s, {run}")
+
+
+def test_goodput_analysis():
+    """Steps committed, recomputed steps and goodput from made-up commit logs."""
+    from bench import goodput
+
+    # attempt 0: steps 0..29, 1 s each; a fault at 29.5 s; attempt 1 restored step 19 and
+    # commits 20.. from 40 s
+    a0 = [(float(s), s, 0) for s in range(30)]
+    a1 = [(40.0 + i, 20 + i, 1) for i in range(30)]
+    r = goodput.analyse([a0 + a1, a0 + a1], 3.0, 60.0, [29.5])
+    assert (r["start_step"], r["final_step"], r["recomputed_steps"]) == (3, 40, 10)
+    assert r["median_step_s"] == 1.0 and r["goodput"] == pytest.approx(37 / 57)
+    # still restarting at the end: the job holds only its last checkpoint
+    r = goodput.analyse([a0], 3.0, 35.0, [29.5], lost_state=lambda s: (s + 1) // 20 * 20 - 1)
+    assert r["final_step"] == 19 and r["goodput"] == pytest.approx(16 / 32)
+    runs = [{"system": "ceaseless", "repeat": 0, "goodput": 0.9, "faults": 2,
+             "steps_committed": 90, "recomputed_steps": 0, "median_step_s": 0.2,
+             "lost_steps": 0, "wall_s": 40},
+            {"system": "ckpt20", "repeat": 0, "goodput": 0.45, "faults": 2,
+             "steps_committed": 45, "recomputed_steps": 12, "median_step_s": 0.2,
+             "wall_s": 50}]
+    agg = goodput.aggregate(runs, ["ceaseless", "ckpt20"])
+    assert agg["ceaseless"]["ratio_to_baseline"]["of_medians"] == pytest.approx(2.0)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    goodput.add_arguments(p)
+    cfg = vars(p.parse_args([]))
+    res = {"config": cfg | {"command": "x", "systems_run": "ceaseless,ckpt20",
+                            "faults_per_run": 3}, "summary": agg, "skipped": {},
+           "machine": {"date": "d", "cpu": "c", "cores": 2, "platform": "p", "python": "3",
+                       "torch": "t"}}
+    md = goodput.markdown(res)
+    assert md.startswith("## Goodput") and "2.00" in md and "torch.save every 20 steps" in md
+    assert goodput.plot(res).startswith("<svg")
