@@ -114,3 +114,31 @@ async def test_services_keep_to_their_subjects(role_server):
     await asyncio.sleep(0.3)
     assert sorted(got) == sorted([s.fault, s.transfer, s.plan]), got
     await op.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_injection_refused_unless_the_job_enables_it(bus, tmp_path, allowed):
+    """`ceaseless up --no-inject`: the supervisor ignores inject kill/hang for its pods (a
+    real child process survives the request); with injection enabled the same request
+    kills it."""
+    import sys
+
+    from schemas.messages import Inject, InjectAction, Role
+    from services.actuator.local import LocalActuator
+
+    act = LocalActuator(bus, [sys.executable, "-c", "import time; time.sleep(60)"], {},
+                        tmp_path / "logs", restart_fallback=False, allow_inject=allowed)
+    await act.attach()
+    (pod,) = await act.start(Role.worker, 1)
+    proc = act.procs[pod]
+    try:
+        await bus.publish(bus.subjects.inject, Inject(action=InjectAction.kill, pod=pod))
+        await bus.nc.flush()
+        try:
+            await asyncio.wait_for(proc.wait(), 3.0)
+        except asyncio.TimeoutError:
+            pass
+        assert (proc.returncode is not None) == allowed, proc.returncode
+    finally:
+        await act.shutdown(grace_s=1.0)
