@@ -69,6 +69,14 @@ class ChaosOptions:
     run_dir: str | None = None
     model: str = "tiny"
     kinds: list[str] | None = None
+    # None: float64 with --elastic (the world size changes, so the result is compared with
+    # the reference within 1e-4, which float32 does not hold over thousands of steps: the
+    # changed order of additions grows to ~1e-3 in the losses), else float32 (bitwise).
+    dtype: str | None = None
+
+    @property
+    def example_dtype(self) -> str:
+        return self.dtype or ("float64" if self.elastic else "float32")
 
 
 @dataclass
@@ -478,7 +486,7 @@ async def _reference_once(run_dir: Path, opts: ChaosOptions, steps: int, timeout
     from services.launcher import Cluster
 
     async with Cluster(run_dir, opts.workers, 0, steps, timeout=timeout,
-                       extra=["--model", opts.model]) as c:
+                       extra=["--model", opts.model, "--dtype", opts.example_dtype]) as c:
         await _full_start(c, opts.workers)
         code = await c.finish(timeout + 30)
         if code != 0:
@@ -496,7 +504,7 @@ async def run(opts: ChaosOptions) -> int:
     base.mkdir(parents=True, exist_ok=True)
     schedule = make_schedule(opts.seed, opts.duration, opts.gap, opts.elastic, opts.kinds)
     print(f"ceaseless chaos: seed {opts.seed}, {opts.workers} workers + {opts.spares} spares, "
-          f"{steps} steps, {len(schedule)} events\n  run dir: {base}", flush=True)
+          f"{steps} steps ({opts.example_dtype}), {len(schedule)} events\n  run dir: {base}", flush=True)
     for ev in schedule:
         print(f"  #{ev.index:<3} at {ev.at_fraction:5.1%} of the steps: {ev.kind}", flush=True)
     run_timeout = max(600.0, 6 * opts.duration)
@@ -525,7 +533,7 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
     failures: list[str] = []
     t = time.monotonic()
     async with Cluster(run_dir, opts.workers, opts.spares, steps, timeout=run_timeout,
-                       extra=["--model", opts.model]) as c:
+                       extra=["--model", opts.model, "--dtype", opts.example_dtype]) as c:
         ch = Chaos(c, opts, steps)
         try:
             await ch.attach()
@@ -611,7 +619,7 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         by_kind[o.kind][1] += int(o.survived)
     report = {
         "seed": opts.seed, "duration": opts.duration, "workers": opts.workers,
-        "spares": opts.spares, "steps": steps, "elastic": opts.elastic,
+        "spares": opts.spares, "steps": steps, "elastic": opts.elastic, "dtype": opts.example_dtype,
         "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
         "events": len(schedule), "faults_injected": len(injected),
         "faults_survived": len(survived), "by_kind": by_kind,
@@ -666,7 +674,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     opts = ChaosOptions(duration=args.duration, seed=args.seed, workers=args.workers,
                         spares=args.spares, steps=args.steps, gap=args.gap,
                         elastic=args.elastic, run_dir=args.run_dir, model=args.model,
-                        kinds=kinds)
+                        kinds=kinds, dtype=args.dtype)
     try:
         return asyncio.run(run(opts))
     except ChaosFailure as e:
@@ -691,6 +699,8 @@ def register(sub: Any) -> None:
                         "size then changes: losses are compared within 1e-4)")
     p.add_argument("--kinds", help="comma-separated subset of: " + ",".join(KINDS + ELASTIC_KINDS))
     p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", choices=["float32", "float64"],
+                   help="the example's dtype (default: float64 with --elastic, else float32)")
     p.add_argument("--run-dir", help="default: runs/chaos-<time>-s<seed>")
     p.set_defaults(func=cmd_chaos)
 

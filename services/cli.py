@@ -53,7 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
-                     live=not args.quiet, model=args.model, policy=args.policy,
+                     live=not args.quiet, model=args.model, dtype=args.dtype, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
                      save_params=args.save_params, start_timeout=args.start_timeout)
     if opts.workers < 1:
@@ -306,6 +306,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--fault-timeout", type=float, default=1.5)
     up.add_argument("--stall-timeout", type=float, default=30.0)
     up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")
+    up.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="the example's parameter dtype")
     up.add_argument("--timeout", type=float, help="give up after this many seconds")
     up.add_argument("--no-inject", action="store_true", help="refuse fault injection")
     up.add_argument("--tls", action="store_true",

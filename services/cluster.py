@@ -56,6 +56,8 @@ class UpOptions:
     live: bool = True
     tls: bool = False
     model: str = "tiny"
+    dtype: str = "float32"   # the example's parameter dtype (float64: runs of different
+                             # world sizes stay comparable to ~1e-12, see docs/elastic.md)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -165,7 +167,7 @@ def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
     return [sys.executable, "-m", "examples.train_gpt", "--steps", str(opts.steps),
             "--global-batch-size", str(opts.global_batch_size),
             "--micro-batch-size", str(opts.micro_batch_size),
-            "--model", opts.model, "--data", str(data_dir)]
+            "--model", opts.model, "--dtype", opts.dtype, "--data", str(data_dir)]
 
 
 async def run(opts: UpOptions) -> int:
