@@ -104,7 +104,9 @@ def worker(a: argparse.Namespace) -> None:
                 pg.allreduce(x).wait()  # barrier on the current generation
                 t0 = time.time()
             if kind == "nats":
-                store = sl.store(f"p{phase}.g{g}.", timeout=60)
+                # W in the prefix: one nats-server serves every world size of the run, and a
+                # key of an earlier size would name peers that have exited
+                store = sl.store(f"w{W}.p{phase}.g{g}.", timeout=60)
             else:
                 if tcp is None:
                     tcp = dist.TCPStore("127.0.0.1", go["port"], W, is_master=rank == 0,
