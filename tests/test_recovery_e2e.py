@@ -15,6 +15,7 @@ import pytest
 from harness import Cluster
 
 STEPS = 80  # long enough that heartbeats (0.25 s) see the fault step before the end
+FUZZ_SECONDS = float(os.environ.get("CEASELESS_FUZZ_SECONDS", "5"))
 pytestmark = [pytest.mark.timeout(300)]
 
 
@@ -35,17 +36,19 @@ def reference(tmp_path_factory):
     """Fault-free runs, one per world size, computed once."""
     import asyncio
 
-    cache: dict[int, dict] = {}
+    cache: dict[tuple[int, int], dict] = {}
 
-    def get(workers: int) -> dict:
-        if workers not in cache:
-            d = tmp_path_factory.mktemp(f"ref{workers}")
+    def get(workers: int, steps: int = STEPS) -> dict:
+        key = (workers, steps)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"ref{workers}-{steps}")
             import concurrent.futures
 
             with concurrent.futures.ThreadPoolExecutor(1) as ex:  # the test's loop is running
-                cache[workers] = ex.submit(asyncio.run, _run(d, "ref", workers, 0)).result()
-            assert cache[workers]["param_sha256"], cache[workers]
-        return cache[workers]
+                cache[key] = ex.submit(asyncio.run,
+                                       _run(d, "ref", workers, 0, steps=steps)).result()
+            assert cache[key]["param_sha256"], cache[key]
+        return cache[key]
 
     return get
 
@@ -57,8 +60,8 @@ def _kill(c: Cluster, rank: int, sig=signal.SIGKILL) -> int:
     return h.pid
 
 
-def _assert_same(summary, ref):
-    assert summary["final_step"] == STEPS - 1
+def _assert_same(summary, ref, steps=STEPS):
+    assert summary["final_step"] == steps - 1
     assert summary["param_sha256"] == ref["param_sha256"], (summary, ref)
     assert summary["lost_steps"] == 0
     # Killed pods take their loss log with them; every step a survivor logged must match.
@@ -200,41 +203,61 @@ async def test_nats_restart_does_not_stop_training(tmp_path, reference):
     assert [p.generation for p in s["plans"]] == [1], s["plans"]
 
 
+@pytest.mark.timeout(300 + 8 * FUZZ_SECONDS)
 async def test_malformed_traffic_while_training(tmp_path, reference):
-    """Every malformed message of the bad-input corpus (random bytes, wrong shapes, wrong
-    schema versions, oversized fields) on every job subject while a real job trains: no
-    incident, no new plan, every service alive, the result bitwise the fault-free run's."""
+    """The malformed messages of the bad-input corpus (random bytes, wrong shapes, wrong
+    schema versions, oversized fields, spoofed pods, stale generations) on every job subject,
+    over and over for CEASELESS_FUZZ_SECONDS (default 5; docs/reliability.md reports a
+    60-second run) while a real job trains: no incident, no new plan, every service alive,
+    the result bitwise the fault-free run's."""
     import random
+    import time
 
     from schemas.messages import BY_KIND
     from services.common.bus import DropError, decode
     from test_bad_input import bad_messages
 
+    steps = max(STEPS, int(FUZZ_SECONDS * 40))  # the job must outlast the flood
+    sent = {"messages": 0, "rounds": 0}
+
     async def fault(c):
         await c.wait_rank_step(0, 4)
         bus = c.bus
-        msgs = []
-        for subject, data in bad_messages(bus, random.Random(7)):
-            model = BY_KIND.get(bus.subjects.kind_of(subject) or "")
-            try:
-                if model is None or decode(model, data, subject) is None:
-                    msgs.append((subject, data))
-            except DropError:
-                msgs.append((subject, data))  # only what must be dropped: no real faults
-        assert len(msgs) > 300
-        for i, (subject, data) in enumerate(msgs):
-            await bus.nc.publish(subject, data)
-            if i % 25 == 0:
-                await bus.nc.flush()
-                await asyncio.sleep(0.01)
-        await bus.nc.flush()
+        corpus = []
+        for seed in range(4):
+            msgs = []
+            for subject, data in bad_messages(bus, random.Random(seed)):
+                model = BY_KIND.get(bus.subjects.kind_of(subject) or "")
+                try:
+                    if model is None or decode(model, data, subject) is None:
+                        msgs.append((subject, data))
+                except DropError:
+                    msgs.append((subject, data))  # only what must be dropped: no real faults
+            assert len(msgs) > 300
+            corpus.append(msgs)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < FUZZ_SECONDS or not sent["rounds"]:
+            h = c.member(0)
+            if h is None or h.step >= steps - 20:
+                break  # keep training steps after the flood to show the job is fine
+            for i, (subject, data) in enumerate(corpus[sent["rounds"] % len(corpus)]):
+                await bus.nc.publish(subject, data)
+                if i % 25 == 0:
+                    await bus.nc.flush()
+                    await asyncio.sleep(0.01)
+            await bus.nc.flush()
+            sent["messages"] += len(corpus[sent["rounds"] % len(corpus)])
+            sent["rounds"] += 1
+        sent["seconds"] = round(time.monotonic() - t0, 1)
         step = c.member(0).step
         await c.wait_rank_step(0, step + 3)
         for name in ("health_monitor", "scaler", "state_broker"):
             assert len([1 for n, _ in c.pids() if n == name]) == 1, f"{name} restarted"
 
-    s = await _run(tmp_path, "fuzz", 2, 1, fault)
-    _assert_same(s, reference(2))
+    s = await _run(tmp_path, "fuzz", 2, 1, fault, steps=steps)
+    print(f"bad input while training: {sent['messages']} messages in {sent['rounds']} rounds "
+          f"over {sent.get('seconds')} s, {steps} steps")
+    _assert_same(s, reference(2, steps), steps)
     assert s["incidents"] == []
     assert [p.generation for p in s["plans"]] == [1], s["plans"]
 
