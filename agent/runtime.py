@@ -47,6 +47,10 @@ class Runtime:
         self.plan_at = 0.0  # wall time the current plan arrived
         self.abort_at = 0.0  # wall time the abort flag was last set (a newer plan arrived)
         self.joined_generation = 0
+        # The step the training thread is computing (None between steps). A planned plan
+        # whose boundary this pod has already passed aborts that step: its peers entered the
+        # new plan at the boundary, so its collective would only wait for the timeout.
+        self.step_in_flight: int | None = None
         self.transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
         self.lost: dict[int, StateLost] = {}
         self.done: dict | None = None
@@ -129,9 +133,12 @@ class Runtime:
             if self.plan is not None and plan.generation <= self.plan.generation:
                 return  # stale or replayed
             self.plan, self.plan_ctx, self.plan_at = plan, ctx, time.time()
-            # A planned (elastic) plan is entered at its step boundary, never by aborting.
+            # A planned (elastic) plan is entered at its step boundary, not by aborting,
+            # unless it arrived after this pod started a step at or past that boundary.
+            step = self.step_in_flight
+            late = plan.apply_step is not None and step is not None and step >= plan.apply_step
             if plan.generation > self.joined_generation and self.joined_generation > 0 \
-                    and plan.apply_step is None:
+                    and (plan.apply_step is None or late):
                 self.abort_at = self.plan_at
                 self.abort.set()
             self.cond.notify_all()

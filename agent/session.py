@@ -254,7 +254,13 @@ class Session:
             if s >= total:
                 break
             planned = self._planned_transition(s)
+            if planned is None:
+                # Announce the step, then look again: a planned plan stored meanwhile is
+                # either seen here or sees this step (and aborts it, runtime._adopt_plan).
+                self.runtime.step_in_flight = s
+                planned = self._planned_transition(s)
             if planned is not None:
+                self.runtime.step_in_flight = None
                 if not self._transition(planned):
                     self._leave(released=self._released)
                     return
@@ -262,6 +268,7 @@ class Session:
             self.current_step = s
             self._interrupted = False
             yield s
+            self.runtime.step_in_flight = None
             if self.last_committed != s:
                 if not self._interrupted:
                     raise RuntimeError("call s.step() exactly once per step")
