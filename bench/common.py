@@ -79,6 +79,27 @@ def write_section(heading: str, block: str, doc: Path = DOC) -> None:
     doc.write_text(replace_section(text, heading, block))
 
 
+def cmdline(module: str) -> str:
+    """How this benchmark was invoked: ``python -m bench.<module> ...`` or ``ceaseless ...``."""
+    import sys
+
+    if sys.argv[0].endswith(f"{module}.py"):
+        return f"python -m bench.{module} " + " ".join(sys.argv[1:])
+    return " ".join(["ceaseless", *sys.argv[1:]])
+
+
+def emit_with_plot(a: Any, res: dict[str, Any], md: str, heading: str, img: str,
+                   plot: Any) -> int:
+    """``emit``, plus the plot ``plot(res)`` (SVG text) written to ``--svg`` or, with
+    ``--write-doc``, to docs/img/``img``."""
+    if a.svg or a.write_doc:
+        from bench import svg
+
+        p = Path(a.svg) if a.svg else svg.IMG / img
+        svg.write(p.name, plot(res), p.parent)
+    return emit(res, md, heading, a.json, a.write_doc)
+
+
 def emit(res: dict[str, Any], md: str, heading: str, json_path: str | None,
          write_doc: bool) -> int:
     """Print a benchmark's table; keep its JSON; update its docs/benchmarks.md section."""

@@ -36,7 +36,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, config, emit, fmt, machine, machine_line, summary
+from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary
 
 SECTION = "## Control plane"
 HB_INTERVAL = 0.25
@@ -441,12 +440,7 @@ def plot(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(run_all(a))
-    if a.svg or a.write_doc:
-        from bench import svg
-
-        p = Path(a.svg) if a.svg else svg.IMG / "bench-control-plane.svg"
-        svg.write(p.name, plot(res), p.parent)
-    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
+    return emit_with_plot(a, res, markdown(res), SECTION, "bench-control-plane.svg", plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import REPO, config, emit, fmt, machine, machine_line, summary
+from bench.common import (REPO, cmdline, config, emit_with_plot, fmt, machine, machine_line,
+                          summary)
+from bench.recovery import label
 
 SECTION = "## Goodput"
 BIG_STEPS = 1_000_000  # a run never finishes: it is stopped at --duration
@@ -414,17 +416,7 @@ def run_torchft(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path,
            "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH"))
                                          if x)}
     procs: list[subprocess.Popen] = []
-    pidfile = d / "torchft.pids"  # for cleanup by PID (tests)
-
-    def start(cmd: list[str], name: str) -> subprocess.Popen:
-        out = open(d / f"{name}.out", "wb")
-        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL)
-        out.close()
-        procs.append(p)
-        with open(pidfile, "a") as f:
-            f.write(f"{name} {p.pid}\n")
-        return p
+    start = tb.starter(d, env, procs)
 
     lh_port = free_port()
     faults: list[float] = []
@@ -577,7 +569,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                   f"{res['faults']} faults, {res['recomputed_steps']} recomputed, step "
                   f"{res['median_step_s']:.3f}s (run {res['wall_s']:.0f}s)", flush=True)
     return {"benchmark": "goodput", "machine": machine(),
-            "config": config(a) | {"command": cmdline(), "systems_run": ",".join(systems),
+            "config": config(a) | {"command": cmdline("goodput"), "systems_run": ",".join(systems),
                                    "faults_per_run": n_faults},
             "runs": runs, "skipped": skipped, "summary": aggregate(runs, systems)}
 
@@ -602,19 +594,6 @@ def aggregate(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
                          per_repeat=summary(pairs))
         agg[s]["ratio_to_baseline"] = ratio
     return agg
-
-
-def cmdline() -> str:
-    return "python -m bench.goodput " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(
-        "goodput.py") else " ".join(["ceaseless", *sys.argv[1:]])
-
-
-def label(system: str) -> str:
-    if system.startswith("ckpt"):
-        return f"torchrun --max-restarts, torch.save every {system[4:]} steps"
-    if system.startswith("torchft"):
-        return f"torchft, heartbeat timeout {system[7:]} ms"
-    return "Ceaseless"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -690,12 +669,7 @@ def plot(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(run_all(a))
-    if a.svg or a.write_doc:
-        from bench import svg
-
-        p = Path(a.svg) if a.svg else svg.IMG / "bench-goodput.svg"
-        svg.write(p.name, plot(res), p.parent)
-    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
+    return emit_with_plot(a, res, markdown(res), SECTION, "bench-goodput.svg", plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, config, emit, fmt, machine, machine_line, summary
+from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary
 
 SECTION = "## Process-group init"
 KINDS = ("nats", "tcp")
@@ -277,12 +277,7 @@ def plot(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = run_all(a)
-    if a.svg or a.write_doc:
-        from bench import svg
-
-        p = Path(a.svg) if a.svg else svg.IMG / "bench-init.svg"
-        svg.write(p.name, plot(res), p.parent)
-    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
+    return emit_with_plot(a, res, markdown(res), SECTION, "bench-init.svg", plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import config, emit, fmt, machine, machine_line, summary
+from bench.common import cmdline, config, emit_with_plot, fmt, machine, machine_line, summary
 
 SECTION = "## Recovery"
 SCENARIOS = {"kill": ("SIGKILL of a worker", signal.SIGKILL, False),
@@ -292,7 +292,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                           f"{res['recomputed_steps']} (restored {res['restored_step']}), step "
                           f"{res['median_step_s']:.3f}s  {res['phases_s']}", flush=True)
     return {"benchmark": "recovery", "machine": machine(),
-            "config": config(a) | {"command": cmdline(), "systems_run": ",".join(systems)},
+            "config": config(a) | {"command": cmdline("recovery"), "systems_run": ",".join(systems)},
             "runs": runs, "skipped": skipped, "summary": aggregate(runs, systems, scenarios)}
 
 
@@ -341,11 +341,6 @@ def aggregate(runs: list[dict[str, Any]], systems: list[str],
                              else None, "per_repeat": summary(pairs)}
             agg[b][key] = ratios
     return agg
-
-
-def cmdline() -> str:
-    return "python -m bench.recovery " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(
-        "recovery.py") else " ".join(["ceaseless", *sys.argv[1:]])
 
 
 def label(system: str) -> str:
@@ -493,12 +488,7 @@ def plot(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(run_all(a))
-    if a.svg or a.write_doc:
-        from bench import svg
-
-        p = Path(a.svg) if a.svg else svg.IMG / "bench-recovery.svg"
-        svg.write(p.name, plot(res), p.parent)
-    return emit(res, markdown(res), SECTION, a.json, a.write_doc)
+    return emit_with_plot(a, res, markdown(res), SECTION, "bench-recovery.svg", plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,6 +142,22 @@ def read_commits(d: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def starter(d: Path, env: dict[str, str], procs: list[subprocess.Popen]
+            ) -> Callable[[list[str], str], subprocess.Popen]:
+    """``start(cmd, name)``: run ``cmd`` with its output in ``d/<name>.out``, appended to
+    ``procs`` and to ``d/torchft.pids`` (the tests clean up by PID)."""
+    def start(cmd: list[str], name: str) -> subprocess.Popen:
+        out = open(d / f"{name}.out", "wb")
+        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+        out.close()
+        procs.append(p)
+        with open(d / "torchft.pids", "a") as f:
+            f.write(f"{name} {p.pid}\n")
+        return p
+    return start
+
+
 def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, fault_step: int,
              victim: int, timeout: float) -> dict[str, Any]:
     from services.common.natsserver import free_port
@@ -150,17 +166,7 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen] = []
     lh_port = free_port()
-    pidfile = d / "torchft.pids"  # for cleanup by PID (tests)
-
-    def start(cmd: list[str], name: str) -> subprocess.Popen:
-        out = open(d / f"{name}.out", "wb")
-        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL)
-        out.close()
-        procs.append(p)
-        with open(pidfile, "a") as f:
-            f.write(f"{name} {p.pid}\n")
-        return p
+    start = starter(d, env, procs)
 
     lh_bin = str(Path(sys.executable).parent / "torchft_lighthouse")
     t_kill = None
