@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from enum import Enum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -198,17 +198,23 @@ class Plan(Message):
             raise ValueError("shares do not add up to the global batch")
         return self
 
+    # O(1) lookups: services ask rank_of() for every heartbeat, with thousands of members.
+    # The index is built on first use, kept in the instance __dict__ (not a field: pydantic's
+    # equality and dumps ignore it) and keyed on the members list, since
+    # model_copy(update=...) copies __dict__ without running validators.
+    def _lookup(self) -> tuple[Any, dict[str, int], dict[int, str]]:
+        ix = self.__dict__.get("_member_index")
+        if ix is None or ix[0] is not self.members:
+            ix = (self.members, {m.pod: m.rank for m in self.members},
+                  {m.rank: m.pod for m in self.members})
+            self.__dict__["_member_index"] = ix
+        return ix
+
     def rank_of(self, pod: str) -> int | None:
-        for m in self.members:
-            if m.pod == pod:
-                return m.rank
-        return None
+        return self._lookup()[1].get(pod)
 
     def pod_of(self, rank: int) -> str | None:
-        for m in self.members:
-            if m.rank == rank:
-                return m.pod
-        return None
+        return self._lookup()[2].get(rank)
 
 
 class Transfer(Message):

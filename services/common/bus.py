@@ -56,8 +56,16 @@ class Envelope:
 
     subject: str
     headers: dict[str, str]
-    ctx: otel_context.Context
     raw: Msg
+    _ctx: otel_context.Context | None = field(default=None, repr=False)
+
+    @property
+    def ctx(self) -> otel_context.Context:
+        """The W3C trace context of the headers, extracted on first use: most messages
+        (heartbeats) never need it, and extraction costs about as much as validation."""
+        if self._ctx is None:
+            self._ctx = propagate.extract(self.headers)
+        return self._ctx
 
     @property
     def msg_id(self) -> str | None:
@@ -73,6 +81,17 @@ def decode(model: type[M], data: bytes, subject: str = "",
     """Validate one payload or raise DropError with a short reason."""
     if len(data) > max_bytes:
         raise DropError(f"oversized payload ({len(data)} bytes > {max_bytes})")
+    # Fast path (pydantic's JSON parser, ~4x cheaper: services see every heartbeat). It only
+    # accepts; anything it rejects, or a payload that left schema_version to its default,
+    # takes the careful path below, which says why it is dropped.
+    try:
+        msg = model.model_validate_json(data)
+    except (ValidationError, ValueError):
+        pass
+    else:
+        if "schema_version" in msg.model_fields_set:
+            _check_pod(msg, subject)
+            return msg
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -90,13 +109,17 @@ def decode(model: type[M], data: bytes, subject: str = "",
             for err in e.errors()[:3]
         )
         raise DropError(f"invalid {model.subject_kind}: {errs}"[:400]) from None
-    # Per-pod subjects must agree with the payload (no spoofing another pod's heartbeat).
+    _check_pod(msg, subject)
+    return msg
+
+
+def _check_pod(msg: Message, subject: str) -> None:
+    """Per-pod subjects must agree with the payload (no spoofing another pod's heartbeat)."""
     pod = getattr(msg, "pod", None)
     tokens = subject.split(".")
     if pod is not None and len(tokens) == 4 and tokens[2] in ("heartbeat", "report", "lifecycle"):
         if tokens[3] != pod:
             raise DropError(f"subject names pod {tokens[3]!r} but payload says {pod!r}")
-    return msg
 
 
 @dataclass
@@ -193,9 +216,7 @@ class Bus:
             except DropError as e:
                 self.drop(raw.subject, str(e))
                 return
-            headers = dict(raw.headers or {})
-            env = Envelope(subject=raw.subject, headers=headers,
-                           ctx=propagate.extract(headers), raw=raw)
+            env = Envelope(subject=raw.subject, headers=dict(raw.headers or {}), raw=raw)
             self.received[model.subject_kind] += 1
             try:
                 await handler(msg, env)

@@ -282,11 +282,12 @@ class HealthMonitor(Service):
         # hang: a training member stalled while another member advanced in the window
         window_start = now - self.stall_timeout
         views = [self.pods[p] for p in members if p in self.pods and p not in self.faulted]
+        # one pass for who advanced (linear in the members, not quadratic: thousands of them)
+        moved = [o for o in views if o.last_advance >= window_start and o.heartbeated]
         for v in views:
             if v.state != AgentState.training or v.last_advance > window_start:
                 continue
-            advanced = [o.pod for o in views if o is not v and o.last_advance >= window_start
-                        and o.heartbeated]
+            advanced = [o.pod for o in moved if o is not v]
             if advanced:
                 await self._declare(
                     v.pod, FaultKind.hang, last_seen=v.last_seen, since=v.last_advance_wall,

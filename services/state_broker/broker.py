@@ -152,7 +152,8 @@ class StateBroker(Service):
         # the high-water mark counts members only: a stray pod cannot invent progress
         if plan is not None and plan.rank_of(hb.pod) is not None and hb.step > self.high_water:
             self.high_water = hb.step
-        self._changed.set()
+        if cur is None or cur.generation != hb.generation:
+            self._changed.set()  # a pod entered a generation: the member wait re-checks
 
     def _forget_old(self) -> None:
         plan = self.plans.plan
