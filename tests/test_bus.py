@@ -23,6 +23,27 @@ def test_decode_reasons():
             decode(Heartbeat, data, "ceaseless.j.heartbeat.p1")
     with pytest.raises(DropError, match="subject names pod"):
         decode(Heartbeat, ok.model_dump_json().encode(), "ceaseless.j.heartbeat.other")
+    # Valid but for a missing schema_version (the model's default would fill it in): the fast
+    # path must not accept it.
+    bare = json.loads(ok.model_dump_json())
+    del bare["schema_version"]
+    with pytest.raises(DropError, match="schema_version None"):
+        decode(Heartbeat, json.dumps(bare).encode(), "ceaseless.j.heartbeat.p1")
+
+
+def test_plan_lookups_follow_the_members():
+    plan = Plan(generation=1, members=[Member(pod="a", rank=0), Member(pod="b", rank=1)],
+                world_size=2, global_batch_size=16, micro_batch_size=4, shares={0: 2, 1: 2})
+    assert (plan.rank_of("b"), plan.pod_of(0), plan.rank_of("zz"), plan.pod_of(5)) == (
+        1, "a", None, None)
+    # model_copy(update=...) runs no validator: the index must not go stale
+    moved = plan.model_copy(update={"members": [Member(pod="c", rank=0),
+                                                Member(pod="b", rank=1)]})
+    assert (moved.rank_of("c"), moved.rank_of("a"), moved.pod_of(0)) == (0, None, "c")
+    assert plan.rank_of("a") == 0
+    # the cached index is not part of the model: equality and the wire form ignore it
+    again = Plan.model_validate_json(plan.model_dump_json())
+    assert again == plan and "index" not in plan.model_dump_json()
 
 
 def test_plan_validation():
