@@ -9,7 +9,26 @@
             s.step()
 """
 
-from .config import AgentConfig
-from .session import Session
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import AgentConfig
+    from .session import Session
 
 __all__ = ["AgentConfig", "Session"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `agent.data` and the other torch-free parts are imported by the launcher and the
+    # CLI, which should not pay for importing torch (about 2 s on a small machine).
+    if name == "Session":
+        from .session import Session
+
+        return Session
+    if name == "AgentConfig":
+        from .config import AgentConfig
+
+        return AgentConfig
+    raise AttributeError(f"module 'agent' has no attribute {name!r}")

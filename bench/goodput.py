@@ -540,11 +540,9 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(a.seed)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-goodput-"))
     work.mkdir(parents=True, exist_ok=True)
-    data = work / f"data-{a.corpus_tokens}"
-    if not (data / "index.json").exists():
-        from agent.data import corpus
+    from agent.data import corpus
 
-        corpus.generate(data, n_tokens=a.corpus_tokens, seed=0)  # as `ceaseless up` does
+    data = corpus.ensure(work / f"data-{a.corpus_tokens}", n_tokens=a.corpus_tokens, seed=0)
     n_faults = len(fault_times(a))
     runs: list[dict[str, Any]] = []
     for r in range(a.repeats):

@@ -113,9 +113,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     if a.steps < a.warmup + 5:
         raise SystemExit("need --steps >= --warmup + 5")
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
-    data = work / "data"
-    if not (data / "index.json").exists():
-        corpus.generate(data, n_tokens=2_000_000, seed=0)  # what `ceaseless up` trains on
+    data = corpus.ensure(work / "data", n_tokens=2_000_000, seed=0)  # what `ceaseless up` uses
     cs, ds, ratios = [], [], []
     for r in range(a.repeats):
         # alternate which goes first so neither always runs on a warmer machine

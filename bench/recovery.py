@@ -237,10 +237,10 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(a.seed)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
     data = work / f"data-{a.corpus_tokens}"
-    if any(s != "ceaseless" for s in systems) and not (data / "index.json").exists():
+    if any(s != "ceaseless" for s in systems):
         from agent.data import corpus
 
-        corpus.generate(data, n_tokens=a.corpus_tokens, seed=0)  # as `ceaseless up` does
+        data = corpus.ensure(data, n_tokens=a.corpus_tokens, seed=0)  # as `ceaseless up` does
     runs: list[dict[str, Any]] = []
     for r in range(a.repeats):
         # one fault schedule per repeat, shared by every system: step and victim rank

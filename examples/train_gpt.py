@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -149,3 +151,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything is written (results, traces, the final heartbeat): skip the interpreter's
+    # teardown of torch, which takes 0.5-2 s on a small machine while the pod holds its slot.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

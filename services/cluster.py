@@ -220,9 +220,7 @@ async def run(opts: UpOptions) -> int:
     sup_task = asyncio.create_task(sup.watch())
     cmd = opts.cmd
     if not cmd:
-        data_dir = run_dir / "data"
-        _prepare_default_data(data_dir)
-        cmd = default_cmd(opts, data_dir)
+        cmd = default_cmd(opts, _default_data(run_dir / "data"))
     env = {"CEASELESS_NATS_URL": srv.url, "CEASELESS_CREDS": str(roles["agent"][0]),
            "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
@@ -322,15 +320,16 @@ def _opt(flag: str, value: Any) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
-def _prepare_default_data(data_dir: Path) -> None:
-    if (data_dir / "index.json").exists():
-        return
+def _default_data(fallback: Path) -> Path:
+    """The example's corpus: generated once into the user's cache and shared by every run
+    (it is a pure function of its arguments); into ``fallback`` if the cache is not
+    writable."""
     try:
         from agent.data import corpus
-
-        corpus.generate(data_dir, n_tokens=2_000_000, seed=0)
     except ImportError:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+    return corpus.ensure(fallback, n_tokens=2_000_000, seed=0)
 
 
 def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,

@@ -28,3 +28,27 @@ async def bus(nats_server):
         yield b
     finally:
         await b.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Fault-free runs of the default example, one per (world size, steps), computed once
+    per session and shared by every module that compares against them."""
+    import asyncio
+    import concurrent.futures
+
+    from harness import STEPS, run_job
+
+    cache: dict[tuple[int, int], dict] = {}
+
+    def get(workers: int, steps: int = STEPS) -> dict:
+        key = (workers, steps)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"ref{workers}-{steps}")
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:  # the test's loop is running
+                cache[key] = ex.submit(asyncio.run,
+                                       run_job(d, "ref", workers, 0, steps=steps)).result()
+            assert cache[key]["param_sha256"], cache[key]
+        return cache[key]
+
+    return get

@@ -19,3 +19,20 @@ async def until(pred, timeout: float = 5.0, what: str = "condition"):
         return await asyncio.wait_for(_loop(), timeout)
     except asyncio.TimeoutError:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+STEPS = 80  # long enough that heartbeats (0.25 s) see the fault step before the end
+
+
+async def run_job(tmp_path, name, workers, spares, fault=None, steps=STEPS, extra=None):
+    """One `ceaseless up` job of the default example; ``fault(cluster)`` runs once the spares
+    registered. Returns the summary with the plans seen on the bus."""
+    async with Cluster(tmp_path / name, workers, spares, steps, extra=extra) as c:
+        if fault is not None:
+            await c.wait_spares(spares)  # on a slow machine a spare may register late
+            await fault(c)
+        code = await c.finish()
+        assert code == 0, c.output()
+        s = c.summary()
+        s["plans"] = c.plans
+        return s

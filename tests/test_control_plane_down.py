@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from test_recovery_e2e import STEPS, _assert_same, _kill, _run, reference  # noqa: F401
+from harness import STEPS, run_job as _run  # noqa: F401
+from test_recovery_e2e import _assert_same, _kill
 
 pytestmark = [pytest.mark.timeout(300)]
 OUTAGE = 3.0  # seconds: twice the fault timeout (1.5 s), so the fault is overdue meanwhile

@@ -368,3 +368,27 @@ def test_cli_generate_info_prepare(tmp_path, capsys):
     assert "truncated or corrupt" in capsys.readouterr().err
     assert _cli(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "q")]) == 2
     assert "input not found" in capsys.readouterr().err
+
+
+def test_corpus_cache_is_built_once_and_falls_back(tmp_path, monkeypatch):
+    from agent.data import corpus
+
+    monkeypatch.setenv(corpus.CACHE_ENV, str(tmp_path / "cache"))
+    a = corpus.cached(n_tokens=5000, seed=3)
+    assert a is not None and a.parent == tmp_path / "cache"
+    first = (a / "tokens.bin").stat().st_mtime_ns
+    assert corpus.cached(n_tokens=5000, seed=3) == a                  # reused, not rebuilt
+    assert (a / "tokens.bin").stat().st_mtime_ns == first
+    assert corpus.cached(n_tokens=5000, seed=4) != a                  # keyed on its arguments
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
+    fresh = tmp_path / "fresh"
+    corpus.generate(fresh, n_tokens=5000, seed=3)
+    assert (fresh / "tokens.bin").read_bytes() == (a / "tokens.bin").read_bytes()
+    # an unwritable cache: generated into the caller's directory instead
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(corpus.CACHE_ENV, str(blocker / "cache"))
+    assert corpus.cached(n_tokens=5000, seed=3) is None
+    out = corpus.ensure(tmp_path / "own", n_tokens=5000, seed=3)
+    assert out == tmp_path / "own" and (out / "tokens.bin").read_bytes() == fresh.joinpath(
+        "tokens.bin").read_bytes()

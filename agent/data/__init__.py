@@ -8,12 +8,18 @@ Typical use inside a training Session::
         ...
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .corpus import generate
-from .dataset import TokenDataset
 from .format import FORMAT_VERSION, DataError, Index, read_index
-from .loader import ElasticLoader, open_loader
 from .order import GlobalOrder, micro_seed
 from .prepare import ByteTokenizer, load_tokenizer, prepare
+
+if TYPE_CHECKING:
+    from .dataset import TokenDataset
+    from .loader import ElasticLoader, open_loader
 
 __all__ = [
     "FORMAT_VERSION",
@@ -30,3 +36,17 @@ __all__ = [
     "prepare",
     "read_index",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The torch-backed parts load on first use: the launcher and the CLI generate and
+    # inspect data without importing torch (about 2 s on a small machine).
+    if name == "TokenDataset":
+        from .dataset import TokenDataset
+
+        return TokenDataset
+    if name in ("ElasticLoader", "open_loader"):
+        from . import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'agent.data' has no attribute {name!r}")

@@ -116,3 +116,59 @@ def generate(out_dir: str | os.PathLike, n_tokens: int = 1_000_000, seed: int = 
     except BaseException:
         writer.abort()
         raise
+
+
+CACHE_ENV = "CEASELESS_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """``$CEASELESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/ceaseless``, else ``~/.cache/ceaseless``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ceaseless"
+
+
+def cached(n_tokens: int = 2_000_000, seed: int = 0, seq_len: int = 128) -> Path | None:
+    """The generated corpus in the user's cache, written once (2M tokens take ~2.5 s on a
+    small machine, paid by every ``ceaseless up`` before this). The output is a pure function
+    of the arguments, so a finished directory is reused as it is; it is built in a private
+    directory and renamed into place, so concurrent callers never see half of one.
+    None if the cache is not writable (the caller generates into its own directory)."""
+    root = cache_root()
+    final = root / f"corpus-v1-n{n_tokens}-s{seed}-l{seq_len}"
+    if (final / "index.json").exists() and (final / "tokens.bin").exists():
+        return final
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix=".corpus-", dir=root))
+    except OSError:
+        return None
+    try:
+        generate(tmp / "c", n_tokens=n_tokens, seed=seed, seq_len=seq_len)
+        try:
+            os.rename(tmp / "c", final)
+        except OSError:
+            if not (final / "index.json").exists():  # not a lost race: something else
+                raise
+        return final
+    except OSError:
+        return None
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure(fallback: str | os.PathLike, n_tokens: int = 2_000_000, seed: int = 0) -> Path:
+    """The corpus directory to train on: the cached one, else generated into ``fallback``."""
+    hit = cached(n_tokens=n_tokens, seed=seed)
+    if hit is not None:
+        return hit
+    out = Path(fallback)
+    if not (out / "index.json").exists():
+        generate(out, n_tokens=n_tokens, seed=seed)
+    return out
