@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-timeout", type=float, default=1.5)
     p.add_argument("--settle-timeout", type=float, default=30.0,
                    help="seconds a round may take to get its plan to every agent")
+    p.add_argument("--view-interval", type=float, default=0.5,
+                   help="the monitor's health-view interval (0: no view; the scaler and the "
+                        "broker read every heartbeat themselves, as before the fan-in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", help="write the results here")
@@ -182,7 +185,8 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         common = ["--nats", srv.url, "--creds", str(creds_path), "--job", job, "--run-dir",
                   str(d), "--log-level", "warning"]
         start("health_monitor", [*base, "services.health_monitor", *common,
-                                 "--fault-timeout", str(a.fault_timeout)])
+                                 "--fault-timeout", str(a.fault_timeout),
+                                 "--view-interval", str(a.view_interval)])
         start("scaler", [*base, "services.scaler", *common, "--workers", str(n),
                          "--max-replicas", str(n), "--min-replicas", "1",
                          "--global-batch-size", str(n), "--micro-batch-size", "1",

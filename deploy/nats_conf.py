@@ -45,7 +45,7 @@ HEADER = """\
 # One identity per role, each limited by the server itself to its subjects, exactly as
 # `ceaseless up`'s embedded server: agent (the trainers: heartbeats, reports, recovery, the
 # c10d store; never plan, inject, capacity, priority or the plan key), health_monitor
-# (fault), scaler (plan, decision, actuator, the plan and lease keys), state_broker
+# (fault, health), scaler (plan, decision, actuator, the plan and lease keys), state_broker
 # (transfer, state_lost) and operator (everything: the CLI from the host, `nats pub`).
 # The subjects are those of job {job!r}; for another job regenerate with --job.
 #

@@ -114,6 +114,34 @@ class Heartbeat(Message):
     pid: Annotated[int, Field(ge=0)] | None = None
 
 
+class Seen(BaseModel):
+    """One pod in a ``HealthView``: its last heartbeat and how long ago the monitor got it."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hb: Heartbeat
+    age: Annotated[float, Field(ge=0, le=3600)]
+
+
+MAX_VIEW_PODS = 512  # per message: 512 heartbeats stay well under MAX_PAYLOAD_BYTES
+
+
+class HealthView(Message):
+    """Health monitor -> scaler, state broker: the heartbeats it received, so that one
+    process reads every agent's heartbeat instead of three (docs/architecture.md,
+    "Heartbeat fan-in"). ``full``: a periodic listing of every watched pod, in ``chunks``
+    messages; otherwise the pods that just appeared or changed generation, state, role or
+    rank, sent at once. Consumers apply entries as heartbeats received ``age`` seconds ago
+    and read heartbeats themselves while no view arrives."""
+    subject_kind: ClassVar[str] = "health"
+    monitor: Annotated[str, Field(max_length=64)]
+    seq: Annotated[int, Field(ge=0)]
+    full: bool
+    chunk: Annotated[int, Field(ge=0, lt=64)] = 0
+    chunks: Annotated[int, Field(ge=1, le=64)] = 1
+    interval: Annotated[float, Field(gt=0, le=60)]
+    pods: Annotated[list[Seen], Field(max_length=MAX_VIEW_PODS)]
+    ts: Timestamp = Field(default_factory=now)
+
+
 class Report(Message):
     subject_kind: ClassVar[str] = "report"
     pod: PodId
@@ -323,5 +351,5 @@ class ActuatorReply(Message):
 BY_KIND: dict[str, type[Message]] = {
     m.subject_kind: m
     for m in (Heartbeat, Report, Recovery, Fault, Plan, Transfer, StateLost, Decision,
-              Capacity, Priority, Inject, Lifecycle, ActuatorCommand)
+              Capacity, Priority, Inject, Lifecycle, ActuatorCommand, HealthView)
 }

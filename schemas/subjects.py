@@ -44,6 +44,11 @@ class Subjects:
         return f"{self.base}.fault"
 
     @property
+    def health(self) -> str:
+        """Health monitor -> scaler, state broker: the heartbeats it read (``HealthView``)."""
+        return f"{self.base}.health"
+
+    @property
     def plan(self) -> str:
         return f"{self.base}.plan"
 

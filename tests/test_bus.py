@@ -6,6 +6,7 @@ import pytest
 from schemas import Heartbeat, Plan
 from schemas.messages import Member, Role
 from services.common.bus import DropError, decode
+from harness import until
 
 
 def test_decode_reasons():
@@ -84,3 +85,29 @@ async def test_kv_idempotent(bus):
     rev = await kv1.put("plan", b"1")
     assert (await kv2.get("plan")).revision == rev
     await bus.ensure_stream()  # twice is fine
+
+
+async def test_round_trip_times_out_on_a_paused_server_and_the_client_still_reads(
+        nats_server, bus):
+    """nats-py's flush(timeout) cancels its PONG future, and the late PONG then stops the
+    client's read loop for good (is_connected stays True). Bus.round_trip must not."""
+    import os
+    import signal
+
+    from schemas.messages import Heartbeat, Role
+
+    got: list = []
+
+    async def on_hb(hb, _env):
+        got.append(hb)
+    await bus.subscribe(bus.subjects.heartbeat(), Heartbeat, on_hb)
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    try:
+        assert await bus.round_trip(0.3) is False
+        assert await bus.round_trip(0.3) is False
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    assert await bus.round_trip(5.0) is True
+    await bus.publish(bus.subjects.heartbeat("w0"), Heartbeat(pod="w0", role=Role.worker,
+                                                              generation=1))
+    await until(lambda: got, what="a message after the paused server woke up")

@@ -34,9 +34,12 @@ class Beater:
             if self.alive:
                 if self.advance:
                     self.step += 1
-                await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
-                    pod=self.pod, role=self.role, generation=self.generation, rank=self.rank,
-                    step=self.step, state=self.state))
+                try:  # as the agent: a failed beat (bus down) is retried with the next
+                    await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
+                        pod=self.pod, role=self.role, generation=self.generation,
+                        rank=self.rank, step=self.step, state=self.state))
+                except Exception:
+                    pass
             await asyncio.sleep(self.interval)
 
     async def stop(self):
@@ -247,3 +250,41 @@ async def test_inconsistent_timeouts_are_refused(bus):
         HealthMonitor(bus, fault_timeout=2.0, stall_timeout=1.0)
     with pytest.raises(TimeoutConfigError, match="suspect_timeout"):
         HealthMonitor(bus, suspect_timeout=1.5, fault_timeout=1.5)
+
+
+async def test_no_silence_counts_while_nats_server_is_paused(env, nats_server):
+    """A paused (or restarting) nats-server silences every pod at once: that is the bus, not
+    the pods. Nothing is declared meanwhile; afterwards every pod gets a fresh fault timeout,
+    and one that died during the outage is declared then."""
+    import os
+    import signal
+
+    ft = 1.0  # clients take a few tenths of a second to reconnect after the server wakes
+    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    try:
+        w1.alive = False  # dies during the outage
+        await asyncio.sleep(ft * 3)
+        assert not m.faults, list(m.faults)
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    await until(lambda: m.faults, timeout=10, what="w1 declared once the bus is back")
+    await asyncio.sleep(ft * 1.5)
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
+
+
+async def test_a_monitor_that_did_not_run_does_not_blame_the_pods(env):
+    """While this process does not run (paused, starved), unread heartbeats pile up in its
+    socket: that time is not the pods' silence."""
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    env.beat("w0", rank=0)
+    env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    time.sleep(FT * 5)  # blocks the loop: the monitor (and these fake agents) do not run
+    await asyncio.sleep(FT * 2)
+    assert not m.faults, list(m.faults)

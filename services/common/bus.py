@@ -122,6 +122,14 @@ def _check_pod(msg: Message, subject: str) -> None:
             raise DropError(f"subject names pod {tokens[3]!r} but payload says {pod!r}")
 
 
+_FLUSH_BACKSTOP_S = 120.0  # past nats-py's stale-connection detection (3 pings x 5 s)
+
+
+def _consume(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed background flush is not an unhandled error
+
+
 @dataclass
 class Bus:
     nc: NATS
@@ -230,12 +238,24 @@ class Bus:
         sub = await self.nc.subscribe(subject, queue=queue, cb=_cb)
         # SUB is asynchronous: without a round trip, a message another connection publishes
         # right after this returns can reach the server before the interest does, and is lost.
-        try:
-            await self.nc.flush(timeout=2)
-        except Exception as e:  # disconnected: the client re-subscribes on reconnect
-            log.warning("subscribe not confirmed", subject=subject, error=str(e)[:200],
-                        client=self.name)
+        if not await self.round_trip(2.0):  # the client re-subscribes on reconnect
+            log.warning("subscribe not confirmed", subject=subject, client=self.name)
         return sub
+
+    async def round_trip(self, timeout: float) -> bool:
+        """Did nats-server answer a PING within ``timeout``? nats-py's ``flush(timeout)``
+        cancels its PONG future when it times out, and the late PONG then raises
+        InvalidStateError in the client's read loop, which stops reading for good while
+        ``is_connected`` stays True (nats-py 2.16; seen with a paused server). So the flush
+        runs shielded with a long timeout: a late PONG finds its future still pending (a
+        reconnect drops the pending ones)."""
+        inner = asyncio.ensure_future(self.nc.flush(timeout=_FLUSH_BACKSTOP_S))
+        inner.add_done_callback(_consume)
+        try:
+            await asyncio.wait_for(asyncio.shield(inner), timeout)
+            return True
+        except Exception:
+            return False
 
     # ------------------------------------------------------------------ JetStream
     async def ensure_stream(self, storage: StorageType = StorageType.FILE,

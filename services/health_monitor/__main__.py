@@ -21,6 +21,9 @@ def parser():
                         "(default 0.5)")
     p.add_argument("--check-interval", type=float, default=0.05,
                    help="seconds between liveness checks (default 0.05)")
+    p.add_argument("--view-interval", type=float, default=0.5,
+                   help="seconds between full health views for the scaler and the state "
+                        "broker (default 0.5; 0: publish none, they read heartbeats)")
     return p
 
 
@@ -28,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     asyncio.run(serve(HealthMonitor, args, fault_timeout=args.fault_timeout,
                       stall_timeout=args.stall_timeout, suspect_timeout=args.suspect_timeout,
-                      check_interval=args.check_interval))
+                      check_interval=args.check_interval,
+                      view_interval=args.view_interval or None))
 
 
 if __name__ == "__main__":

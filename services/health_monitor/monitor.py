@@ -36,6 +36,7 @@ from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, Lifecycle
                               LifecycleEvent, Plan, Report, ReportKind, Role)
 from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
+from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
 from services.common.plans import PlanFollower
 from services.common.service import Service
 
@@ -66,7 +67,8 @@ class HealthMonitor(Service):
     description = "liveness and progress -> fault events"
 
     def __init__(self, bus: Bus, *, fault_timeout: float = 1.5, stall_timeout: float = 10.0,
-                 suspect_timeout: float = 0.5, check_interval: float = 0.05) -> None:
+                 suspect_timeout: float = 0.5, check_interval: float = 0.05,
+                 view_interval: float | None = VIEW_INTERVAL) -> None:
         check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
                        stall_timeout=stall_timeout)  # refuse a contradictory configuration
         super().__init__(bus)
@@ -84,6 +86,9 @@ class HealthMonitor(Service):
         self.ignored: dict[str, int] = {}
         self._subs: list[Any] = []
         self._stale_logged: set[tuple[str, int]] = set()
+        self._link_down_since: float | None = None
+        # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
+        self.view = ViewPublisher(bus, self.log, view_interval) if view_interval else None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -99,6 +104,8 @@ class HealthMonitor(Service):
             await b.subscribe(s.lifecycle(), Lifecycle, self._on_lifecycle),
         ]
         self.spawn(self._check_loop())
+        if self.view is not None:
+            self.spawn(self.view.run())
         self.log.info("health monitor started", generation=self.plans.generation,
                       fault_timeout=self.fault_timeout, stall_timeout=self.stall_timeout,
                       suspect_timeout=self.suspect_timeout)
@@ -131,6 +138,7 @@ class HealthMonitor(Service):
             if pod not in self.faulted:
                 self.faulted.add(pod)
             self.pods.pop(pod, None)
+            self._forget(pod)
         for m in new.members:
             v = self.pods.get(m.pod)
             if v is None:
@@ -189,6 +197,12 @@ class HealthMonitor(Service):
         v.role, v.generation, v.step, v.state = hb.role, hb.generation, hb.step, hb.state
         v.rank = plan_rank if plan_rank is not None else hb.rank
         v.last_hb, v.last_seen, v.heartbeated, v.deadline_extra = now, wall, True, 0.0
+        if self.view is not None:
+            self.view.note(hb, now)
+
+    def _forget(self, pod: str) -> None:
+        if self.view is not None:
+            self.view.forget(pod)
 
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
         if ev.event != LifecycleEvent.exited:
@@ -198,6 +212,7 @@ class HealthMonitor(Service):
             return
         if ev.exit_code == 0:
             self.pods.pop(ev.pod, None)
+            self._forget(ev.pod)
             self.gone.add(ev.pod)
             self.log.info("pod done", pod=ev.pod)
             return
@@ -258,8 +273,19 @@ class HealthMonitor(Service):
 
     # ------------------------------------------------------------------ checks
     async def _check_loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.check_interval)
+            now = time.monotonic()
+            gap = now - last - self.check_interval
+            if gap > max(0.5, 10 * self.check_interval):
+                # This process did not run (paused, or starved): the heartbeats that came
+                # meanwhile wait unread in the socket. That time is ours, not the pods'.
+                self.log.warning("the monitor did not run: that time does not count as "
+                                 "silence", gap_s=round(gap, 3), pods=len(self.pods))
+                for v in self.pods.values():
+                    v.last_hb = min(now, v.last_hb + gap)
+            last = now
             try:
                 await self.check()
             except asyncio.CancelledError:
@@ -267,12 +293,40 @@ class HealthMonitor(Service):
             except Exception as e:
                 self.log.exception("check failed", error=str(e)[:200])
 
+    def _grace(self, now: float, why: str) -> None:
+        """Every watched pod gets a fresh ``fault_timeout`` from ``now``."""
+        self.log.warning("silence is the monitor's own: every pod gets a fresh fault timeout",
+                         why=why, pods=len(self.pods))
+        for v in self.pods.values():
+            v.last_hb = max(v.last_hb, now)
+
+    async def _link_ok(self) -> bool:
+        """Can this process reach nats-server now? A pod's silence counts only if so: while
+        the server is paused or restarting, every heartbeat is missing and none is late."""
+        if not await self.bus.round_trip(max(0.2, min(1.0, self.fault_timeout / 3))):
+            if self._link_down_since is None:
+                self._link_down_since = time.monotonic()
+                self.log.warning("nats-server does not answer: no silence counts until it does")
+            return False
+        if self._link_down_since is not None:
+            down = time.monotonic() - self._link_down_since
+            self._link_down_since = None
+            self._grace(time.monotonic(), f"nats-server did not answer for {down:.3f}s")
+            return False  # the grace just reset every deadline
+        return True
+
     async def check(self) -> None:
         now = time.monotonic()
         plan = self.plan
         members = {m.pod for m in plan.members} if plan else set()
-        for v in list(self.pods.values()):
-            if v.pod in self.faulted or v.state in GONE_STATES:
+        overdue = [v for v in self.pods.values() if v.pod not in self.faulted
+                   and v.state not in GONE_STATES
+                   and now - v.last_hb > self.fault_timeout + v.deadline_extra]
+        if overdue and not await self._link_ok():
+            overdue = []
+        now = time.monotonic()
+        for v in overdue:
+            if v.pod in self.faulted:
                 continue
             silent = now - v.last_hb
             if silent > self.fault_timeout + v.deadline_extra:
@@ -304,6 +358,7 @@ class HealthMonitor(Service):
         self.incidents.add(incident)
         self.faulted.add(pod)
         v = self.pods.pop(pod, None)
+        self._forget(pod)
         plan = self.plan
         rank = plan.rank_of(pod) if plan else None
         if rank is not None:
@@ -380,5 +435,7 @@ class HealthMonitor(Service):
             "ignored": dict(self.ignored),
             "config": {"fault_timeout": self.fault_timeout, "stall_timeout": self.stall_timeout,
                        "suspect_timeout": self.suspect_timeout,
-                       "check_interval": self.check_interval},
+                       "check_interval": self.check_interval,
+                       "view_interval": self.view.interval if self.view else None},
+            "views_published": self.view.published if self.view else 0,
         }

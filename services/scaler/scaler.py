@@ -38,6 +38,7 @@ from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Ag
 from services.common import telemetry
 from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
+from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
 from services.common.service import Service, wait_event
 
@@ -125,6 +126,8 @@ class Scaler(Service):
         self._kick = asyncio.Event()
         self._subs: list[Any] = []
         self._last_wait_log = ""
+        # heartbeats from the monitor's health view, or read directly while there is none
+        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -135,8 +138,8 @@ class Scaler(Service):
         self.kv = await self.bus.kv()
         await self.plans.start()
         s, b = self.bus.subjects, self.bus
+        await self.feed.start()
         self._subs += [
-            await b.subscribe(s.heartbeat(), Heartbeat, self._on_heartbeat),
             await b.subscribe(s.lifecycle(), Lifecycle, self._on_lifecycle),
             await b.subscribe(s.fault, Fault, self._on_fault),
             await b.subscribe(s.capacity, Capacity, self._on_capacity),
@@ -149,6 +152,7 @@ class Scaler(Service):
                       workers=self.cfg.workers, min_replicas=self.cfg.min_replicas)
 
     async def stop(self) -> None:
+        await self.feed.stop()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -231,22 +235,22 @@ class Scaler(Service):
         self.ignored[key] = self.ignored.get(key, 0) + 1
         getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
 
-    async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
+    async def _on_heartbeat(self, hb: Heartbeat, subject: str, age: float = 0.0) -> None:
         seen = self.pods.get(hb.pod)
         if hb.pod in self.dead:
             if hb.pod not in self._dead_logged:  # it heartbeats until killed: log once
                 self._dead_logged.add(hb.pod)
-                self._ignore(env.subject, "heartbeat of a faulted pod", pod=hb.pod)
+                self._ignore(subject, "heartbeat of a faulted pod", pod=hb.pod)
             return
         if seen is not None and hb.generation < seen.generation:
-            self._ignore(env.subject, f"stale generation {hb.generation} < {seen.generation}",
+            self._ignore(subject, f"stale generation {hb.generation} < {seen.generation}",
                          level="debug", pod=hb.pod)
             return
         new = seen is None or now_alive(seen, self.fault_timeout) is False
         if seen is None and len(self.pods) >= MAX_TRACKED:
             self._forget_silent()
         self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
-                                    rank=hb.rank, last=time.monotonic(), step=hb.step,
+                                    rank=hb.rank, last=time.monotonic() - age, step=hb.step,
                                     step_time=hb.step_time)
         if new:
             self._kick.set()  # a pod appeared: capacity may now suffice
@@ -776,6 +780,7 @@ class Scaler(Service):
             },
             "plan_problem": self.plans.problem or None,
             "alive_spares": self.alive_spares(plan, now),
+            "heartbeats_from": self.feed.source,
             "alive_pods": sorted(p for p in self.pods if self._alive(p, now)),
             "pending": {p.pod: {"incident": p.incident, "kind": p.kind,
                                 "age": round(now - p.since, 3)} for p in self.pending.values()},

@@ -35,6 +35,7 @@ from opentelemetry import trace
 
 from schemas.messages import Heartbeat, Plan, StateLost, Transfer
 from services.common.bus import Bus, Envelope
+from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
 from services.common.service import Service, cancel_all, wait_event
 
@@ -108,19 +109,21 @@ class StateBroker(Service):
         self._published: set[int] = set()
         self.transfers_published = 0
         self.state_lost_published = 0
+        # heartbeats from the monitor's health view, or read directly while there is none
+        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat)
 
     async def start(self) -> None:
         try:
             await self.bus.ensure_stream()
         except Exception as e:
             self.log.warning("could not ensure the job stream", error=str(e)[:200])
-        self._subs.append(await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat,
-                                                   self._on_heartbeat))
+        await self.feed.start()
         await self.plans.start()  # adopts the KV plan -> _on_plan
         self.log.info("state broker started", generation=self.plans.generation,
                       member_wait=self.member_wait)
 
     async def stop(self) -> None:
+        await self.feed.stop()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -138,16 +141,16 @@ class StateBroker(Service):
         self.ignored[key] = self.ignored.get(key, 0) + 1
         getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
 
-    async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
+    async def _on_heartbeat(self, hb: Heartbeat, subject: str, age: float = 0.0) -> None:
         cur = self.pods.get(hb.pod)
         if cur is not None and hb.generation < cur.generation:
-            self._ignore(env.subject, f"stale generation {hb.generation} < {cur.generation}",
+            self._ignore(subject, f"stale generation {hb.generation} < {cur.generation}",
                          level="debug", pod=hb.pod)
             return
         if cur is None and len(self.pods) >= MAX_PODS:
             self._forget_old()
         self.pods[hb.pod] = Committed(generation=hb.generation, step=hb.step, digest=hb.digest,
-                                      rank=hb.rank, ts=time.time())
+                                      rank=hb.rank, ts=time.time() - age)
         plan = self.plans.plan
         # the high-water mark counts members only: a stray pod cannot invent progress
         if plan is not None and plan.rank_of(hb.pod) is not None and hb.step > self.high_water:
@@ -324,6 +327,7 @@ class StateBroker(Service):
                             else {"generation": self._task_gen,
                                   "missing": self._reported(plan)[1] if plan else []}),
             "high_water": self.high_water,
+            "heartbeats_from": self.feed.source,
             "pods": {p: {"rank": members.get(p, c.rank), "member": p in members,
                          "gen": c.generation, "step": c.step, "digest": c.digest[:16],
                          "age": round(time.time() - c.ts, 3)}
