@@ -121,25 +121,41 @@ class Seen(BaseModel):
     age: Annotated[float, Field(ge=0, le=3600)]
 
 
-MAX_VIEW_PODS = 512  # per message: 512 heartbeats stay well under MAX_PAYLOAD_BYTES
+MAX_VIEW_PODS = 512  # full heartbeats per message: well under MAX_PAYLOAD_BYTES
+MAX_VIEW_LIVE = 4096  # compact entries per message (at most ~160 bytes each)
 
 
 class HealthView(Message):
     """Health monitor -> scaler, state broker: the heartbeats it received, so that one
     process reads every agent's heartbeat instead of three (docs/architecture.md,
-    "Heartbeat fan-in"). ``full``: a periodic listing of every watched pod, in ``chunks``
-    messages; otherwise the pods that just appeared or changed generation, state, role or
-    rank, sent at once. Consumers apply entries as heartbeats received ``age`` seconds ago
-    and read heartbeats themselves while no view arrives."""
+    "Heartbeat fan-in"). ``pods``: full last heartbeats, of the pods that just appeared or
+    changed generation, state, role or rank (sent at once), or of every watched pod when
+    ``full`` (a complete listing in ``chunks`` messages, every few intervals). ``live``,
+    ``gens``, ``steps``, ``digests``, ``ages``: every watched pod in compact form, each
+    ``interval``: its generation, last committed step and that step's digest, and seconds
+    since its last heartbeat. Consumers read heartbeats themselves while no view arrives."""
     subject_kind: ClassVar[str] = "health"
     monitor: Annotated[str, Field(max_length=64)]
     seq: Annotated[int, Field(ge=0)]
-    full: bool
+    full: bool = False
     chunk: Annotated[int, Field(ge=0, lt=64)] = 0
     chunks: Annotated[int, Field(ge=1, le=64)] = 1
     interval: Annotated[float, Field(gt=0, le=60)]
-    pods: Annotated[list[Seen], Field(max_length=MAX_VIEW_PODS)]
+    pods: Annotated[list[Seen], Field(max_length=MAX_VIEW_PODS)] = []
+    live: Annotated[list[PodId], Field(max_length=MAX_VIEW_LIVE)] = []
+    gens: Annotated[list[Generation], Field(max_length=MAX_VIEW_LIVE)] = []
+    steps: Annotated[list[Step], Field(max_length=MAX_VIEW_LIVE)] = []
+    digests: Annotated[list[Digest], Field(max_length=MAX_VIEW_LIVE)] = []
+    ages: Annotated[list[Annotated[float, Field(ge=0, le=3600)]],
+                    Field(max_length=MAX_VIEW_LIVE)] = []
     ts: Timestamp = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "HealthView":
+        if not (len(self.live) == len(self.gens) == len(self.steps) == len(self.digests)
+                == len(self.ages)):
+            raise ValueError("live, gens, steps, digests and ages must have the same length")
+        return self
 
 
 class Report(Message):
@@ -259,10 +275,11 @@ class Transfer(Message):
 
     @model_validator(mode="after")
     def _no_self(self) -> "Transfer":
+        recipients = set(self.sources)  # once: linear in the sources, not quadratic
         for r, srcs in self.sources.items():
             if r in srcs:
                 raise ValueError(f"rank {r} cannot be its own source")
-            if set(srcs) & set(self.sources):
+            if not recipients.isdisjoint(srcs):
                 raise ValueError("a source is also a recipient")
         return self
 

@@ -39,9 +39,14 @@ async def test_feed_follows_the_monitor_and_falls_back(nats_server, bus):
     async def on_hb(hb: Heartbeat, subject: str, age: float) -> None:
         got.append((hb, subject, age))
 
+    beats: list[tuple[str, int, int, str, float]] = []
+
+    def on_beats(pods, gens, steps, digests, ages) -> None:
+        beats.extend(zip(pods, gens, steps, digests, ages))
+
     feed_bus = await Bus.connect(url, "test", "consumer", creds)
     mon_bus = await Bus.connect(url, "test", "health_monitor", creds)
-    feed = HeartbeatFeed(feed_bus, log, on_hb)
+    feed = HeartbeatFeed(feed_bus, log, on_hb, on_beats)
     beaters = [Beater(bus, p) for p in ("w0", "w1")]
     mon = HealthMonitor(mon_bus, fault_timeout=1.5, view_interval=0.2)
     try:
@@ -53,10 +58,14 @@ async def test_feed_follows_the_monitor_and_falls_back(nats_server, bus):
         await mon.start()
         await until(lambda: feed.source == "monitor view", what="switch to the view")
         n = len(got)
-        await until(lambda: len(got) > n + 10, what="heartbeats from the view")
+        # compact listings every interval, the full heartbeats again every few intervals
+        await until(lambda: {p for p, *_ in beats} == {"w0", "w1"}, what="compact listing")
+        await until(lambda: {h.pod for h, _, _ in got[n + 2:]} == {"w0", "w1"},
+                    what="a complete listing")
         from_view = got[n + 2:]
         assert {s for _, s, _ in from_view} == {bus.subjects.health}
         assert all(age >= 0 for _, _, age in from_view)
+        assert all(g == 0 and step == -1 and age >= 0 for _, g, step, _, age in beats)
         # each heartbeat once, in order per pod, though a view repeats the last one
         for pod in ("w0", "w1"):
             ts = [h.ts for h, _, _ in got if h.pod == pod]

@@ -43,7 +43,7 @@ from services.common.service import Service
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
 EXCEPTION_REPORTS = (ReportKind.exception, ReportKind.digest_mismatch, ReportKind.recovery_failed)
-MAX_PODS = 4096
+MAX_PODS = 16384  # bounds what spoofed pod ids can make it track
 
 
 @dataclass
@@ -87,6 +87,7 @@ class HealthMonitor(Service):
         self._subs: list[Any] = []
         self._stale_logged: set[tuple[str, int]] = set()
         self._link_down_since: float | None = None
+        self._last_stall_check = 0.0
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = ViewPublisher(bus, self.log, view_interval) if view_interval else None
 
@@ -318,7 +319,6 @@ class HealthMonitor(Service):
     async def check(self) -> None:
         now = time.monotonic()
         plan = self.plan
-        members = {m.pod for m in plan.members} if plan else set()
         overdue = [v for v in self.pods.values() if v.pod not in self.faulted
                    and v.state not in GONE_STATES
                    and now - v.last_hb > self.fault_timeout + v.deadline_extra]
@@ -333,7 +333,12 @@ class HealthMonitor(Service):
                 what = "no heartbeat" if v.heartbeated else "never heartbeated"
                 await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen,
                                     since=v.last_seen, reason=f"{what} for {silent:.3f}s")
-        # hang: a training member stalled while another member advanced in the window
+        # hang: a training member stalled while another member advanced in the window. It
+        # scans every member, and stalls are timed in seconds: a few times a second is enough.
+        if now - self._last_stall_check < min(0.25, self.stall_timeout / 20):
+            return
+        self._last_stall_check = now
+        members = {m.pod for m in plan.members} if plan else set()
         window_start = now - self.stall_timeout
         views = [self.pods[p] for p in members if p in self.pods and p not in self.faulted]
         # one pass for who advanced (linear in the members, not quadratic: thousands of them)

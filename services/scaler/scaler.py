@@ -47,7 +47,8 @@ from .policy import PolicyConfig, Wait
 
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
-MAX_TRACKED = 4096
+MAX_TRACKED = 16384
+ELASTIC_PERIOD_S = 0.25  # the elastic pass when nothing kicked it (it scans every pod)
 
 
 @dataclass
@@ -126,8 +127,10 @@ class Scaler(Service):
         self._kick = asyncio.Event()
         self._subs: list[Any] = []
         self._last_wait_log = ""
+        self._last_elastic = 0.0
+        self._elastic_due = False
         # heartbeats from the monitor's health view, or read directly while there is none
-        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat)
+        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat, self._on_beats)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -246,14 +249,33 @@ class Scaler(Service):
             self._ignore(subject, f"stale generation {hb.generation} < {seen.generation}",
                          level="debug", pod=hb.pod)
             return
-        new = seen is None or now_alive(seen, self.fault_timeout) is False
+        # a pod appeared (capacity may now suffice) or entered a generation / changed state
+        # (a transition in flight may be complete): decide now
+        new = (seen is None or now_alive(seen, self.fault_timeout) is False
+               or seen.generation != hb.generation or seen.state != hb.state)
         if seen is None and len(self.pods) >= MAX_TRACKED:
             self._forget_silent()
         self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
                                     rank=hb.rank, last=time.monotonic() - age, step=hb.step,
                                     step_time=hb.step_time)
         if new:
-            self._kick.set()  # a pod appeared: capacity may now suffice
+            self._kick.set()
+
+    def _on_beats(self, pods: list[str], gens: list[int], steps: list[int],
+                  digests: list[str], ages: list[float]) -> None:
+        """The monitor's compact listing: liveness and steps of pods already known here (a
+        pod in another generation waits for its full heartbeat)."""
+        now, ft, kick = time.monotonic(), self.fault_timeout, False
+        for pod, g, step, age in zip(pods, gens, steps, ages):
+            seen = self.pods.get(pod)
+            if seen is None or seen.generation != g or step < seen.step:
+                continue
+            last = now - age
+            if last > seen.last:
+                kick = kick or now - seen.last > ft  # silent until now: alive again
+                seen.last, seen.step = last, step
+        if kick:
+            self._kick.set()
 
     def _forget_silent(self) -> None:
         now = time.monotonic()
@@ -484,20 +506,20 @@ class Scaler(Service):
     # ------------------------------------------------------------------ decisions
     async def _tick_loop(self) -> None:
         while True:
-            await wait_event(self._kick, self.tick_interval)
+            kicked = await wait_event(self._kick, self.tick_interval)
             self._kick.clear()
             if not self.acting:
                 continue
             try:
                 async with self._lock:
-                    await self._decide()
+                    await self._decide(kicked)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self.log.exception("decision failed", error=str(e)[:200])
                 await asyncio.sleep(self.tick_interval)
 
-    async def _decide(self) -> None:
+    async def _decide(self, kicked: bool = True) -> None:
         if self.plans.problem:
             return  # KV holds a plan that does not validate: never write over it blindly
         now = time.monotonic()
@@ -523,7 +545,13 @@ class Scaler(Service):
             del self.pending[pod]  # handled by a plan (possibly another scaler's)
         if not self.pending:
             self.waiting = ""
-            await self._elastic(plan, now)
+            # The elastic pass scans every pod: on a kick (a pod appeared or changed state,
+            # a request, a timer), else at most every ELASTIC_PERIOD_S (thousands of pods).
+            self._elastic_due = self._elastic_due or kicked
+            since = now - self._last_elastic
+            if (self._elastic_due and since >= self.tick_interval) or since >= ELASTIC_PERIOD_S:
+                self._last_elastic, self._elastic_due = now, False
+                await self._elastic(plan, now)
             return
         pend = sorted(self.pending.values(), key=lambda p: p.since)
         for p in pend:

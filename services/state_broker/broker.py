@@ -40,7 +40,7 @@ from services.common.plans import PlanFollower
 from services.common.service import Service, cancel_all, wait_event
 
 tracer = trace.get_tracer("ceaseless")
-MAX_PODS = 4096
+MAX_PODS = 16384
 
 
 @dataclass
@@ -110,7 +110,7 @@ class StateBroker(Service):
         self.transfers_published = 0
         self.state_lost_published = 0
         # heartbeats from the monitor's health view, or read directly while there is none
-        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat)
+        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat, self._on_beats)
 
     async def start(self) -> None:
         try:
@@ -157,6 +157,20 @@ class StateBroker(Service):
             self.high_water = hb.step
         if cur is None or cur.generation != hb.generation:
             self._changed.set()  # a pod entered a generation: the member wait re-checks
+
+    def _on_beats(self, pods: list[str], gens: list[int], steps: list[int],
+                  digests: list[str], ages: list[float]) -> None:
+        """The monitor's compact listing: committed steps and liveness of pods known here in
+        the same generation (entering a generation comes as a full heartbeat)."""
+        now = time.time()
+        plan = self.plans.plan
+        for pod, g, step, digest, age in zip(pods, gens, steps, digests, ages):
+            c = self.pods.get(pod)
+            if c is None or c.generation != g or step < c.step:
+                continue
+            c.step, c.digest, c.ts = step, digest, max(c.ts, now - age)
+            if step > self.high_water and plan is not None and plan.rank_of(pod) is not None:
+                self.high_water = step
 
     def _forget_old(self) -> None:
         plan = self.plans.plan
