@@ -292,3 +292,22 @@ async def test_control_plane_pipeline_one_trace(nats_server, bus):
             await s.stop()
         for b in buses:
             await b.close()
+
+
+def test_transfer_stays_small_with_thousands_of_ranks():
+    """Every recipient stripes over at most MAX_SOURCES sources, rotated so that all sources
+    serve: the message grows with the recipients, not recipients x sources (a 2,048 -> 4,096
+    scale-up named 8M source entries, over NATS' 1 MB payload limit)."""
+    from schemas import MAX_PAYLOAD_BYTES
+    from services.state_broker.broker import MAX_SOURCES
+
+    n = 4096
+    plan = Plan(generation=2, members=[Member(pod=f"p{r}", rank=r) for r in range(n)],
+                world_size=n, global_batch_size=n, micro_batch_size=1,
+                shares={r: 1 for r in range(n)})
+    reported = {r: (9, "aa") for r in range(0, n, 2)} | {r: (-1, "") for r in range(1, n, 2)}
+    t = decide_transfer(plan, reported, high_water=9)
+    assert t.restore_step == 9 and len(t.sources) == n // 2
+    assert all(len(v) == MAX_SOURCES and len(set(v)) == MAX_SOURCES for v in t.sources.values())
+    assert {s for v in t.sources.values() for s in v} == set(range(0, n, 2))  # all serve
+    assert len(t.model_dump_json()) < MAX_PAYLOAD_BYTES // 4

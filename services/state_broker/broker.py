@@ -41,6 +41,7 @@ from services.common.service import Service, cancel_all, wait_event
 
 tracer = trace.get_tracer("ceaseless")
 MAX_PODS = 16384
+MAX_SOURCES = 8  # sources one recipient stripes over
 
 
 @dataclass
@@ -79,7 +80,12 @@ def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water
         sources = [r for r in top if reported[r][1] == digest]
     recipients = [r for r in ranks if r not in sources]
     n = len(sources)
-    plan_sources = {r: sources[i % n:] + sources[:i % n] for i, r in enumerate(recipients)}
+    # Each recipient stripes over up to MAX_SOURCES of them, rotated so that the recipients
+    # spread over every source. Not all n: a transfer naming every source for every
+    # recipient grows as recipients x sources (over NATS' 1 MB at ~700 x 700 ranks).
+    k = min(n, MAX_SOURCES)
+    plan_sources = {r: [sources[(i + j) % n] for j in range(k)]
+                    for i, r in enumerate(recipients)}
     return Transfer(generation=plan.generation, restore_step=restore, sources=plan_sources,
                     steps=steps, digest=digest, incident=incident)
 
