@@ -278,8 +278,8 @@ async def test_no_silence_counts_while_nats_server_is_paused(env, nats_server):
 
 
 async def test_a_monitor_that_did_not_run_does_not_blame_the_pods(env):
-    """While this process does not run (paused, starved), unread heartbeats pile up in its
-    socket: that time is not the pods' silence."""
+    """While this process does not run (paused, starved), its silence checks fall behind:
+    that time is not the pods' silence. (Fails without the round trip before declaring.)"""
     m = await env.monitor(make_plan(["w0", "w1"]))
     env.beat("w0", rank=0)
     env.beat("w1", rank=1)

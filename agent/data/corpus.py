@@ -15,6 +15,8 @@ version; the content hash in ``index.json`` says so.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +144,6 @@ def cached(n_tokens: int = 2_000_000, seed: int = 0, seq_len: int = 128) -> Path
         return final
     try:
         root.mkdir(parents=True, exist_ok=True)
-        import tempfile
-
         tmp = Path(tempfile.mkdtemp(prefix=".corpus-", dir=root))
     except OSError:
         return None
@@ -158,8 +158,6 @@ def cached(n_tokens: int = 2_000_000, seed: int = 0, seq_len: int = 128) -> Path
     except OSError:
         return None
     finally:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 from schemas.messages import MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat, Seen, new_id
 
@@ -32,6 +32,8 @@ from .bus import Bus, Envelope
 OnHeartbeat = Callable[[Heartbeat, str, float], Awaitable[None]]
 # (pods, generations, committed steps, their digests, seconds since each one's heartbeat)
 OnBeats = Callable[[list[str], list[int], list[int], list[str], list[float]], None]
+# the monitor's watched pods (or those named): (last heartbeat, monotonic time received)
+Heard = Callable[[Iterable[str] | None], list[tuple[Heartbeat, float]]]
 VIEW_INTERVAL = 0.5
 COMPLETE_EVERY = 8  # a complete listing (full heartbeats) every 8 intervals
 _MAX_TRACKED = 16384
@@ -42,28 +44,23 @@ def _key(hb: Heartbeat) -> tuple[Any, ...]:
 
 
 class ViewPublisher:
-    """The health monitor's side: ``note`` every accepted heartbeat, ``forget`` a pod it
-    stops watching; a task publishes the view."""
+    """The health monitor's side. ``heard(pods)`` gives (last heartbeat, monotonic time it was
+    received) of the given watched pods, or of every watched pod for None: the monitor's own
+    table, so a pod it stops watching is out of the view with nothing to keep in step.
+    ``note(prev, hb)`` on every accepted heartbeat marks a changed pod for sending at once."""
 
-    def __init__(self, bus: Bus, log: Any, interval: float = VIEW_INTERVAL) -> None:
-        self.bus, self.log, self.interval = bus, log, interval
+    def __init__(self, bus: Bus, log: Any, heard: Heard, interval: float = VIEW_INTERVAL) -> None:
+        self.bus, self.log, self.heard, self.interval = bus, log, heard, interval
         self.id = new_id()
-        self.last: dict[str, tuple[Heartbeat, float]] = {}  # pod -> (heartbeat, monotonic)
         self.urgent: set[str] = set()
         self._wake = asyncio.Event()
         self.seq = 0
         self.published = 0
 
-    def note(self, hb: Heartbeat, now: float) -> None:
-        prev = self.last.get(hb.pod)
-        self.last[hb.pod] = (hb, now)
-        if prev is None or _key(prev[0]) != _key(hb):
+    def note(self, prev: Heartbeat | None, hb: Heartbeat) -> None:
+        if prev is None or _key(prev) != _key(hb):
             self.urgent.add(hb.pod)
             self._wake.set()
-
-    def forget(self, pod: str) -> None:
-        self.last.pop(pod, None)
-        self.urgent.discard(pod)
 
     async def run(self) -> None:
         next_full, rounds = time.monotonic(), 0
@@ -76,7 +73,7 @@ class ViewPublisher:
                 if time.monotonic() >= next_full:
                     if rounds % COMPLETE_EVERY == 0:
                         self.urgent.clear()
-                        await self._publish_full(list(self.last), complete=True)
+                        await self._publish_full(self.heard(None), complete=True)
                     else:
                         await self._publish_compact()
                     rounds += 1
@@ -84,8 +81,7 @@ class ViewPublisher:
                 elif self.urgent:
                     await asyncio.sleep(0.001)  # gather what arrives in the same burst
                     pods, self.urgent = self.urgent, set()
-                    await self._publish_full([p for p in pods if p in self.last],
-                                             complete=False)
+                    await self._publish_full(self.heard(pods), complete=False)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # disconnected: the next round tries again
@@ -95,10 +91,9 @@ class ViewPublisher:
         self.seq += 1
         return HealthView(monitor=self.id, seq=self.seq, interval=self.interval, **kw)
 
-    async def _publish_full(self, pods: list[str], complete: bool) -> None:
+    async def _publish_full(self, heard: list[tuple[Heartbeat, float]], complete: bool) -> None:
         now = time.monotonic()
-        seen = [Seen(hb=hb, age=min(3600.0, max(0.0, now - t)))
-                for hb, t in (self.last[p] for p in pods)]
+        seen = [Seen(hb=hb, age=min(3600.0, max(0.0, now - t))) for hb, t in heard]
         if not seen and not complete:
             return
         chunks = [seen[i:i + MAX_VIEW_PODS] for i in range(0, len(seen), MAX_VIEW_PODS)] or [[]]
@@ -109,15 +104,14 @@ class ViewPublisher:
 
     async def _publish_compact(self) -> None:
         now = time.monotonic()
-        items = list(self.last.items())
+        items = self.heard(None)
         chunks = [items[i:i + MAX_VIEW_LIVE] for i in range(0, len(items), MAX_VIEW_LIVE)] or [[]]
         for i, part in enumerate(chunks):
             await self.bus.publish(self.bus.subjects.health, self._view(
-                chunk=i, chunks=len(chunks), live=[p for p, _ in part],
-                gens=[hb.generation for _, (hb, _) in part],
-                steps=[hb.step for _, (hb, _) in part],
-                digests=[hb.digest for _, (hb, _) in part],
-                ages=[min(3600.0, max(0.0, now - t)) for _, (_, t) in part]))
+                chunk=i, chunks=len(chunks), live=[hb.pod for hb, _ in part],
+                gens=[hb.generation for hb, _ in part], steps=[hb.step for hb, _ in part],
+                digests=[hb.digest for hb, _ in part],
+                ages=[min(3600.0, max(0.0, now - t)) for _, t in part]))
         self.published += 1
 
 
@@ -129,10 +123,9 @@ class HeartbeatFeed:
     for that pod within a generation; compact entries go to ``on_beats`` in bulk, and a
     consumer applies only those whose generation it already holds for the pod."""
 
-    def __init__(self, bus: Bus, log: Any, on_heartbeat: OnHeartbeat, on_beats: OnBeats,
-                 use_view: bool = True) -> None:
-        self.bus, self.log, self.on_heartbeat, self.use_view = bus, log, on_heartbeat, use_view
-        self.on_beats = on_beats
+    def __init__(self, bus: Bus, log: Any, on_heartbeat: OnHeartbeat, on_beats: OnBeats) -> None:
+        self.bus, self.log = bus, log
+        self.on_heartbeat, self.on_beats = on_heartbeat, on_beats
         self._direct: Any = None
         self._view_sub: Any = None
         self._last_view = 0.0
@@ -147,10 +140,9 @@ class HeartbeatFeed:
 
     async def start(self) -> None:
         await self._go_direct()
-        if self.use_view:
-            self._view_sub = await self.bus.subscribe(self.bus.subjects.health, HealthView,
-                                                      self._on_view)
-            self._task = asyncio.create_task(self._watch())
+        self._view_sub = await self.bus.subscribe(self.bus.subjects.health, HealthView,
+                                                  self._on_view)
+        self._task = asyncio.create_task(self._watch())
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -59,6 +59,7 @@ class PodView:
     last_advance: float = 0.0     # monotonic: last step change (or generation/state change)
     last_advance_wall: float = 0.0
     heartbeated: bool = False     # False: seeded from the plan, never heard from
+    hb: Heartbeat | None = None   # the last one accepted (what the health view publishes)
     deadline_extra: float = 0.0   # grace added to fault_timeout (seeded members)
 
 
@@ -89,7 +90,8 @@ class HealthMonitor(Service):
         self._link_down_since: float | None = None
         self._last_stall_check = 0.0
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
-        self.view = ViewPublisher(bus, self.log, view_interval) if view_interval else None
+        self.view = (ViewPublisher(bus, self.log, self._heard, view_interval)
+                     if view_interval else None)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -139,7 +141,6 @@ class HealthMonitor(Service):
             if pod not in self.faulted:
                 self.faulted.add(pod)
             self.pods.pop(pod, None)
-            self._forget(pod)
         for m in new.members:
             v = self.pods.get(m.pod)
             if v is None:
@@ -199,11 +200,12 @@ class HealthMonitor(Service):
         v.rank = plan_rank if plan_rank is not None else hb.rank
         v.last_hb, v.last_seen, v.heartbeated, v.deadline_extra = now, wall, True, 0.0
         if self.view is not None:
-            self.view.note(hb, now)
+            self.view.note(v.hb, hb)
+        v.hb = hb
 
-    def _forget(self, pod: str) -> None:
-        if self.view is not None:
-            self.view.forget(pod)
+    def _heard(self, pods: Iterable[str] | None) -> list[tuple[Heartbeat, float]]:
+        views = self.pods.values() if pods is None else (self.pods.get(p) for p in pods)
+        return [(v.hb, v.last_hb) for v in views if v is not None and v.hb is not None]
 
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
         if ev.event != LifecycleEvent.exited:
@@ -213,7 +215,6 @@ class HealthMonitor(Service):
             return
         if ev.exit_code == 0:
             self.pods.pop(ev.pod, None)
-            self._forget(ev.pod)
             self.gone.add(ev.pod)
             self.log.info("pod done", pod=ev.pod)
             return
@@ -274,19 +275,8 @@ class HealthMonitor(Service):
 
     # ------------------------------------------------------------------ checks
     async def _check_loop(self) -> None:
-        last = time.monotonic()
         while True:
             await asyncio.sleep(self.check_interval)
-            now = time.monotonic()
-            gap = now - last - self.check_interval
-            if gap > max(0.5, 10 * self.check_interval):
-                # This process did not run (paused, or starved): the heartbeats that came
-                # meanwhile wait unread in the socket. That time is ours, not the pods'.
-                self.log.warning("the monitor did not run: that time does not count as "
-                                 "silence", gap_s=round(gap, 3), pods=len(self.pods))
-                for v in self.pods.values():
-                    v.last_hb = min(now, v.last_hb + gap)
-            last = now
             try:
                 await self.check()
             except asyncio.CancelledError:
@@ -303,7 +293,9 @@ class HealthMonitor(Service):
 
     async def _link_ok(self) -> bool:
         """Can this process reach nats-server now? A pod's silence counts only if so: while
-        the server is paused or restarting, every heartbeat is missing and none is late."""
+        the server is paused or restarting, every heartbeat is missing and none is late. The
+        PONG also comes after every message the server sent before it, so heartbeats that
+        waited unread (this process paused or starved) are taken in before the re-check."""
         if not await self.bus.round_trip(max(0.2, min(1.0, self.fault_timeout / 3))):
             if self._link_down_since is None:
                 self._link_down_since = time.monotonic()
@@ -363,7 +355,6 @@ class HealthMonitor(Service):
         self.incidents.add(incident)
         self.faulted.add(pod)
         v = self.pods.pop(pod, None)
-        self._forget(pod)
         plan = self.plan
         rank = plan.rank_of(pod) if plan else None
         if rank is not None:

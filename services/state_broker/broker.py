@@ -157,10 +157,7 @@ class StateBroker(Service):
             self._forget_old()
         self.pods[hb.pod] = Committed(generation=hb.generation, step=hb.step, digest=hb.digest,
                                       rank=hb.rank, ts=time.time() - age)
-        plan = self.plans.plan
-        # the high-water mark counts members only: a stray pod cannot invent progress
-        if plan is not None and plan.rank_of(hb.pod) is not None and hb.step > self.high_water:
-            self.high_water = hb.step
+        self._note_step(hb.pod, hb.step, self.plans.plan)
         if cur is None or cur.generation != hb.generation:
             self._changed.set()  # a pod entered a generation: the member wait re-checks
 
@@ -175,8 +172,12 @@ class StateBroker(Service):
             if c is None or c.generation != g or step < c.step:
                 continue
             c.step, c.digest, c.ts = step, digest, max(c.ts, now - age)
-            if step > self.high_water and plan is not None and plan.rank_of(pod) is not None:
-                self.high_water = step
+            self._note_step(pod, step, plan)
+
+    def _note_step(self, pod: str, step: int, plan: Plan | None) -> None:
+        # the high-water mark counts members only: a stray pod cannot invent progress
+        if step > self.high_water and plan is not None and plan.rank_of(pod) is not None:
+            self.high_water = step
 
     def _forget_old(self) -> None:
         plan = self.plans.plan
