@@ -103,6 +103,9 @@ async def test_round_trip_times_out_on_a_paused_server_and_the_client_still_read
     await bus.subscribe(bus.subjects.heartbeat(), Heartbeat, on_hb)
     os.kill(nats_server.proc.pid, signal.SIGSTOP)
     try:
+        # stopped for sure (the signal lands asynchronously): state T in /proc
+        await until(lambda: open(f"/proc/{nats_server.proc.pid}/stat").read().split(") ")[1][0]
+                    == "T", what="nats-server stopped")
         assert await bus.round_trip(0.3) is False
         assert await bus.round_trip(0.3) is False
     finally:
