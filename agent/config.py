@@ -42,6 +42,9 @@ class AgentConfig:
     # A member whose slot a planned shrink releases exits 0 at once (False: s.steps() just
     # returns and the script ends by itself).
     exit_on_release: bool = True
+    # Spares follow the committed state (agent/shadow.py): a promoted spare needs no state
+    # transfer. Gloo (CPU) groups only; off: spares receive the state when promoted.
+    shadow_spares: bool = True
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -82,4 +85,5 @@ class AgentConfig:
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
             backend=env("CEASELESS_BACKEND") or None,
             exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", True),
+            shadow_spares=_flag("CEASELESS_SHADOW_SPARES", True),
         )

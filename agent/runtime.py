@@ -58,6 +58,9 @@ class Runtime:
         # monotonic time the training thread entered the gradient all-reduce (None: not in it)
         self.collective_since: float | None = None
         self._stuck_reported = 0.0
+        # rank 0: spares that asked to follow this generation (agent/shadow.py)
+        self.shadow_requests: dict[str, str] = {}  # pod -> request id
+        self._shadow_watch: asyncio.Task | None = None
         # what we tell it (replaced whole, read by the heartbeat loop)
         self.hb: dict[str, Any] = dict(role=cfg.role, generation=0, rank=None, step=-1,
                                        digest="", state=AgentState.starting)
@@ -241,6 +244,69 @@ class Runtime:
             self.submit(self.kv.put(DONE_KEY, data)).result(5.0)
         except Exception as e:
             log.warning("could not record job completion", error=str(e)[:200])
+
+    # ------------------------------------------------------------------ shadow spares
+    def request_shadow(self, generation: int, pod: str) -> str | None:
+        """A spare asks rank 0 of ``generation`` to stream the state to it; returns the
+        request id (None: the request could not be stored)."""
+        rid = f"{_pid()}-{time.time_ns()}"  # unique per ask: a restarted spare asks anew
+        try:
+            self.submit(self.store_kv.put(f"shreq{generation}.{pod}", rid.encode())).result(5.0)
+            return rid
+        except Exception as e:
+            log.warning("could not ask to follow the job", error=str(e)[:200])
+            return None
+
+    def shadow_request(self, generation: int, pod: str) -> str | None:
+        """Rank 0: the request id ``pod`` stored for ``generation``, if any."""
+        async def get() -> str | None:
+            try:
+                e = await self.store_kv.get(f"shreq{generation}.{pod}")
+            except Exception:
+                return None
+            return bytes(e.value).decode() if e.value else None
+
+        try:
+            return self.submit(get()).result(2.0)
+        except Exception:
+            return None
+
+    def watch_shadow_requests(self, generation: int | None) -> None:
+        """Rank 0: collect the spares asking to follow ``generation`` into
+        ``shadow_requests`` (None: stop)."""
+        def start() -> None:
+            if self._shadow_watch is not None:
+                self._shadow_watch.cancel()
+                self._shadow_watch = None
+            with self.cond:
+                self.shadow_requests = {}
+            if generation is not None:
+                self._shadow_watch = asyncio.ensure_future(self._watch_requests(generation))
+
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(start)
+
+    async def _watch_requests(self, generation: int) -> None:
+        prefix = f"shreq{generation}."
+        w = None
+        try:
+            w = await self.store_kv.watch(prefix + ">")
+            async for e in w:
+                if e is None or e.operation is not None:  # initial-values marker, deletes
+                    continue
+                with self.cond:
+                    self.shadow_requests = {**self.shadow_requests,
+                                            e.key[len(prefix):]: bytes(e.value or b"").decode()}
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.info("watching for spares ended", error=str(e)[:200])
+        finally:
+            if w is not None:
+                try:
+                    await w.stop()
+                except Exception:
+                    pass
 
     # ------------------------------------------------------------------ training-thread waits
     def wait(self, pred: Callable[[], Any], timeout: float | None) -> Any:

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from opentelemetry import trace
@@ -119,6 +119,13 @@ class Session:
         self._lr_from = 1.0
         self._lr_start = 0
         self._plan: Any = None
+        # shadow spares (agent/shadow.py): rank 0's streams to the spares, a spare's stream
+        self._shadow_out: dict[str, Any] = {}  # spare pod -> ShadowSender (rank 0)
+        self._shadow_served: dict[str, str] = {}  # spare pod -> the request it answered
+        self._shadow_lead_g = 0                 # rank 0: the generation spares may follow
+        self._shadow_in: Any = None
+        self._shadow_at = -1            # a spare: the last step applied (held once confirmed)
+        self._shadow_loss: float | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -269,6 +276,8 @@ class Session:
             self._interrupted = False
             yield s
             self.runtime.step_in_flight = None
+            if self._shadow_lead_g and self.last_committed == s:
+                self._shadow_confirm(s)
             if self.last_committed != s:
                 if not self._interrupted:
                     raise RuntimeError("call s.step() exactly once per step")
@@ -301,6 +310,7 @@ class Session:
         if pod in plan.spares:
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
                       state=AgentState.waiting)
+            self._shadow_follow(plan)
             return self._recover(first=True)
         self._released = True
         return False
@@ -390,6 +400,16 @@ class Session:
                 if p.grad is None:
                     p.grad = g
         f = self._lr_at(s)
+        self._update(f)
+        self._zero_grad()
+        self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
+        if self._shadow_out:
+            self._shadow_offer(s, grads, f)
+        return True
+
+    def _update(self, f: float) -> None:
+        """Optimizer and scheduler step with the learning rate scaled by ``f`` (the plan's
+        ramp). Spares that follow the job run exactly this on rank 0's gradients."""
         for opt in self._optimizers():
             if f != 1.0:  # scale around the update only: schedulers keep their own lr
                 saved = [g["lr"] for g in opt.param_groups]
@@ -403,9 +423,6 @@ class Session:
         self.lr_factor = f
         for sch in self._schedulers():
             sch.step()
-        self._zero_grad()
-        self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
-        return True
 
     # ------------------------------------------------------------------ commit / discard
     def _lr_at(self, s: int) -> float:
@@ -555,14 +572,26 @@ class Session:
                     return ("done", None, None)
                 return None
 
+            def ready_or_shadow():
+                got = ready()
+                if got is None and self._shadow_in is not None and self._shadow_in.ready():
+                    return ("shadow", None, None)
+                return got
+
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = rt.wait(ready, left)
+            got = rt.wait(ready_or_shadow, left)
             if got is None:
                 return "timeout"
             kind, plan, ctx = got
+            if kind == "shadow":
+                self._shadow_apply()
+                continue
             if kind == "done":
+                self._shadow_stop(quiet=True)
                 return None
             if plan.rank_of(pod) is not None:
+                self._shadow_apply()  # what already arrived: cheaper than a transfer
+                self._shadow_stop()
                 return plan, ctx
             self._seen_generation = plan.generation
             if self.generation > 0 and pod in plan.fenced:
@@ -576,6 +605,7 @@ class Session:
                 return None
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
                       state=AgentState.waiting)
+            self._shadow_follow(plan)
 
     def _enter(self, plan: Any, plan_ctx: Any, first: bool) -> None:
         from .collectives import Aborted, AbortableGroup, make_group_abortable
@@ -637,8 +667,9 @@ class Session:
             raise JobStateLost(val.reason)
         transfer, _tctx = val
         received = sent = 0
+        held = None  # the committed state this rank holds as a FlatState, if it has one
         if self.rank in transfer.sources:
-            st = recv_state(self.group, self.rank, transfer.sources[self.rank], rt.abort)
+            st = held = recv_state(self.group, self.rank, transfer.sources[self.rank], rt.abort)
             st.restore(self.objs)
             received = st.nbytes
             extra = st.extra or {}
@@ -653,8 +684,10 @@ class Session:
                 raise RuntimeError(f"transfer plan restores step {transfer.restore_step} but this "
                                    f"rank holds step {self.last_committed} and receives nothing")
             mine = {r: srcs for r, srcs in transfer.sources.items() if self.rank in srcs}
+            if snap:
+                held = snap[0]
             if mine:
-                st = snap[0] if snap else snapshot(
+                st = held = held or snapshot(
                     self.objs, {"step": self.last_committed, "loss": self.loss,
                                 "lr_factor": self.lr_factor})
                 sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
@@ -666,6 +699,10 @@ class Session:
             inc.restore_step = transfer.restore_step
             inc.bytes_received, inc.bytes_sent = received, sent
             inc.role = "recipient" if received else ("source" if sent else "survivor")
+        if self.rank == 0 and plan.spares and self._shadow_reason() is None:
+            self._shadow_lead(plan, held or snapshot(
+                self.objs, {"step": self.last_committed, "loss": self.loss,
+                            "lr_factor": self.lr_factor}))
         # data_resume: the loader position is a pure function of the step
         if inc is not None:
             inc.t_data = time.time()
@@ -674,7 +711,179 @@ class Session:
         log.info("joined generation", generation=g, rank=self.rank, world_size=self.world_size,
                  restore_step=transfer.restore_step, received=received, sent=sent)
 
+    # ------------------------------------------------------------------ shadow spares
+    def _shadow_reason(self) -> str | None:
+        """Why spares cannot follow this job (None: they can)."""
+        if not self.cfg.shadow_spares:
+            return "off (CEASELESS_SHADOW_SPARES=0)"
+        if (self.cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")) != "gloo":
+            return "gloo (CPU) process groups only"
+        for name, o in self.objs.items():
+            if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer,
+                                  torch.optim.lr_scheduler.LRScheduler)):
+                # the spare could not replay what the script does to it
+                return f"registered object {name!r} is not a module, optimizer or scheduler"
+        return None
+
+    def _buffers(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        for m in self._modules():
+            for b in m.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+        return out
+
+    def _shadow_store(self, generation: int, pod: str, rid: str) -> Callable[[], Any]:
+        from .shadow import store_prefix
+        from .store import NatsStore
+
+        rt = self.runtime
+        prefix = store_prefix(generation, pod, rid)
+        return lambda: NatsStore(rt.store_kv, rt.loop, prefix=prefix,
+                                 timeout=self.cfg.store_timeout)
+
+    def _shadow_lead(self, plan: Any, held: Any) -> None:
+        """Rank 0: stream the committed state, then every committed step, to each spare that
+        asks (the plan's spares at once, from ``held``; later ones at a step boundary)."""
+        g = self._shadow_lead_g = plan.generation
+        self.runtime.watch_shadow_requests(g)
+        for pod in plan.spares:
+            rid = self.runtime.shadow_request(g, pod)
+            if rid is not None:
+                self._shadow_serve(pod, rid, held)
+
+    def _shadow_serve(self, pod: str, rid: str, held: Any) -> None:
+        from .shadow import ShadowSender
+
+        old = self._shadow_out.pop(pod, None)
+        if old is not None:
+            old.close()
+        self._shadow_served[pod] = rid
+        self._shadow_out[pod] = ShadowSender(
+            pod, self._shadow_store(self._shadow_lead_g, pod, rid), held, self.last_committed,
+            timeout_s=self.cfg.collective_timeout, slice_s=self.cfg.collective_slice)
+
+    def _shadow_end_lead(self) -> None:
+        for out in self._shadow_out.values():
+            out.close()
+        self._shadow_out, self._shadow_served = {}, {}
+        if self._shadow_lead_g:
+            self._shadow_lead_g = 0
+            self.runtime.watch_shadow_requests(None)
+
+    def _shadow_offer(self, s: int, grads: list[torch.Tensor], f: float) -> None:
+        from .shadow import Update
+
+        bufs = [b.detach().clone() for b in self._buffers()]  # the next forward changes them
+        u = Update(step=s, loss=self.loss, lr_factor=f, tensors=list(grads) + bufs)
+        for out in self._shadow_out.values():
+            out.offer(u)
+
+    def _shadow_confirm(self, s: int) -> None:
+        """Rank 0, back from the script after committing ``s``: the state the spares must
+        hold (anything the script did between steps included); spares that asked since the
+        last step start here, from a snapshot of that state."""
+        from .shadow import Confirm, state_word
+
+        if self._shadow_out:
+            c = Confirm(step=s, check=state_word(self._modules()))
+            for out in self._shadow_out.values():
+                out.offer(c)
+        reqs = self.runtime.shadow_requests
+        new = sorted(p for p, rid in reqs.items() if self._shadow_served.get(p) != rid)
+        if new:
+            from .state import snapshot
+
+            held = snapshot(self.objs, {"step": s, "loss": self.loss, "lr_factor": self.lr_factor})
+            for pod in new:
+                self._shadow_serve(pod, reqs[pod], held)
+
+    def _shadow_follow(self, plan: Any) -> None:
+        """A spare of ``plan``: follow its rank 0 (ends any older stream)."""
+        self._shadow_stop()
+        reason = self._shadow_reason()
+        if reason is not None or not plan.members:
+            return
+        from .shadow import ShadowReceiver
+
+        rt = self.runtime
+        self._shadow_at = self.last_committed
+        rid = rt.request_shadow(plan.generation, self.cfg.pod)
+        if rid is None:
+            return
+
+        def notify() -> None:
+            with rt.cond:
+                rt.cond.notify_all()
+
+        self._shadow_in = ShadowReceiver(
+            self._shadow_store(plan.generation, self.cfg.pod, rid),
+            self._params() + self._buffers(), notify,
+            timeout_s=self.cfg.collective_timeout, slice_s=self.cfg.collective_slice)
+
+    def _shadow_stop(self, quiet: bool = False) -> None:
+        """End the stream; a step applied but not confirmed leaves state matching no step."""
+        if self._shadow_in is not None:
+            self._shadow_in.close()
+            self._shadow_in = None
+            if self._shadow_at != self.last_committed and not quiet:
+                self._shadow_diverged(f"step {self._shadow_at} applied but not confirmed")
+
+    def _shadow_apply(self) -> None:
+        """Training thread of a spare: apply what the stream delivered. A step is applied when
+        it arrives and held (``last_committed``, the heartbeat) once confirmed."""
+        src = self._shadow_in
+        if src is None:
+            return
+        from .shadow import state_word
+
+        for kind, val in src.take():
+            if kind == "state":
+                extra = val.restore(self.objs)
+                self.last_committed = self._shadow_at = int(extra.get("step", -1))
+                self.loss = extra.get("loss")
+                self.lr_factor = float(extra.get("lr_factor", 1.0))
+                self._zero_grad()
+            elif kind == "step":
+                if val.step != self._shadow_at + 1:
+                    return self._shadow_diverged(f"step {val.step} after {self._shadow_at}")
+                params, bufs = self._params(), self._buffers()
+                with torch.no_grad():
+                    for b, v in zip(bufs, val.tensors[len(params):]):
+                        b.copy_(v)
+                for p, g in zip(params, val.tensors):
+                    p.grad = g
+                self._update(val.lr_factor)
+                self._zero_grad()
+                self._shadow_at, self._shadow_loss = val.step, val.loss
+                continue
+            else:
+                if val.step != self._shadow_at:
+                    return self._shadow_diverged(f"confirmation of step {val.step}, "
+                                                 f"holding {self._shadow_at}")
+                if state_word(self._modules()) != val.check:
+                    return self._shadow_diverged(
+                        f"state differs from rank 0's after step {val.step} (does the script "
+                        "change registered modules outside s.step()?)")
+                self.last_committed, self.loss = val.step, self._shadow_loss
+            self.runtime.update(step=self.last_committed, digest=self._digest())
+
+    def _shadow_diverged(self, why: str) -> None:
+        """The followed state is not the job's: hold nothing (the broker then sends it)."""
+        log.warning("spare stops following the job; it takes the state transfer when promoted",
+                    reason=why)
+        if self._shadow_in is not None:
+            self._shadow_in.close()
+            self._shadow_in = None
+        self.last_committed = self._shadow_at = -1
+        self.loss, self.lr_factor = None, 1.0
+        self._zero_grad()
+        self.runtime.update(now=True, step=-1, digest="")
+
     def _close_group(self) -> None:
+        self._shadow_end_lead()
         if self.group is not None:
             try:
                 self.group.close()
@@ -754,12 +963,14 @@ class Session:
     # ------------------------------------------------------------------ end of job
     def _finish(self) -> None:
         self._finished = True
+        self._shadow_end_lead()
         rt = self.runtime
         rt.update(now=True, state=AgentState.done)
         rt.put_done(self.last_committed, self.generation)
         self._write_result()
 
     def _leave(self, released: bool = False) -> None:
+        self._shadow_stop(quiet=True)
         if released:
             log.info("slot released by a planned shrink; leaving", step=self.last_committed,
                      generation=self._seen_generation, exit_now=self.cfg.exit_on_release)

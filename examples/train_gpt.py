@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="parameter dtype (float64: runs that differ only in the order of "
                         "additions, e.g. at different world sizes, agree to ~1e-12)")
+    p.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                   help="also keep an exponential moving average of the weights (registered: "
+                        "part of the training state), updated after each step; 0: off")
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -131,6 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     with agent.Session.from_env(global_batch_size=a.global_batch_size, seed=a.seed) as s:
         s.register(model=model, optimizer=opt, scheduler=sched)
+        ema = None
+        if a.ema > 0:
+            import copy
+
+            ema = copy.deepcopy(model).requires_grad_(False)
+            s.register(ema=ema)
         print(f"model {a.model}: {n_params / 1e6:.2f}M parameters; pod {s.pod}", flush=True)
         t_last, logged = time.perf_counter(), None
         for step in s.steps(total=a.steps):
@@ -139,7 +148,12 @@ def main(argv: list[str] | None = None) -> None:
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
                 s.backward(loss)
-            if s.step() and step % a.log_every == 0:
+            committed = s.step()
+            if committed and ema is not None:
+                with torch.no_grad():
+                    for pe, pm in zip(ema.parameters(), model.parameters()):
+                        pe.lerp_(pm, 1.0 - a.ema)
+            if committed and step % a.log_every == 0:
                 now = time.perf_counter()
                 n = step - logged if logged is not None and step > logged else 1
                 sps = n * a.global_batch_size / max(now - t_last, 1e-9)

@@ -7,8 +7,10 @@ final parameters must be bitwise identical (sha256), no committed step may be lo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import sys
 
 import pytest
 
@@ -34,15 +36,56 @@ def _assert_same(summary, ref, steps=STEPS):
     assert {k: ref["losses"][k] for k in summary["losses"]} == summary["losses"]
 
 
+def _joined(run_dir, pod: str, generation: int) -> dict:
+    """The pod's "joined generation" log record (its received / sent bytes)."""
+    for line in (run_dir / "logs" / f"{pod}.log").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "joined generation" and rec.get("generation") == generation:
+            return rec
+    raise AssertionError(f"{pod} never joined generation {generation}")
+
+
+async def _spare_holds(c: Cluster, step: int) -> None:
+    await c.wait_for(lambda: any(h.role.value == "spare" and h.step >= step
+                                 for h in c.hb.values()), 60, f"a spare holding step {step}")
+
+
 async def test_kill_worker_with_spare(tmp_path, reference):
     async def fault(c):
         await c.wait_rank_step(1, 4)
+        await _spare_holds(c, 4)  # the spare follows the job (agent/shadow.py)
         _kill(c, 1)
 
     s = await _run(tmp_path, "kill1", 2, 1, fault)
     _assert_same(s, reference(2))
     assert len(s["incidents"]) == 1 and s["incidents"][0]["kind"] == "crash"
     assert s["plans"][-1].world_size == 2
+    # the promoted spare already held the committed state: nothing was sent to anyone
+    assert _joined(tmp_path / "kill1", "s0", 2)["received"] == 0
+    assert _joined(tmp_path / "kill1", "w0", 2)["sent"] == 0
+
+
+async def test_spare_takes_the_transfer_when_the_script_changes_state_between_steps(tmp_path):
+    """An EMA updated after s.step() is state the spare cannot replay: rank 0's checksum at
+    the next step differs, the spare stops following, and when promoted it receives the
+    state like any replacement -- the result is still bitwise the fault-free one."""
+    steps = 30
+    extra = ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
+             "--ema", "0.9"]
+    ref = await _run(tmp_path, "ref-ema", 2, 0, steps=steps, extra=extra)
+
+    async def fault(c):
+        await c.wait_rank_step(1, 6)
+        _kill(c, 1)
+
+    s = await _run(tmp_path, "ema", 2, 1, fault, steps=steps, extra=extra)
+    _assert_same(s, ref, steps)
+    assert _joined(tmp_path / "ema", "s0", 2)["received"] > 0
+    log = (tmp_path / "ema" / "logs" / "s0.log").read_text()
+    assert "spare stops following the job" in log and "outside s.step()" in log
 
 
 async def test_kill_rank0(tmp_path, reference):
