@@ -72,20 +72,21 @@ async def test_spare_takes_the_transfer_when_the_script_changes_state_between_st
     """An EMA updated after s.step() is state the spare cannot replay: rank 0's checksum at
     the next step differs, the spare stops following, and when promoted it receives the
     state like any replacement -- the result is still bitwise the fault-free one."""
-    steps = 30
+    steps = STEPS
     extra = ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
              "--ema", "0.9"]
     ref = await _run(tmp_path, "ref-ema", 2, 0, steps=steps, extra=extra)
+    spare_log = tmp_path / "ema" / "logs" / "s0.log"
 
     async def fault(c):
-        await c.wait_rank_step(1, 6)
+        await c.wait_for(lambda: spare_log.exists() and "spare stops following the job"
+                         in spare_log.read_text(), 60, "the spare to notice the EMA")
         _kill(c, 1)
 
     s = await _run(tmp_path, "ema", 2, 1, fault, steps=steps, extra=extra)
     _assert_same(s, ref, steps)
     assert _joined(tmp_path / "ema", "s0", 2)["received"] > 0
-    log = (tmp_path / "ema" / "logs" / "s0.log").read_text()
-    assert "spare stops following the job" in log and "outside s.step()" in log
+    assert "outside s.step()" in spare_log.read_text()
 
 
 async def test_kill_rank0(tmp_path, reference):
