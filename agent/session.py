@@ -584,15 +584,13 @@ class Session:
                 return "timeout"
             kind, plan, ctx = got
             if kind == "shadow":
-                self._shadow_apply()
+                self._shadow_apply(1)  # one at a time: a plan is noticed between items
                 continue
             if kind == "done":
                 self._shadow_stop(quiet=True)
                 return None
             if plan.rank_of(pod) is not None:
-                self._shadow_apply()  # what already arrived: cheaper than a transfer
-                self._shadow_stop()
-                return plan, ctx
+                return plan, ctx  # a following spare drains its stream in _enter
             self._seen_generation = plan.generation
             if self.generation > 0 and pod in plan.fenced:
                 # We were a member and the plan dropped us (fenced, e.g. after a hang).
@@ -629,18 +627,30 @@ class Session:
         self.generation = g
         self.rank = plan.rank_of(self.cfg.pod)
         self.world_size = plan.world_size
-        rt.update(now=True, generation=g, rank=self.rank, role=Role.worker,
-                  step=self.last_committed, digest=self._digest(), state=AgentState.recovering)
+        def report() -> None:  # the broker takes this step and digest for the generation
+            rt.update(now=True, generation=g, rank=self.rank, role=Role.worker,
+                      step=self.last_committed, digest=self._digest(),
+                      state=AgentState.recovering)
+
         # rendezvous: ranks come from the plan; the store lives on NATS
         store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=self.cfg.store_timeout)
-        # A member holding committed state (or anyone at generation 1, where rank 0 is the
-        # source) is likely a source: copy the state while the peers connect, not after.
         snap: list[Any] = []
-        if self.last_committed >= 0 or g == 1:
-            extra = {"step": self.last_committed, "loss": self.loss, "lr_factor": self.lr_factor}
-            meanwhile = lambda: snap.append(snapshot(self.objs, extra))  # noqa: E731
+        meanwhile: Callable[[], None] | None = None
+        if self._shadow_in is not None:
+            # A spare that followed the job: apply what already arrived (cheaper than a
+            # transfer) while the peers connect, then report the step it holds.
+            def meanwhile() -> None:
+                self._shadow_apply()
+                self._shadow_stop()
+                report()
         else:
-            meanwhile = None
+            report()
+            # A member holding committed state (or anyone at generation 1, where rank 0 is
+            # the source) is likely a source: copy the state while the peers connect.
+            if self.last_committed >= 0 or g == 1:
+                extra = {"step": self.last_committed, "loss": self.loss,
+                         "lr_factor": self.lr_factor}
+                meanwhile = lambda: snap.append(snapshot(self.objs, extra))  # noqa: E731
         pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
                                   timeout_s=self.cfg.collective_timeout, backend=self.cfg.backend,
                                   slice_s=self.cfg.collective_slice, meanwhile=meanwhile)
@@ -735,14 +745,15 @@ class Session:
                     out.append(b)
         return out
 
-    def _shadow_store(self, generation: int, pod: str, rid: str) -> Callable[[], Any]:
+    def _shadow_store(self, generation: int, pod: str, rid: str,
+                      timeout: float | None = None) -> Callable[[], Any]:
         from .shadow import store_prefix
         from .store import NatsStore
 
         rt = self.runtime
         prefix = store_prefix(generation, pod, rid)
         return lambda: NatsStore(rt.store_kv, rt.loop, prefix=prefix,
-                                 timeout=self.cfg.store_timeout)
+                                 timeout=timeout or self.cfg.store_timeout)
 
     def _shadow_lead(self, plan: Any, held: Any) -> None:
         """Rank 0: stream the committed state, then every committed step, to each spare that
@@ -806,7 +817,7 @@ class Session:
         reason = self._shadow_reason()
         if reason is not None or not plan.members:
             return
-        from .shadow import ShadowReceiver
+        from .shadow import IDLE_TIMEOUT_S, ShadowReceiver
 
         rt = self.runtime
         self._shadow_at = self.last_committed
@@ -819,7 +830,7 @@ class Session:
                 rt.cond.notify_all()
 
         self._shadow_in = ShadowReceiver(
-            self._shadow_store(plan.generation, self.cfg.pod, rid),
+            self._shadow_store(plan.generation, self.cfg.pod, rid, IDLE_TIMEOUT_S),
             self._params() + self._buffers(), notify,
             timeout_s=self.cfg.collective_timeout, slice_s=self.cfg.collective_slice)
 
@@ -831,15 +842,16 @@ class Session:
             if self._shadow_at != self.last_committed and not quiet:
                 self._shadow_diverged(f"step {self._shadow_at} applied but not confirmed")
 
-    def _shadow_apply(self) -> None:
-        """Training thread of a spare: apply what the stream delivered. A step is applied when
-        it arrives and held (``last_committed``, the heartbeat) once confirmed."""
+    def _shadow_apply(self, n: int | None = None) -> None:
+        """Training thread of a spare: apply what the stream delivered (the first ``n`` items;
+        None: all). A step is applied when it arrives and held (``last_committed``, the
+        heartbeat) once confirmed."""
         src = self._shadow_in
         if src is None:
             return
         from .shadow import state_word
 
-        for kind, val in src.take():
+        for kind, val in src.take(n):
             if kind == "state":
                 extra = val.restore(self.objs)
                 self.last_committed = self._shadow_at = int(extra.get("step", -1))

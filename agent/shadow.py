@@ -136,7 +136,7 @@ class ShadowSender:
         group = None
         try:
             pg = make_group_abortable(self._store_factory(), 0, 2, self._abort,
-                                      timeout_s=self._timeout_s, backend="gloo",
+                                      timeout_s=IDLE_TIMEOUT_S, backend="gloo",
                                       slice_s=self._slice_s)
             group = AbortableGroup(pg, slice_s=self._slice_s, timeout_s=self._timeout_s)
             state, self._state = self._state, None
@@ -197,11 +197,11 @@ class ShadowReceiver:
     def ready(self) -> bool:
         return bool(self._items)
 
-    def take(self) -> list[tuple[str, Any]]:
+    def take(self, n: int | None = None) -> list[tuple[str, Any]]:
+        """The first ``n`` items that arrived (all: None)."""
         with self._lock:
-            out = list(self._items)
-            self._items.clear()
-        return out
+            k = len(self._items) if n is None else min(n, len(self._items))
+            return [self._items.popleft() for _ in range(k)]
 
     def close(self) -> None:
         if self.ended is None:
@@ -216,8 +216,10 @@ class ShadowReceiver:
     def _run(self) -> None:
         group = None
         try:
+            # Rank 0 answers the request at its next step boundary, and the next step comes
+            # when it comes: the rendezvous and the group's own waits must outlast any step.
             pg = make_group_abortable(self._store_factory(), 1, 2, self._abort,
-                                      timeout_s=self._timeout_s, backend="gloo",
+                                      timeout_s=IDLE_TIMEOUT_S, backend="gloo",
                                       slice_s=self._slice_s)
             group = AbortableGroup(pg, slice_s=self._slice_s, timeout_s=self._timeout_s)
             self._push(("state", recv_state(group, 1, [0], self._abort,

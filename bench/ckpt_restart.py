@@ -46,7 +46,7 @@ def worker(a: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from agent.order import order_for
-    from examples.train_gpt import GPT, MODELS, load_dataset
+    from examples.train_gpt import build_model, load_dataset, seq_len_of
     from schemas.batching import micro_batch_range, num_micro_batches
 
     torch.set_num_threads(a.threads)
@@ -59,10 +59,9 @@ def worker(a: argparse.Namespace) -> None:
     (d / "commits").mkdir(parents=True, exist_ok=True)
     log = open(d / "commits" / f"rank{rank}.attempt{attempt}.txt", "a", buffering=1)
     log.write(f"# pid {os.getpid()} start {t_start:.6f} import {t_import:.6f} pg {t_pg:.6f}\n")
-    dm, layers, heads, seq_len = MODELS[a.model]
-    dataset, vocab = load_dataset(a.data, seq_len)
+    dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
     torch.manual_seed(a.seed)
-    net = GPT(vocab, dm, layers, heads, seq_len, dropout=0.1)
+    net = build_model(a.model, vocab, dropout=0.1)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     ckpt = d / "ckpt.pt"

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from schemas.batching import micro_batch_range, num_micro_batches
 from agent.order import order_for
-from examples.train_gpt import GPT, MODELS, load_dataset
+from examples.train_gpt import ALL_MODELS, build_model, load_dataset, seq_len_of
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--model", choices=sorted(MODELS), default="10m")
+    p.add_argument("--model", choices=ALL_MODELS, default="10m")
     p.add_argument("--data", required=True)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -38,10 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    d, layers, heads, seq_len = MODELS[a.model]
-    dataset, vocab = load_dataset(a.data, seq_len)
+    dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
     torch.manual_seed(a.seed)
-    model = DDP(GPT(vocab, d, layers, heads, seq_len, dropout=0.1))
+    model = DDP(build_model(a.model, vocab, dropout=0.1))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     B, m = a.global_batch_size, a.micro_batch_size

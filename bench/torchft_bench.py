@@ -57,7 +57,7 @@ def worker(a: argparse.Namespace) -> None:
     from torchft import Manager, ProcessGroupGloo
 
     from agent.order import order_for
-    from examples.train_gpt import GPT, MODELS, load_dataset
+    from examples.train_gpt import build_model, load_dataset, seq_len_of
     from schemas.batching import micro_batch_range, num_micro_batches
 
     logging.basicConfig(level=logging.WARNING)
@@ -66,10 +66,9 @@ def worker(a: argparse.Namespace) -> None:
     (d / "commits").mkdir(parents=True, exist_ok=True)
     log = open(d / "commits" / f"replica{a.replica}.txt", "a", buffering=1)
     log.write(f"# pid {os.getpid()}\n")
-    dm, layers, heads, seq_len = MODELS[a.model]
-    dataset, vocab = load_dataset(a.data, seq_len)
+    dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
     torch.manual_seed(a.seed)
-    net = GPT(vocab, dm, layers, heads, seq_len, dropout=0.1)
+    net = build_model(a.model, vocab, dropout=0.1)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
 

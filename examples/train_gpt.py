@@ -28,6 +28,29 @@ MODELS = {
     "small": (128, 4, 4, 64),
     "10m": (384, 6, 6, 128),
 }
+MLP_MODELS = {
+    # name: (d_model, context tokens, hidden, seq_len): a feed-forward LM, no attention
+    "mlp10m": (256, 8, 2304, 128),
+}
+ALL_MODELS = sorted(MODELS) + sorted(MLP_MODELS)
+
+
+def seq_len_of(name: str) -> int:
+    if name in MODELS:
+        return MODELS[name][3]
+    if name in MLP_MODELS:
+        return MLP_MODELS[name][3]
+    raise ValueError(f"unknown model {name!r} (one of {', '.join(ALL_MODELS)})")
+
+
+def build_model(name: str, vocab: int, dropout: float = 0.1) -> nn.Module:
+    """The example's model ``name`` (``ALL_MODELS``) for a vocabulary of ``vocab``."""
+    seq_len_of(name)
+    if name in MLP_MODELS:
+        d, context, hidden, seq_len = MLP_MODELS[name]
+        return MLPLM(vocab, d, context, hidden, dropout=dropout)
+    d, layers, heads, seq_len = MODELS[name]
+    return GPT(vocab, d, layers, heads, seq_len, dropout=dropout)
 
 
 class Block(nn.Module):
@@ -78,6 +101,33 @@ class GPT(nn.Module):
         return self.head(self.ln(h))
 
 
+class MLPLM(nn.Module):
+    """A feed-forward language model: each position sees the embeddings of its last
+    ``context`` tokens (zeros before the start), concatenated, through a two-hidden-layer MLP.
+    The benchmarks' second model kind: dense matmuls only, no attention."""
+
+    def __init__(self, vocab: int, d: int, context: int, hidden: int,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, d)
+        self.net = nn.Sequential(nn.Linear(context * d, hidden), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(hidden, d))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # weight tying
+        self.apply(GPT._init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape
+        e = self.tok(x)
+        e = torch.cat([e.new_zeros(B, self.context - 1, e.shape[-1]), e], 1)
+        win = e.unfold(1, self.context, 1)                  # B, T, d, context
+        h = win.transpose(2, 3).reshape(B, T, -1)           # oldest token first
+        return self.head(self.ln(self.net(h)))
+
+
 class SyntheticTokens(torch.utils.data.Dataset):
     """Fallback data when no data dir is given: a deterministic, learnable sequence."""
 
@@ -110,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--model", choices=ALL_MODELS, default="tiny",
+                   help="GPT sizes, or mlp10m: a feed-forward LM of about 10M parameters")
     p.add_argument("--data", help="a data dir from `ceaseless data prepare|generate`")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=0.1)
@@ -125,10 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    d, layers, heads, seq_len = MODELS[a.model]
-    dataset, vocab = load_dataset(a.data, seq_len)
+    dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
     torch.manual_seed(a.seed)  # every rank builds the same model; rank 0's weights win anyway
-    model = GPT(vocab, d, layers, heads, seq_len, dropout=a.dropout).to(getattr(torch, a.dtype))
+    model = build_model(a.model, vocab, dropout=a.dropout).to(getattr(torch, a.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     n_params = sum(p.numel() for p in model.parameters())
