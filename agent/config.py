@@ -45,6 +45,10 @@ class AgentConfig:
     # Spares follow the committed state (agent/shadow.py): a promoted spare needs no state
     # transfer. Gloo (CPU) groups only; off: spares receive the state when promoted.
     shadow_spares: bool = True
+    # A fault plan that keeps this pod's rank and world size does not discard the step being
+    # computed when no member needs state: it is finished and all-reduced in the new group
+    # (agent/prejoin.py). Off: every fault plan aborts the step.
+    resume_in_place: bool = True
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -86,4 +90,5 @@ class AgentConfig:
             backend=env("CEASELESS_BACKEND") or None,
             exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", True),
             shadow_spares=_flag("CEASELESS_SHADOW_SPARES", True),
+            resume_in_place=_flag("CEASELESS_RESUME_IN_PLACE", True),
         )

@@ -57,6 +57,9 @@ class Runtime:
         self.injections: list[Inject] = []
         # monotonic time the training thread entered the gradient all-reduce (None: not in it)
         self.collective_since: float | None = None
+        # a newer generation being joined while the current step is computed (prejoin.py)
+        self.prejoin: Any = None
+        self._world_size = 0  # of the joined generation
         self._stuck_reported = 0.0
         # rank 0: spares that asked to follow this generation (agent/shadow.py)
         self.shadow_requests: dict[str, str] = {}  # pod -> request id
@@ -142,7 +145,68 @@ class Runtime:
             late = plan.apply_step is not None and step is not None and step >= plan.apply_step
             if plan.generation > self.joined_generation and self.joined_generation > 0 \
                     and (plan.apply_step is None or late):
-                self.abort_at = self.plan_at
+                if not self._resume(plan):
+                    self.abort_at = self.plan_at
+                    self.abort.set()
+            self.cond.notify_all()
+
+    def _resume(self, plan: Plan) -> bool:
+        """(Under ``cond``.) A fault plan that keeps this pod's rank and world size arrived
+        while the training thread computes a step: join the new generation in the
+        background and let the step go on (``prejoin.py``). False: abort as usual."""
+        hb, step = self.hb, self.step_in_flight
+        rank = hb.get("rank")
+        if self.prejoin is not None:  # a second plan during the step: the ordinary way
+            self.prejoin.drop()
+            self.prejoin = None
+            return False
+        if not self.cfg.resume_in_place or plan.apply_step is not None \
+                or step is None or self.collective_since is not None or self.abort.is_set() \
+                or rank is None or plan.rank_of(self.cfg.pod) != rank \
+                or hb.get("generation") != self.joined_generation or hb.get("step") != step - 1:
+            return False
+        if plan.world_size != self._world_size:
+            return False
+        st = hb.get("step_time")
+        # the replacement waits in its rendezvous while this step finishes: keep well inside
+        # the collective timeout (no median yet: no resume)
+        if st is None or st > self.cfg.collective_timeout / 4:
+            return False
+        from .prejoin import Prejoin
+
+        self.prejoin = Prejoin(self, plan, rank, step - 1, hb.get("digest", ""))
+        log.info("fault plan while computing: finishing the step for the new generation",
+                 generation=plan.generation, step=step)
+        return True
+
+    def claim_collective(self, generation: int) -> Any:
+        """Training thread, entering its gradient all-reduce: the pending Prejoin of a newer
+        generation, if any (the step goes to that group); else mark the all-reduce as
+        started (under ``cond``: a plan arriving now aborts instead of resuming)."""
+        with self.cond:
+            p = self.prejoin
+            if p is not None and p.generation > generation:
+                return p
+            self.collective_since = time.monotonic()
+            return None
+
+    def take_prejoin(self, generation: int) -> Any:
+        """The Prejoin of ``generation`` (handed over once); an older one is dropped."""
+        with self.cond:
+            p = self.prejoin
+            if p is None or p.generation > generation:
+                return None
+            self.prejoin = None
+        if p.generation == generation:
+            return p
+        p.drop()
+        return None
+
+    def interrupt(self) -> None:
+        """Abort the training thread's current step (from any thread)."""
+        with self.cond:
+            if not self.abort.is_set():
+                self.abort_at = time.time()
                 self.abort.set()
             self.cond.notify_all()
 
@@ -322,10 +386,11 @@ class Runtime:
                     return None
                 self.cond.wait(0.5 if left is None else min(left, 0.5))
 
-    def join(self, generation: int) -> None:
+    def join(self, generation: int, world_size: int = 0) -> None:
         """The training thread now works in ``generation``: newer plans abort it."""
         with self.cond:
             self.joined_generation = generation
+            self._world_size = world_size
             self.abort.clear()
             if self.plan is not None and self.plan.generation > generation \
                     and self.plan.apply_step is None:

@@ -63,6 +63,7 @@ class _Incident:
     attempts: int = 1
     promoted: bool = False             # a spare entering: nothing to abort, no abort span
     planned: bool = False              # an elastic transition at a step boundary: no abort
+    resumed: bool = False              # the step in flight was finished, not discarded
 
 
 @dataclass
@@ -126,6 +127,8 @@ class Session:
         self._shadow_in: Any = None
         self._shadow_at = -1            # a spare: the last step applied (held once confirmed)
         self._shadow_loss: float | None = None
+        self._entered_in_step = False   # a resume entered the new generation, then gave up
+        self._failed_attempt = False    # a resume's _enter failed
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -281,6 +284,9 @@ class Session:
             if self.last_committed != s:
                 if not self._interrupted:
                     raise RuntimeError("call s.step() exactly once per step")
+                if self._entered_in_step:  # already in the new generation
+                    self._entered_in_step = False
+                    continue
                 if not self._recover():
                     self._leave(released=self._released)
                     return
@@ -381,10 +387,15 @@ class Session:
             from .collectives import Aborted, PeerError
 
             rt = self.runtime
+            pre = rt.claim_collective(self.generation)
+            if pre is not None:
+                if not self._resume_in_place(s, pre):
+                    return False
+                rt.collective_since = time.monotonic()
             if rt.abort.is_set():
+                rt.collective_since = None
                 return self._discard("a newer plan arrived")
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            rt.collective_since = time.monotonic()
             try:
                 self.group.allreduce_(grads + [loss_t], rt.abort,
                                       slice_s=self.cfg.collective_slice,
@@ -405,6 +416,37 @@ class Session:
         self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
         if self._shadow_out:
             self._shadow_offer(s, grads, f)
+        return True
+
+    def _resume_in_place(self, s: int, pre: Any) -> bool:
+        """A fault plan arrived while this step was computed and kept our rank (prejoin.py):
+        enter its generation keeping the gradients. False: the step is discarded (recovery
+        then goes on the ordinary way, or is already done)."""
+        rt = self.runtime
+        rank, world = self.rank, self.world_size
+        self._incident = _Incident(notice=min(pre.plan_at, time.time()),
+                                   last_commit=self._last_commit_time, reason="resumed in place",
+                                   resumed=True)
+        ok = pre.wait(self.cfg.recovery_timeout)
+        plan = rt.plan
+        if not ok or plan is None or plan.generation != pre.generation or rt.abort.is_set():
+            rt.interrupt()
+            self._incident.resumed = False
+            return self._discard(f"not resumed in place: {pre.why or 'a newer plan'}")
+        from .collectives import Aborted, PeerError
+
+        try:
+            self._enter(plan, rt.plan_ctx, first=False, keep_grads=True)
+        except (Aborted, PeerError, TimeoutError, RuntimeError) as e:
+            log.warning("resuming in place failed", generation=plan.generation,
+                        error=f"{type(e).__name__}: {str(e)[:300]}")
+            self._close_group()
+            self._failed_attempt = True  # like a failed _enter: wait for a newer plan
+            return self._discard("resuming in place failed")
+        if (self.last_committed, self.rank, self.world_size) != (s - 1, rank, world):
+            self._entered_in_step = True  # in the new generation, but the work is stale
+            return self._discard("state changed while resuming")
+        log.info("step resumed in the new generation", step=s, generation=plan.generation)
         return True
 
     def _update(self, f: float) -> None:
@@ -517,6 +559,9 @@ class Session:
                                        reason="interrupted")
         attempts = 0
         wait_s: float | None = None  # after a failed attempt: how long a newer plan may take
+        if self._failed_attempt:  # resuming in place failed (same as a failed _enter)
+            self._failed_attempt = False
+            attempts, wait_s = 1, self.cfg.recovery_timeout
         while True:
             rt.update(now=True, state=AgentState.waiting if first else AgentState.recovering)
             plan_and_ctx = self._await_plan(wait_s)
@@ -605,7 +650,7 @@ class Session:
                       state=AgentState.waiting)
             self._shadow_follow(plan)
 
-    def _enter(self, plan: Any, plan_ctx: Any, first: bool) -> None:
+    def _enter(self, plan: Any, plan_ctx: Any, first: bool, keep_grads: bool = False) -> None:
         from .collectives import Aborted, AbortableGroup, make_group_abortable
         from .state import recv_state, send_state, snapshot
         from .store import NatsStore
@@ -622,7 +667,7 @@ class Session:
             inc.t_plan, inc.generation, inc.incident, inc.plan_ctx = (
                 inc.notice if inc.promoted or inc.planned else time.time(), g, plan.incident,
                 plan_ctx)
-        rt.join(g)
+        rt.join(g, plan.world_size)
         self._close_group()
         self.generation = g
         self.rank = plan.rank_of(self.cfg.pod)
@@ -636,7 +681,10 @@ class Session:
         store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=self.cfg.store_timeout)
         snap: list[Any] = []
         meanwhile: Callable[[], None] | None = None
-        if self._shadow_in is not None:
+        pre = rt.take_prejoin(g)
+        if pre is not None:
+            pass  # the runtime reported the generation and is building the group (prejoin.py)
+        elif self._shadow_in is not None:
             # A spare that followed the job: apply what already arrived (cheaper than a
             # transfer) while the peers connect, then report the step it holds.
             def meanwhile() -> None:
@@ -651,9 +699,15 @@ class Session:
                 extra = {"step": self.last_committed, "loss": self.loss,
                          "lr_factor": self.lr_factor}
                 meanwhile = lambda: snap.append(snapshot(self.objs, extra))  # noqa: E731
-        pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
-                                  timeout_s=self.cfg.collective_timeout, backend=self.cfg.backend,
-                                  slice_s=self.cfg.collective_slice, meanwhile=meanwhile)
+        if pre is not None and (pre.rank, pre.world_size) == (self.rank, self.world_size):
+            pg = pre.wait_group(rt.abort, self.cfg.collective_slice)
+        else:
+            if pre is not None:
+                pre.drop()
+            pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
+                                      timeout_s=self.cfg.collective_timeout,
+                                      backend=self.cfg.backend,
+                                      slice_s=self.cfg.collective_slice, meanwhile=meanwhile)
         self.group = AbortableGroup(pg)
         if inc is not None:
             inc.t_group = time.time()
@@ -701,7 +755,8 @@ class Session:
                     self.objs, {"step": self.last_committed, "loss": self.loss,
                                 "lr_factor": self.lr_factor})
                 sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
-        self._zero_grad()
+        if not keep_grads:
+            self._zero_grad()
         # the learning-rate ramp of this generation starts from the restored factor
         self._plan, self._lr_from, self._lr_start = plan, self.lr_factor, transfer.restore_step + 1
         if inc is not None:
@@ -709,10 +764,11 @@ class Session:
             inc.restore_step = transfer.restore_step
             inc.bytes_received, inc.bytes_sent = received, sent
             inc.role = "recipient" if received else ("source" if sent else "survivor")
-        if self.rank == 0 and plan.spares and self._shadow_reason() is None:
-            self._shadow_lead(plan, held or snapshot(
-                self.objs, {"step": self.last_committed, "loss": self.loss,
-                            "lr_factor": self.lr_factor}))
+        if self.rank == 0 and self._shadow_reason() is None:  # spares may register later
+            if plan.spares and held is None:
+                held = snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
+                                            "lr_factor": self.lr_factor})
+            self._shadow_lead(plan, held)
         # data_resume: the loader position is a pure function of the step
         if inc is not None:
             inc.t_data = time.time()
@@ -908,7 +964,8 @@ class Session:
         if inc is None or self.runtime is None or not inc.t_plan:
             return
         phases = {
-            "abort": max(0.0, inc.t_plan - inc.notice),
+            # resumed: nothing was aborted; the step in flight was finished meanwhile
+            ("finish_step" if inc.resumed else "abort"): max(0.0, inc.t_plan - inc.notice),
             "rendezvous": max(0.0, inc.t_group - inc.t_plan),
             "state_sync": max(0.0, inc.t_sync - inc.t_group),
             "data_resume": max(0.0, inc.t_data - inc.t_sync),

@@ -1,0 +1,114 @@
+"""Joining the next generation while the current step is still being computed.
+
+When a fault plan arrives while this pod computes a step, keeps its rank and world size,
+and a spare takes the failed rank, the survivors' work on that step is still good: the
+gradients they are accumulating come from the committed state, and the failed rank's
+micro-batches can be computed by its replacement (a micro-batch holds the same samples and
+randomness whichever rank computes it). So instead of aborting, the runtime starts a
+``Prejoin`` in a helper thread: it heartbeats the new generation (the state broker needs
+every member's report), builds the new process group, and waits for the broker's transfer
+plan. If nobody needs state (the promoted spare followed the job, ``agent/shadow.py``) and
+the restore step is the one this pod holds, the training thread finishes its micro-batches
+and all-reduces them in the new group: the survivors lose nothing. Otherwise the prejoin
+sets the abort flag and recovery goes the ordinary way (with the group already built).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from schemas.messages import AgentState, Plan, Role
+from services.common import logs
+
+from .collectives import Aborted, _park, make_group_abortable
+
+log = logs.get("agent")
+
+
+class Prejoin:
+    def __init__(self, rt: Any, plan: Plan, rank: int, step: int, digest: str) -> None:
+        self.generation = plan.generation
+        self.plan_at = rt.plan_at
+        self.rank, self.world_size, self.step = rank, plan.world_size, step
+        self.group_ready = threading.Event()  # the group is built (or failed)
+        self.done = threading.Event()         # and the transfer plan is known (or failed)
+        self.pg: Any = None
+        self.error: BaseException | None = None
+        self.resumable = False
+        self.why = ""
+        self._rt, self._digest = rt, digest
+        self._dropped = False
+        threading.Thread(target=self._run, name=f"prejoin-g{plan.generation}",
+                         daemon=True).start()
+
+    def _run(self) -> None:
+        rt, cfg, g = self._rt, self._rt.cfg, self.generation
+        from .store import NatsStore
+
+        try:
+            rt.update(now=True, generation=g, rank=self.rank, role=Role.worker, step=self.step,
+                      digest=self._digest, state=AgentState.recovering)
+            store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=cfg.store_timeout)
+            self.pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
+                                           timeout_s=cfg.collective_timeout, backend=cfg.backend,
+                                           slice_s=cfg.collective_slice)
+        except BaseException as e:  # noqa: BLE001 -- handed to the training thread
+            self.error = e
+        finally:
+            self.group_ready.set()
+            if self._dropped:
+                self._park()
+        try:
+            if self.error is None:
+                got = rt.wait(lambda: g in rt.transfers or g in rt.lost or rt.abort.is_set(),
+                              cfg.recovery_timeout)
+                t = rt.transfers.get(g)
+                if t is None:
+                    self.why = "no transfer plan" if not got else "aborted or state lost"
+                elif t[0].restore_step != self.step:
+                    self.why = f"the job restores step {t[0].restore_step}, not {self.step}"
+                elif t[0].sources:
+                    self.why = f"rank(s) {sorted(t[0].sources)} need the state first"
+                else:
+                    self.resumable = True
+            else:
+                self.why = f"{type(self.error).__name__}: {str(self.error)[:200]}"
+        finally:
+            if not self.resumable:
+                rt.interrupt()  # stop the step: recover the ordinary way
+            self.done.set()
+            with rt.cond:
+                rt.cond.notify_all()
+
+    def drop(self) -> None:
+        """Nobody will use this group: park it (now or once built), never destroy it (the
+        destructor would join threads stuck on a dead peer)."""
+        self._dropped = True
+        if self.group_ready.is_set():
+            self._park()
+
+    def _park(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            _park(pg)
+
+    def wait_group(self, abort: threading.Event, slice_s: float) -> Any:
+        """The built process group (raises what building it raised; Aborted on ``abort``)."""
+        while not self.group_ready.wait(slice_s):
+            if abort.is_set():
+                raise Aborted("rendezvous abandoned: abort requested")
+        if self.error is not None:
+            raise self.error
+        return self.pg
+
+    def wait(self, timeout: float) -> bool:
+        """Training thread, at the end of its step: True if it may all-reduce in the new
+        group what it computed."""
+        deadline = time.monotonic() + timeout
+        while not self.done.wait(0.05):
+            if time.monotonic() > deadline:
+                self.why = f"no transfer plan in {timeout:.0f}s"
+                return False
+        return self.resumable
