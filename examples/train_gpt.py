@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
                    help="also keep an exponential moving average of the weights (registered: "
                         "part of the training state), updated after each step; 0: off")
+    p.add_argument("--sleep", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds per micro-batch: a slower model, same numerics (tests)")
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
                 s.backward(loss)
+                if a.sleep:
+                    time.sleep(a.sleep)
             committed = s.step()
             if committed and ema is not None:
                 with torch.no_grad():

@@ -119,7 +119,7 @@ class Span:
         names a rank). A control-plane span's ceaseless.rank (e.g. the failed rank on
         `detect`) is about another process and does not split its lane."""
         if (self.service == "agent" or self.resource.get(T.ATTR_RANK) is not None
-                or self.name in T.PHASES or self.name == T.SPAN_RECOVER):
+                or self.name in T.AGENT_PHASES or self.name == T.SPAN_RECOVER):
             return self.rank
         return None
 
@@ -325,7 +325,7 @@ class Incident:
     @property
     def ranks(self) -> list[int]:
         return sorted({s.lane_rank for s in self.spans
-                       if s.lane_rank is not None and s.name in T.PHASES})
+                       if s.lane_rank is not None and s.name in T.AGENT_PHASES})
 
     def offset_ms(self, ns: int) -> float:
         return (ns - self.start_ns) / 1e6
@@ -652,6 +652,7 @@ PHASE_COLOURS = {
     T.SPAN_PLAN: "#ff7f0e",
     T.SPAN_TRANSFER_PLAN: "#8c564b",
     T.SPAN_ABORT: "#e377c2",
+    T.SPAN_FINISH_STEP: "#f7b6d2",
     T.SPAN_RENDEZVOUS: "#1f77b4",
     T.SPAN_STATE_SYNC: "#2ca02c",
     T.SPAN_DATA_RESUME: "#9467bd",

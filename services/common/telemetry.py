@@ -62,9 +62,12 @@ SPAN_RENDEZVOUS = "rendezvous"        # agent: build the process group of g+1
 SPAN_STATE_SYNC = "state_sync"        # agent: wait for `transfer`, send/receive state
 SPAN_DATA_RESUME = "data_resume"      # agent: loader seeks to restore_step + 1
 SPAN_FIRST_STEP = "first_step"        # agent: the first step of g+1; the incident ends here
+# agent, instead of abort: the step in flight was finished for g+1 (resume in place)
+SPAN_FINISH_STEP = "finish_step"
 
 PHASES: tuple[str, ...] = (SPAN_ABORT, SPAN_RENDEZVOUS, SPAN_STATE_SYNC, SPAN_DATA_RESUME,
                            SPAN_FIRST_STEP)
+AGENT_PHASES: tuple[str, ...] = PHASES + (SPAN_FINISH_STEP,)  # any a rank may report
 CONTROL_SPANS: tuple[str, ...] = (SPAN_DETECT, SPAN_PLAN, SPAN_TRANSFER_PLAN)
 ROOT_SPANS: tuple[str, ...] = (SPAN_DETECT, SPAN_PLAN)
 SPAN_ORDER: tuple[str, ...] = CONTROL_SPANS + (SPAN_RECOVER,) + PHASES
