@@ -30,7 +30,8 @@ each committed step) it reports:
 * **kill to step**: from the signal to the first step committed after it;
 * **lost steps**: committed steps that had to be recomputed (the summary's count);
 * **phases**: the incident's critical path from the traces (detect, plan, transfer plan,
-  abort, rendezvous, state sync, data resume, first step).
+  abort or finish_step (a survivor that finished the interrupted step), rendezvous, state
+  sync, data resume, first step).
 
 For a baseline: kill -> first step after the restart, kill -> back at the pre-kill step, and
 the steps recomputed (from the per-step commit files of its workers). The ratio of
@@ -383,7 +384,9 @@ def markdown(res: dict[str, Any]) -> str:
            f"Command: `{c['command']}`. {c['workers']} workers, model `{c['model']}`, "
            f"{c['steps']} steps, global batch {c['global_batch_size']} (micro-batch "
            f"{c['micro_batch_size']}), AdamW, gloo on CPU, loopback. Ceaseless: "
-           f"{c['spares']} spare, heartbeat fault timeout {c['fault_timeout']} s. "
+           f"{c['spares']} spare (a shadow spare: it follows the committed state), heartbeat "
+           f"fault timeout {c['fault_timeout']} s; survivors still computing the interrupted "
+           "step finish it (resume in place). "
            + (f"Checkpoint-restart: plain DDP under `torchrun --max-restarts {c['max_restarts']} "
               f"--monitor-interval {c['monitor_interval']}` (c10d rendezvous on 127.0.0.1, "
               "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`), rank 0 `torch.save`s model + optimizer "
