@@ -77,8 +77,10 @@ async def test_survivors_finish_the_step_they_were_computing(tmp_path, reference
              "--sleep", "0.15"]
 
     async def fault(c):
-        await _spare_holds(c, 5)
         await c.wait_rank_step(1, 6)
+        # the spare holds the step rank 1 last committed: the survivor may resume
+        await c.wait_for(lambda: any(h.role.value == "spare" and h.step >= c.member(1).step
+                                     for h in c.hb.values()), 30, "the spare to catch up")
         _kill(c, 1)
 
     s = await _run(tmp_path, "resume", 2, 1, fault, steps=steps, extra=extra)
@@ -94,7 +96,7 @@ async def test_spare_takes_the_transfer_when_the_script_changes_state_between_st
     """An EMA updated after s.step() is state the spare cannot replay: rank 0's checksum at
     the next step differs, the spare stops following, and when promoted it receives the
     state like any replacement -- the result is still bitwise the fault-free one."""
-    steps = STEPS
+    steps = 40
     extra = ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
              "--ema", "0.9"]
     ref = await _run(tmp_path, "ref-ema", 2, 0, steps=steps, extra=extra)
