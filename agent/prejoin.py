@@ -16,7 +16,6 @@ sets the abort flag and recovery goes the ordinary way (with the group already b
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from schemas.messages import AgentState, Plan, Role
@@ -106,9 +105,7 @@ class Prejoin:
     def wait(self, timeout: float) -> bool:
         """Training thread, at the end of its step: True if it may all-reduce in the new
         group what it computed."""
-        deadline = time.monotonic() + timeout
-        while not self.done.wait(0.05):
-            if time.monotonic() > deadline:
-                self.why = f"no transfer plan in {timeout:.0f}s"
-                return False
+        if not self.done.wait(timeout):
+            self.why = f"no transfer plan in {timeout:.0f}s"
+            return False
         return self.resumable

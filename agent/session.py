@@ -652,7 +652,7 @@ class Session:
 
     def _enter(self, plan: Any, plan_ctx: Any, first: bool, keep_grads: bool = False) -> None:
         from .collectives import Aborted, AbortableGroup, make_group_abortable
-        from .state import recv_state, send_state, snapshot
+        from .state import recv_state, send_state
         from .store import NatsStore
 
         rt = self.runtime
@@ -696,9 +696,7 @@ class Session:
             # A member holding committed state (or anyone at generation 1, where rank 0 is
             # the source) is likely a source: copy the state while the peers connect.
             if self.last_committed >= 0 or g == 1:
-                extra = {"step": self.last_committed, "loss": self.loss,
-                         "lr_factor": self.lr_factor}
-                meanwhile = lambda: snap.append(snapshot(self.objs, extra))  # noqa: E731
+                meanwhile = lambda: snap.append(self._snapshot())  # noqa: E731
         if pre is not None and (pre.rank, pre.world_size) == (self.rank, self.world_size):
             pg = pre.wait_group(rt.abort, self.cfg.collective_slice)
         else:
@@ -751,9 +749,7 @@ class Session:
             if snap:
                 held = snap[0]
             if mine:
-                st = held = held or snapshot(
-                    self.objs, {"step": self.last_committed, "loss": self.loss,
-                                "lr_factor": self.lr_factor})
+                st = held = held or self._snapshot()
                 sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
         if not keep_grads:
             self._zero_grad()
@@ -766,8 +762,7 @@ class Session:
             inc.role = "recipient" if received else ("source" if sent else "survivor")
         if self.rank == 0 and self._shadow_reason() is None:  # spares may register later
             if plan.spares and held is None:
-                held = snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
-                                            "lr_factor": self.lr_factor})
+                held = self._snapshot()
             self._shadow_lead(plan, held)
         # data_resume: the loader position is a pure function of the step
         if inc is not None:
@@ -777,12 +772,21 @@ class Session:
         log.info("joined generation", generation=g, rank=self.rank, world_size=self.world_size,
                  restore_step=transfer.restore_step, received=received, sent=sent)
 
+    def _snapshot(self) -> Any:
+        """A copy of the committed state (FlatState), with what a recipient restores too."""
+        from .state import snapshot
+
+        return snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
+                                    "lr_factor": self.lr_factor})
+
     # ------------------------------------------------------------------ shadow spares
     def _shadow_reason(self) -> str | None:
         """Why spares cannot follow this job (None: they can)."""
         if not self.cfg.shadow_spares:
             return "off (CEASELESS_SHADOW_SPARES=0)"
-        if (self.cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")) != "gloo":
+        from .collectives import _default_backend
+
+        if (self.cfg.backend or _default_backend()) != "gloo":
             return "gloo (CPU) process groups only"
         for name, o in self.objs.items():
             if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer,
@@ -861,9 +865,7 @@ class Session:
         reqs = self.runtime.shadow_requests
         new = sorted(p for p, rid in reqs.items() if self._shadow_served.get(p) != rid)
         if new:
-            from .state import snapshot
-
-            held = snapshot(self.objs, {"step": s, "loss": self.loss, "lr_factor": self.lr_factor})
+            held = self._snapshot()
             for pod in new:
                 self._shadow_serve(pod, reqs[pod], held)
 

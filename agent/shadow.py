@@ -77,6 +77,16 @@ def state_word(modules: Sequence[torch.nn.Module]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
+def _pair(store_factory: Callable[[], Any], rank: int, abort: threading.Event, slice_s: float,
+          timeout_s: float) -> AbortableGroup:
+    """The two-rank gloo group of one stream (rank 0 sends, rank 1 is the spare). Rank 0
+    answers a request at its next step boundary and the next step comes when it comes: the
+    rendezvous and the group's own waits outlast any step; our waits use ``timeout_s``."""
+    pg = make_group_abortable(store_factory(), rank, 2, abort, timeout_s=IDLE_TIMEOUT_S,
+                              backend="gloo", slice_s=slice_s)
+    return AbortableGroup(pg, slice_s=slice_s, timeout_s=timeout_s)
+
+
 @dataclass
 class Update:
     """One committed step: reduced gradients (in ``Session._params`` order), then the module
@@ -135,10 +145,7 @@ class ShadowSender:
     def _run(self) -> None:
         group = None
         try:
-            pg = make_group_abortable(self._store_factory(), 0, 2, self._abort,
-                                      timeout_s=IDLE_TIMEOUT_S, backend="gloo",
-                                      slice_s=self._slice_s)
-            group = AbortableGroup(pg, slice_s=self._slice_s, timeout_s=self._timeout_s)
+            group = _pair(self._store_factory, 0, self._abort, self._slice_s, self._timeout_s)
             state, self._state = self._state, None
             send_state(group, state, 0, {1: [0]}, self._abort, timeout_s=self._timeout_s)
             del state
@@ -216,12 +223,7 @@ class ShadowReceiver:
     def _run(self) -> None:
         group = None
         try:
-            # Rank 0 answers the request at its next step boundary, and the next step comes
-            # when it comes: the rendezvous and the group's own waits must outlast any step.
-            pg = make_group_abortable(self._store_factory(), 1, 2, self._abort,
-                                      timeout_s=IDLE_TIMEOUT_S, backend="gloo",
-                                      slice_s=self._slice_s)
-            group = AbortableGroup(pg, slice_s=self._slice_s, timeout_s=self._timeout_s)
+            group = _pair(self._store_factory, 1, self._abort, self._slice_s, self._timeout_s)
             self._push(("state", recv_state(group, 1, [0], self._abort,
                                             timeout_s=self._timeout_s)))
             while not self._abort.is_set():
