@@ -11,7 +11,9 @@ Systems: ``ceaseless`` (every scenario below) and ``ckptN``: plain DDP under ``t
 --max-restarts`` with ``torch.save`` every N steps and a load on start (``bench/ckpt_restart.py``;
 the SIGKILL-of-a-worker scenario only) and ``torchftMS``: torchft (when installed), one
 process per replica group, lighthouse heartbeat timeout MS ms (``bench/torchft_bench.py``;
-SIGKILL of a worker only; survivors continue without it). In each repeat every system gets the same fault step
+SIGKILL of a worker only; survivors continue without it) or ``torchftMShttp`` /
+``torchftMSpg``: the same, but the killed replica group is restarted at once and heals from
+a survivor over torchft's HTTP or process-group checkpoint transport. In each repeat every system gets the same fault step
 and victim rank; the order of the systems rotates per repeat (A B C, B C A, C A B, …).
 
 Each run is a real `ceaseless up` cluster (nats-server, the services, gloo process groups on
@@ -49,6 +51,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -79,7 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default="ceaseless,ckpt20,ckpt100,torchft1000",
                    help="ceaseless, ckptN (torchrun --max-restarts, torch.save every N "
                         "steps) and/or torchftMS (torchft, lighthouse heartbeat timeout MS ms; "
-                        "skipped with a note when torchft is not installed); the baselines run "
+                        "torchftMShttp / torchftMSpg: the killed replica is restarted and heals "
+                        "over torchft's HTTP / PG checkpoint transport; skipped with a note "
+                        "when torchft is not installed); the baselines run "
                         "the crash scenario only")
     p.add_argument("--corpus-tokens", type=int, default=2_000_000,
                    help="the baselines' synthetic corpus (default: what `ceaseless up` "
@@ -203,9 +208,11 @@ def parse_systems(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     for s in systems:
         if s != "ceaseless" and not (s.startswith("ckpt") and s[4:].isdigit()) and not (
-                s.startswith("torchft") and s[7:].isdigit()):
+                TORCHFT.fullmatch(s)):
             raise SystemExit(f"unknown system {s!r}: ceaseless, ckptN (N = checkpoint every "
-                             "N steps) or torchftMS (MS = heartbeat timeout, ms)")
+                             "N steps), torchftMS (MS = heartbeat timeout, ms; the killed "
+                             "replica is not replaced) or torchftMShttp / torchftMSpg (it is "
+                             "restarted and heals over that checkpoint transport)")
     return systems, scenarios
 
 
@@ -213,8 +220,16 @@ def ckpt_every(system: str) -> int:
     return int(system[4:])
 
 
+TORCHFT = re.compile(r"torchft(\d+)(http|pg)?")
+
+
 def torchft_hb(system: str) -> int:
-    return int(system[7:])
+    return int(TORCHFT.fullmatch(system).group(1))
+
+
+def torchft_transport(system: str) -> str | None:
+    """``http``/``pg``: the killed replica is restarted and heals over that transport."""
+    return TORCHFT.fullmatch(system).group(2)
 
 
 async def run_all(a: argparse.Namespace) -> dict[str, Any]:
@@ -263,7 +278,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
 
                     res = await asyncio.to_thread(
                         torchft_bench.run_once, d, a, torchft_hb(system), data, fault_step,
-                        rank, 120 + a.steps * 30)
+                        rank, 120 + a.steps * 30, torchft_transport(system))
                     res["scenario"] = "kill"
                 else:
                     from bench import ckpt_restart
@@ -285,7 +300,10 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                           f"{res['pre_kill_step']:>3}: downtime {res['downtime_s']:.3f}s, "
                           f"kill->step {res['kill_to_step_s']:.3f}s, back at step "
                           f"{res['back_at_step_s']:.3f}s, recomputed {res['recomputed_steps']}, "
-                          f"step {res['median_step_s']:.3f}s", flush=True)
+                          f"step {res['median_step_s']:.3f}s"
+                          + (f", heal {res['heal_s']}, full size {res['full_size_s']}, "
+                             f"join stall {res['join_stall_s']}" if res.get("replaced") else ""),
+                          flush=True)
                 else:
                     print(f"[{r + 1}/{a.repeats}] {system:<9} kill   step "
                           f"{res['pre_kill_step']:>3}: kill->step {res['downtime_s']:.3f}s, "
@@ -321,6 +339,11 @@ def aggregate(runs: list[dict[str, Any]], systems: list[str],
                   "median_step_s": summary(x["median_step_s"] for x in rs)}
         if b.startswith("torchft"):
             agg[b]["kill_to_step_s"] = summary(x["kill_to_step_s"] for x in rs)
+            if torchft_transport(b):
+                for k in ("heal_s", "full_size_s", "join_stall_s"):
+                    agg[b][k] = summary(x[k] for x in rs if x.get(k) is not None)
+                agg[b]["healed_runs"] = sum(1 for x in rs if x.get("heal_s") is not None)
+                agg[b]["runs"] = len(rs)
         else:
             names = list(rs[0]["phases_s"]) if rs else []
             agg[b]["gap_s"] = summary(x["gap_s"] for x in rs if x["gap_s"] is not None)
@@ -348,7 +371,10 @@ def label(system: str) -> str:
     if system.startswith("ckpt"):
         return f"torchrun --max-restarts, torch.save every {ckpt_every(system)} steps"
     if system.startswith("torchft"):
-        return f"torchft, heartbeat timeout {torchft_hb(system)} ms"
+        t = torchft_transport(system)
+        return (f"torchft, heartbeat timeout {torchft_hb(system)} ms"
+                + (f", replica restarted, heals over {'HTTP' if t == 'http' else 'PG'} transport"
+                   if t else ""))
     return "Ceaseless"
 
 
@@ -394,7 +420,9 @@ def markdown(res: dict[str, Any]) -> str:
            + ("torchft: one process per replica group, `Manager` + `ProcessGroupGloo`, "
               "synchronous quorum, its lighthouse on 127.0.0.1 (min replicas = workers − 1), "
               f"collective timeout {c.get('torchft_timeout', 10.0)} s; the killed replica is "
-              "not replaced. " if tft else "")
+              "not replaced unless the system says it is restarted (then a new process with "
+              "the same replica id starts right after the kill, as torchelastic would, and "
+              "heals from a survivor over torchft's checkpoint transport). " if tft else "")
            + f"{c['repeats']} repeats; in each, every system gets the same fault step and "
            "victim rank (seeded), systems interleaved with the order rotated per repeat; "
            "median (min–max).", ""]
@@ -438,6 +466,21 @@ def markdown(res: dict[str, Any]) -> str:
                              + f" (per repeat {fmt(r['per_repeat'], '', 3)})")
             out.append(f"| {SCENARIOS[s][0]} | " + " | ".join(cells) + " |")
         out.append("")
+    healers = [b for b in tft if torchft_transport(b)]
+    if healers:
+        out += ["**Back to full size** (torchft with the killed replica restarted; Ceaseless's "
+                "promoted spare is at full size from its first step): heal = kill → the "
+                "replacement's first commit; join stall = the survivors' longest commit gap "
+                "after recovery minus the step time (serving the heal)", "",
+                "| system | kill → full size | heal | join stall | runs healed |",
+                "|---|---|---|---|---|"]
+        if "ceaseless" in systems and "kill" in scenarios:
+            out.append(f"| Ceaseless | {fmt(agg['kill']['kill_to_step_s'])} | – | – | – |")
+        for b in healers:
+            a = agg[b]
+            out.append(f"| {label(b)} | {fmt(a['full_size_s'])} | {fmt(a['heal_s'])} | "
+                       f"{fmt(a['join_stall_s'])} | {a['healed_runs']} of {a['runs']} |")
+        out.append("")
     if ckpt:
         out += ["Restart phases of the checkpoint-restart baselines (the slowest rank, ms): "
                 "respawn = kill → the new worker's first line; import = torch, the model code; "
@@ -475,7 +518,8 @@ def plot(res: dict[str, Any]) -> str:
         vals[(g, "back at pre-kill step")] = agg[s]["back_at_step_s"]
     for b in [x for x in systems if x != "ceaseless"]:
         g = (f"torchrun + ckpt every {ckpt_every(b)}" if b.startswith("ckpt")
-             else f"torchft, heartbeat {torchft_hb(b)} ms")
+             else f"torchft, heartbeat {torchft_hb(b)} ms"
+             + (f", restarted ({torchft_transport(b)})" if torchft_transport(b) else ""))
         groups.append(g)
         r = crash_row(agg, b)
         vals[(g, "downtime")] = r["downtime"]

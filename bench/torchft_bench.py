@@ -14,11 +14,19 @@ gradients, ``should_commit``; on commit the optimizer and scheduler step and the
 appends ``step wall-time participants`` to ``<dir>/commits/replica<R>.txt``.
 
 The orchestrator (:func:`run_once`) SIGKILLs one replica once it has committed the fault
-step; the survivors go on without it (torchft has no spare here; the killed replica is not
-restarted). From the survivors' commit files: **downtime** = longest gap between commits
-around the kill minus the median step time, **kill -> next step**, **back at step**, and
-**steps recomputed** (steps committed twice; torchft discards the failed step rather than
-rolling back, so this is expected to be 0).
+step; the survivors go on without it (torchft has no spare). From the survivors' commit
+files: **downtime** = longest gap between commits around the kill minus the median step time,
+**kill -> next step**, **back at step**, and **steps recomputed** (steps committed twice;
+torchft discards the failed step rather than rolling back, so this is expected to be 0).
+
+With ``replace`` (systems ``torchftMShttp`` / ``torchftMSpg``) the orchestrator starts a new
+process for the killed replica group right after the kill (what torchelastic does for a
+replica group), with the same replica id; it joins the quorum and heals from a survivor over
+torchft's checkpoint transport, ``HTTPTransport`` (the default) or ``PGTransport`` (over the
+replica process group). Extra figures: **kill -> full size** (the first step committed with
+every replica again), **heal** (kill -> the replacement's first commit) and **join stall**
+(the survivors' longest commit gap after recovery, minus the step time: the cost of the heal
+to the replicas that serve it).
 """
 
 from __future__ import annotations
@@ -64,7 +72,8 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     d = Path(a.dir)
     (d / "commits").mkdir(parents=True, exist_ok=True)
-    log = open(d / "commits" / f"replica{a.replica}.txt", "a", buffering=1)
+    name = f"replacement{a.replica}" if a.replacement else f"replica{a.replica}"
+    log = open(d / "commits" / f"{name}.txt", "a", buffering=1)
     log.write(f"# pid {os.getpid()}\n")
     dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
     torch.manual_seed(a.seed)
@@ -83,7 +92,14 @@ def worker(a: argparse.Namespace) -> None:
 
     store = dist.TCPStore("127.0.0.1", a.store_port, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout))
+    transport = None  # torchft's default: HTTPTransport
+    if a.transport == "pg":
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        transport = PGTransport(pg, timeout=timedelta(seconds=a.pg_timeout),
+                                device=torch.device("cpu"))
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
+                      checkpoint_transport=transport,
                       min_replica_size=a.min_replicas, use_async_quorum=False,
                       rank=0, world_size=1, store_addr="127.0.0.1", store_port=a.store_port,
                       lighthouse_addr=a.lighthouse, replica_id=f"replica{a.replica}",
@@ -124,9 +140,9 @@ def worker(a: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- orchestrator
-def read_commits(d: Path) -> dict[int, dict[str, Any]]:
+def read_commits(d: Path, prefix: str = "replica") -> dict[int, dict[str, Any]]:
     out = {}
-    for f in sorted((d / "commits").glob("replica*.txt")):
+    for f in sorted((d / "commits").glob(f"{prefix}[0-9]*.txt")):
         rec: dict[str, Any] = {"pid": None, "commits": []}
         for ln in f.read_text().splitlines():
             p = ln.split()
@@ -137,7 +153,7 @@ def read_commits(d: Path) -> dict[int, dict[str, Any]]:
                     rec["commits"].append((int(p[0]), float(p[1]), int(p[2])))
                 except ValueError:
                     pass
-        out[int(f.stem[7:])] = rec
+        out[int(f.stem[len(prefix):])] = rec
     return out
 
 
@@ -158,7 +174,9 @@ def starter(d: Path, env: dict[str, str], procs: list[subprocess.Popen]
 
 
 def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, fault_step: int,
-             victim: int, timeout: float) -> dict[str, Any]:
+             victim: int, timeout: float, replace: str | None = None) -> dict[str, Any]:
+    """One run; ``replace`` = ``"http"`` or ``"pg"``: restart the killed replica group right
+    after the kill, healing over that checkpoint transport (None: not replaced)."""
     from services.common.natsserver import free_port
 
     d.mkdir(parents=True, exist_ok=True)
@@ -174,14 +192,17 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
         start([lh_bin, "--bind", f"127.0.0.1:{lh_port}", "--min_replicas",
                str(max(1, a.workers - 1)), "--join_timeout_ms", "60000", "--quorum_tick_ms",
                "100", "--heartbeat_timeout_ms", str(heartbeat_ms)], "lighthouse")
-        workers = [start([sys.executable, "-m", "bench.torchft_bench", "worker", "--dir", str(d),
-                          "--replica", str(r), "--steps", str(a.steps), "--model", a.model,
-                          "--data", str(data), "--global-batch-size", str(a.global_batch_size),
-                          "--micro-batch-size", str(a.micro_batch_size), "--min-replicas",
-                          str(max(1, a.workers - 1)), "--lighthouse",
-                          f"http://127.0.0.1:{lh_port}", "--store-port", str(free_port()),
-                          "--pg-timeout", str(getattr(a, "torchft_timeout", 10.0))],
-                         f"replica{r}") for r in range(a.workers)]
+        def cmd(r: int, *extra: str) -> list[str]:
+            return [sys.executable, "-m", "bench.torchft_bench", "worker", "--dir", str(d),
+                    "--replica", str(r), "--steps", str(a.steps), "--model", a.model,
+                    "--data", str(data), "--global-batch-size", str(a.global_batch_size),
+                    "--micro-batch-size", str(a.micro_batch_size), "--min-replicas",
+                    str(max(1, a.workers - 1)), "--lighthouse", f"http://127.0.0.1:{lh_port}",
+                    "--store-port", str(free_port()), "--pg-timeout",
+                    str(getattr(a, "torchft_timeout", 10.0)), "--transport", replace or "http",
+                    *extra]
+
+        workers = [start(cmd(r), f"replica{r}") for r in range(a.workers)]
         while t_kill is None:
             if any(p.poll() is not None for p in workers):
                 raise RuntimeError(f"a torchft replica exited before the fault: see {d}")
@@ -198,21 +219,62 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
                 os.kill(v["pid"], signal.SIGKILL)
                 break
             time.sleep(0.01)
+        repl = start(cmd(victim, "--replacement"), f"replacement{victim}") if replace else None
         for r, p in enumerate(workers):
             if r == victim:
                 continue
             p.wait(max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
                 raise RuntimeError(f"torchft replica {r} exited {p.returncode}: see {d}")
+        if repl is not None:
+            # a replacement that had not joined when the survivors finished waits for a
+            # quorum that never comes: reported as not healed, not as a failed run
+            try:
+                repl.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         for p in procs:  # by PID
             if p.poll() is None:
                 p.kill()
                 p.wait(5)
-    return analyse(d, t_kill, victim, heartbeat_ms)
+    res = analyse(d, t_kill, victim, heartbeat_ms, replaced=bool(replace))
+    if replace:
+        res |= analyse_replacement(d, t_kill, victim, res)
+    res["replaced"] = replace
+    return res
 
 
-def analyse(d: Path, t_kill: float, victim: int, heartbeat_ms: int) -> dict[str, Any]:
+def analyse_replacement(d: Path, t_kill: float, victim: int, res: dict[str, Any]
+                        ) -> dict[str, Any]:
+    """Figures of the replacement: kill -> its first commit (heal), kill -> the first step
+    with every replica again, and the survivors' longest commit gap once the smaller quorum
+    ran (the heal's cost to them) minus their median step time."""
+    recs = read_commits(d)
+    full = res["participants_before"]
+    mine = read_commits(d, "replacement").get(victim, {"commits": []})["commits"]
+    back_full = [c[1] for rec in recs.values() for c in rec["commits"]
+                 if c[1] >= t_kill and c[0] > res["pre_kill_step"] and c[2] == full]
+    t_rec = t_kill + res["kill_to_step_s"]
+    stalls = []
+    for r, rec in recs.items():
+        if r == victim:
+            continue
+        ts = [c[1] for c in rec["commits"] if c[1] >= t_rec]
+        if len(ts) >= 2:
+            stalls.append(max(b - a for a, b in zip(ts, ts[1:])) - res["median_step_s"])
+    return {"heal_s": (mine[0][1] - t_kill) if mine else None,
+            "full_size_s": (min(back_full) - t_kill) if back_full else None,
+            "join_stall_s": max(stalls) if stalls else None,
+            "replacement_steps": len(mine)}
+
+
+def analyse(d: Path, t_kill: float, victim: int, heartbeat_ms: int,
+            replaced: bool = False) -> dict[str, Any]:
+    """The survivors' figures. The recovered job's first step is the first commit by a
+    smaller quorum or, when the replica is restarted (``replaced``), the first commit after
+    the kill whatever its quorum: a replacement that joins before the survivors give up on the
+    dead one (gloo's timeout) goes straight back to full size."""
     from bench.recovery import window_gap
 
     recs = read_commits(d)
@@ -226,7 +288,10 @@ def analyse(d: Path, t_kill: float, victim: int, heartbeat_ms: int) -> dict[str,
             continue
         before = [c for c in cs if c[1] < t_kill]
         # the recovered job's first step: the first commit by the smaller quorum
-        after = [c for c in cs if c[1] >= t_kill and c[2] < full]
+        # (steps up to pre_kill committed after the kill are the step in flight, which the
+        # victim had already committed)
+        after = [c for c in cs if c[1] >= t_kill and (c[0] > pre_kill if replaced
+                                                      else c[2] < full)]
         if not before or not after:
             continue
         meds.append(statistics.median(b[1] - a[1] for a, b in zip(cs, cs[1:])))
@@ -266,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--lighthouse", required=True)
     w.add_argument("--store-port", type=int, required=True)
     w.add_argument("--pg-timeout", type=float, default=10.0)
+    w.add_argument("--transport", choices=("http", "pg"), default="http",
+                   help="torchft's checkpoint transport for healing (default: http)")
+    w.add_argument("--replacement", action="store_true",
+                   help="this process replaces a killed replica group (own commit file)")
     worker(p.parse_args(argv))
 
 

@@ -128,6 +128,36 @@ def test_recovery_torchft_baseline(tmp_path):
     assert run["kill_to_step_s"] > 0 and run["final_step"] == 9
 
 
+@pytest.mark.timeout(LIMIT)
+def test_recovery_torchft_restarted_replica(tmp_path):
+    """torchftMSpg: the killed replica group is restarted and heals over torchft's PGTransport
+    (with a tiny model the survivors may finish before it joins: then it is not healed)."""
+    pytest.importorskip("torchft", reason="torchft-nightly is optional (pip install .[bench])")
+    res = run_bench(tmp_path, ["recovery", "--systems", "torchft1000pg", "--scenarios", "kill",
+                               "--model", "tiny", "--workers", "2", "--steps", "10",
+                               "--repeats", "1", "--corpus-tokens", "50000"], timeout=27 * SCALE)
+    (run,) = res["runs"]
+    assert run["replaced"] == "pg" and run["recomputed_steps"] == 0
+    assert run["heal_s"] is None or run["heal_s"] > 0
+    assert res["summary"]["torchft1000pg"]["runs"] == 1
+
+
+def test_recovery_system_names():
+    import argparse
+
+    from bench import recovery
+
+    ns = argparse.Namespace(scenarios="kill", systems="ceaseless,ckpt20,torchft1000,"
+                            "torchft5000http,torchft1000pg")
+    systems, _ = recovery.parse_systems(ns)
+    assert [recovery.torchft_transport(s) for s in systems[2:]] == [None, "http", "pg"]
+    assert recovery.torchft_hb("torchft5000http") == 5000
+    assert "PG transport" in recovery.label("torchft1000pg")
+    for bad in ("torchft1000tcp", "torchfthttp", "ckpt"):
+        with pytest.raises(SystemExit, match="unknown system"):
+            recovery.parse_systems(argparse.Namespace(scenarios="kill", systems=bad))
+
+
 def test_recovery_ratio_and_table_from_runs():
     """The ratio and the table, from made-up runs (no processes)."""
     import argparse

@@ -72,7 +72,7 @@ async def test_survivors_finish_the_step_they_were_computing(tmp_path, reference
     """Killed while the others compute (a slow model: 0.15 s per micro-batch), with a spare
     that holds the state: the survivors finish their micro-batches and all-reduce them with
     the spare in the new generation (agent/prejoin.py); the result is bitwise the same."""
-    steps = 20
+    steps = 14
     extra = ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
              "--sleep", "0.15"]
 
