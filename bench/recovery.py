@@ -302,7 +302,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                           f"{res['back_at_step_s']:.3f}s, recomputed {res['recomputed_steps']}, "
                           f"step {res['median_step_s']:.3f}s"
                           + (f", heal {res['heal_s']}, full size {res['full_size_s']}, "
-                             f"join stall {res['join_stall_s']}" if res.get("replaced") else ""),
+                             f"join stall {res['join_stall_s']} (s)" if res.get("replaced")
+                             else ""),
                           flush=True)
                 else:
                     print(f"[{r + 1}/{a.repeats}] {system:<9} kill   step "
@@ -373,8 +374,7 @@ def label(system: str) -> str:
     if system.startswith("torchft"):
         t = torchft_transport(system)
         return (f"torchft, heartbeat timeout {torchft_hb(system)} ms"
-                + (f", replica restarted, heals over {'HTTP' if t == 'http' else 'PG'} transport"
-                   if t else ""))
+                + (f", replica restarted, heals over {t.upper()} transport" if t else ""))
     return "Ceaseless"
 
 
@@ -470,8 +470,10 @@ def markdown(res: dict[str, Any]) -> str:
     if healers:
         out += ["**Back to full size** (torchft with the killed replica restarted; Ceaseless's "
                 "promoted spare is at full size from its first step): heal = kill → the "
-                "replacement's first commit; join stall = the survivors' longest commit gap "
-                "after recovery minus the step time (serving the heal)", "",
+                "replacement's first commit; join stall = when the survivors ran a smaller "
+                "quorum first, their longest commit gap until it was full again minus the "
+                "step time (serving the heal; runs where the replacement joined the recovered "
+                "quorum have none)", "",
                 "| system | kill → full size | heal | join stall | runs healed |",
                 "|---|---|---|---|---|"]
         if "ceaseless" in systems and "kill" in scenarios:

@@ -25,8 +25,8 @@ replica group), with the same replica id; it joins the quorum and heals from a s
 torchft's checkpoint transport, ``HTTPTransport`` (the default) or ``PGTransport`` (over the
 replica process group). Extra figures: **kill -> full size** (the first step committed with
 every replica again), **heal** (kill -> the replacement's first commit) and **join stall**
-(the survivors' longest commit gap after recovery, minus the step time: the cost of the heal
-to the replicas that serve it).
+(when the survivors ran a smaller quorum first: their longest commit gap until the quorum was
+full again, minus the step time: the cost of the heal to the replicas that serve it).
 """
 
 from __future__ import annotations
@@ -248,21 +248,25 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
 def analyse_replacement(d: Path, t_kill: float, victim: int, res: dict[str, Any]
                         ) -> dict[str, Any]:
     """Figures of the replacement: kill -> its first commit (heal), kill -> the first step
-    with every replica again, and the survivors' longest commit gap once the smaller quorum
-    ran (the heal's cost to them) minus their median step time."""
+    with every replica again and, when a smaller quorum ran before the replacement joined,
+    the survivors' longest commit gap from their first recovered step to their first step at
+    full size (what serving the heal cost them) minus their median step time. A replacement
+    that joined while the survivors still waited on the dead replica has no join stall."""
     recs = read_commits(d)
-    full = res["participants_before"]
+    full, pre_kill = res["participants_before"], res["pre_kill_step"]
     mine = read_commits(d, "replacement").get(victim, {"commits": []})["commits"]
-    back_full = [c[1] for rec in recs.values() for c in rec["commits"]
-                 if c[1] >= t_kill and c[0] > res["pre_kill_step"] and c[2] == full]
-    t_rec = t_kill + res["kill_to_step_s"]
-    stalls = []
+    stalls, back_full = [], []
     for r, rec in recs.items():
         if r == victim:
             continue
-        ts = [c[1] for c in rec["commits"] if c[1] >= t_rec]
-        if len(ts) >= 2:
-            stalls.append(max(b - a for a, b in zip(ts, ts[1:])) - res["median_step_s"])
+        cs = [c for c in rec["commits"] if c[1] >= t_kill and c[0] > pre_kill]
+        k = next((i for i, c in enumerate(cs) if c[2] == full), None)
+        if k is None:
+            continue
+        back_full.append(cs[k][1])
+        if k > 0:  # its first recovered step ran without the replacement
+            stalls.append(max(b[1] - a[1] for a, b in zip(cs, cs[1:k + 1]))
+                          - res["median_step_s"])
     return {"heal_s": (mine[0][1] - t_kill) if mine else None,
             "full_size_s": (min(back_full) - t_kill) if back_full else None,
             "join_stall_s": max(stalls) if stalls else None,
