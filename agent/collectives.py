@@ -45,6 +45,10 @@ class PeerError(Exception):
     """A collective failed: a peer reset the connection, it timed out, or the group broke."""
 
 
+class CollectiveTimeout(PeerError):
+    """A collective ran past its timeout: every peer that could fail it was alive."""
+
+
 # ---------------------------------------------------------------------------- group creation
 _GROUP_META: dict[int, dict[str, Any]] = {}   # id(pg) -> store/timeout, picked up by the wrapper
 _GRAVEYARD: list[Any] = []                    # groups (and works) that must never be destroyed
@@ -290,11 +294,11 @@ class AbortableGroup:
             raise PeerError(f"group is broken: {self._why}")
         raise Aborted(f"group is {self._state}")
 
-    def _broken(self, why: str) -> PeerError:
+    def _broken(self, why: str, timed_out: bool = False) -> PeerError:
         self._state = "broken"
         self._why = why
         self._release(force_park=True)
-        return PeerError(why)
+        return CollectiveTimeout(why) if timed_out else PeerError(why)
 
     # -------------------------------------------------------------- waiting
     def wait_all(self, works: Sequence[Any], abort: threading.Event | None,
@@ -321,7 +325,7 @@ class AbortableGroup:
                     if self._nccl:
                         if not w.is_completed():
                             if time.monotonic() >= deadline:
-                                raise self._broken(f"{what} did not complete in {limit:.1f}s")
+                                raise self._broken(f"{what} did not complete in {limit:.1f}s", True)
                             time.sleep(poll)  # NCCL wait() does not block the CPU: poll
                             poll = min(poll * 2, sl, 0.005)
                             continue
@@ -339,7 +343,7 @@ class AbortableGroup:
                             not w.is_completed() or not rewaited):
                         rewaited = rewaited or w.is_completed()
                         if time.monotonic() >= deadline:
-                            raise self._broken(f"{what} did not complete in {limit:.1f}s") from e
+                            raise self._broken(f"{what} did not complete in {limit:.1f}s", True) from e
                         continue
                     raise self._broken(f"{what} failed: {str(e)[:300]}") from e
         self._pending = [w for w in self._pending if not _completed(w)]
@@ -358,7 +362,7 @@ class AbortableGroup:
             if self._state != "ok":
                 raise Aborted(f"{what} abandoned: group {self._state}")
             if time.monotonic() >= deadline:
-                raise self._broken(f"{what} did not complete in {limit:.1f}s")
+                raise self._broken(f"{what} did not complete in {limit:.1f}s", True)
         if job.error is not None:
             raise self._broken(f"{what} failed: {str(job.error)[:300]}") from job.error
         done_ids = {id(w) for w in works}

@@ -190,6 +190,11 @@ class Runtime:
             self.collective_since = time.monotonic()
             return None
 
+    def enter_collective(self) -> None:
+        """Training thread: the gradient all-reduce starts now (after a resume in place)."""
+        with self.cond:
+            self.collective_since = time.monotonic()
+
     def take_prejoin(self, generation: int) -> Any:
         """The Prejoin of ``generation`` (handed over once); an older one is dropped."""
         with self.cond:
@@ -203,12 +208,38 @@ class Runtime:
         return None
 
     def interrupt(self) -> None:
-        """Abort the training thread's current step (from any thread)."""
+        """Abort the training thread's current step (from any thread) in favour of the
+        newer plan. The abort flag means "a plan newer than the joined generation exists":
+        without one, there is nothing to go to, so nothing is aborted. (A prejoin whose
+        verdict came after the training thread had already joined its generation by the
+        ordinary path used to set a stale flag here: the member then discarded the first
+        step of the generation it had just joined and waited for a plan nobody would send,
+        while its peers waited for it in the all-reduce, issue 24.)"""
         with self.cond:
-            if not self.abort.is_set():
+            newer = self.plan is not None and self.plan.generation > self.joined_generation
+            if not newer:
+                log.info("abort request ignored: no plan newer than the joined generation",
+                         generation=self.joined_generation)
+            elif not self.abort.is_set():
                 self.abort_at = time.time()
                 self.abort.set()
             self.cond.notify_all()
+
+    def begin_step(self, step: int) -> None:
+        """Training thread: computing ``step`` from now (a fault plan may resume it)."""
+        with self.cond:
+            self.step_in_flight = step
+
+    def end_step(self) -> None:
+        """Training thread: the step is over (committed or discarded). From here a fault plan
+        aborts instead of resuming: a discarded step has nothing left to finish."""
+        with self.cond:
+            self.step_in_flight = None
+            self.collective_since = None
+
+    def end_collective(self) -> None:
+        with self.cond:
+            self.collective_since = None
 
     async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
         with self.cond:

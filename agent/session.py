@@ -75,6 +75,16 @@ class _Stats:
     lost_steps: int = 0
 
 
+def _test_absent_step(cfg: AgentConfig | None) -> int | None:
+    """``CEASELESS_TEST_ABSENT=<pod>:<step>`` (with injection allowed): this pod stays out of
+    that step's all-reduce while staying alive (tests of the monitor's absent-member rule)."""
+    spec = os.environ.get("CEASELESS_TEST_ABSENT", "")
+    if cfg is None or not cfg.allow_inject or ":" not in spec:
+        return None
+    pod, _, step = spec.rpartition(":")
+    return int(step) if pod == cfg.pod and step.isdigit() else None
+
+
 def _seed_micro(seed: int, step: int, k: int) -> None:
     h = hashlib.blake2b(f"{seed}:{step}:{k}".encode(), digest_size=8).digest()
     v = int.from_bytes(h, "little") & ((1 << 63) - 1)
@@ -129,6 +139,7 @@ class Session:
         self._shadow_loss: float | None = None
         self._entered_in_step = False   # a resume entered the new generation, then gave up
         self._failed_attempt = False    # a resume's _enter failed
+        self._absent_at = _test_absent_step(config)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -267,10 +278,10 @@ class Session:
             if planned is None:
                 # Announce the step, then look again: a planned plan stored meanwhile is
                 # either seen here or sees this step (and aborts it, runtime._adopt_plan).
-                self.runtime.step_in_flight = s
+                self.runtime.begin_step(s)
                 planned = self._planned_transition(s)
             if planned is not None:
-                self.runtime.step_in_flight = None
+                self.runtime.end_step()
                 if not self._transition(planned):
                     self._leave(released=self._released)
                     return
@@ -278,7 +289,7 @@ class Session:
             self.current_step = s
             self._interrupted = False
             yield s
-            self.runtime.step_in_flight = None
+            self.runtime.end_step()
             if self._shadow_lead_g and self.last_committed == s:
                 self._shadow_confirm(s)
             if self.last_committed != s:
@@ -384,16 +395,21 @@ class Session:
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
         if self.distributed:
             self._injections(s)
-            from .collectives import Aborted, PeerError
+            from .collectives import Aborted, CollectiveTimeout, PeerError
 
             rt = self.runtime
+            if self._absent_at == s:
+                # Test hook (CEASELESS_TEST_ABSENT=<pod>:<step>): behave as issue 24's member
+                # did, alive but out of the collective, waiting for a plan nobody sends.
+                self._absent_at = None
+                return self._discard("test hook: staying out of the collective")
             pre = rt.claim_collective(self.generation)
             if pre is not None:
                 if not self._resume_in_place(s, pre):
                     return False
-                rt.collective_since = time.monotonic()
+                rt.enter_collective()
             if rt.abort.is_set():
-                rt.collective_since = None
+                rt.end_collective()
                 return self._discard("a newer plan arrived")
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             try:
@@ -404,9 +420,14 @@ class Session:
                 return self._discard("aborted: a newer plan arrived")
             except PeerError as e:
                 rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
+                if isinstance(e, CollectiveTimeout):
+                    # Every peer that could fail it looked alive: the monitor's absent-member
+                    # rule plans around whoever stayed out. Should no plan come, wait for one
+                    # only as long as a failed attempt does, then leave: never for ever.
+                    self._failed_attempt = True
                 return self._discard(f"peer error: {str(e)[:200]}")
             finally:
-                rt.collective_since = None
+                rt.end_collective()
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = g
@@ -483,6 +504,8 @@ class Session:
     def _discard(self, reason: str) -> bool:
         self._zero_grad()
         self._interrupted = True
+        if self.runtime is not None:
+            self.runtime.end_step()  # nothing left to resume in place
         if self._incident is None:
             now = time.time()
             rt = self.runtime

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,11 +60,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
-    from schemas.timeouts import TimeoutConfigError, check_timeouts
+    from schemas.timeouts import check_timeouts
 
     try:
-        check_timeouts(fault_timeout=opts.fault_timeout, stall_timeout=opts.stall_timeout)
-    except TimeoutConfigError as e:
+        # The pods inherit this environment: their collective and recovery timeouts are part
+        # of the chain (the monitor's absent-member rule needs stall <= collective timeout).
+        agent_t = {k: float(os.environ[v]) for k, v in (
+            ("collective_timeout", "CEASELESS_COLLECTIVE_TIMEOUT"),
+            ("recovery_timeout", "CEASELESS_RECOVERY_TIMEOUT")) if os.environ.get(v)}
+        check_timeouts(fault_timeout=opts.fault_timeout, stall_timeout=opts.stall_timeout,
+                       **agent_t)
+    except ValueError as e:  # TimeoutConfigError, or a variable that is not a number
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2
     from schemas.policy import load_policy

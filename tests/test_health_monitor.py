@@ -288,3 +288,53 @@ async def test_a_monitor_that_did_not_run_does_not_blame_the_pods(env):
     time.sleep(FT * 5)  # blocks the loop: the monitor (and these fake agents) do not run
     await asyncio.sleep(FT * 2)
     assert not m.faults, list(m.faults)
+
+
+async def _report_waiting(bus, pods, seconds, interval=0.05, generation=1):
+    """As agents stuck in the all-reduce do: a peer_error every heartbeat interval."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for p in pods:
+            await bus.publish(bus.subjects.report(p), Report(
+                pod=p, report="peer_error", generation=generation,
+                error="all-reduce waiting for 1.00s"))
+        await asyncio.sleep(interval)
+
+
+async def test_absent_member_is_declared_hung(env, bus):
+    """Issue 24: w0 and w1 wait in the all-reduce, w2 is alive but stays out of it (it went
+    back to waiting for a plan). Nothing is silent and no step advances, so neither the
+    silence nor the stall rule sees it: the absent-member rule must, after stall_timeout."""
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.8)
+    env.beat("w0", rank=0, advance=False)
+    env.beat("w1", rank=1, advance=False)
+    env.beat("w2", rank=2, state=AgentState.recovering, advance=False)
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    t0 = time.monotonic()
+    task = asyncio.create_task(_report_waiting(bus, ["w0", "w1"], 3.0))
+    try:
+        await until(lambda: env.faults, timeout=3, what="absent member declared")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    took = time.monotonic() - t0
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w2", "hang")]
+    assert 0.8 <= took < 0.8 + FT + 0.5, took
+    assert "not in the collective" in env.faults[0].reason
+
+
+async def test_no_absent_member_while_the_wait_is_short_or_everyone_waits(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.8)
+    env.beat("w0", rank=0, advance=False)
+    env.beat("w1", rank=1, advance=False)
+    env.beat("w2", rank=2, advance=False)
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    # waits shorter than stall_timeout, with gaps longer than fault_timeout between them:
+    # separate runs, none long enough
+    for _ in range(3):
+        await _report_waiting(bus, ["w0"], 0.5)
+        await asyncio.sleep(FT + 0.2)
+    assert env.faults == []
+    # every member waits (a collective stuck for everyone): nobody is absent
+    await _report_waiting(bus, ["w0", "w1", "w2"], 1.5)
+    assert env.faults == []

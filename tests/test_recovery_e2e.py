@@ -328,3 +328,31 @@ async def test_kill_worker_over_tls(tmp_path, reference):
     s = await _run(tmp_path, "tls", 2, 1, fault, extra=["--tls"])
     _assert_same(s, reference(2))
     assert len(s["incidents"]) == 1
+
+
+COLLECTIVE_S, STALL_S, FAULT_S = 8.0, 6.0, 1.5
+
+
+async def test_member_alive_but_out_of_the_collective_is_replaced(tmp_path, reference,
+                                                                   monkeypatch):
+    """Issue 24's escape: w1 stays alive but out of step 30's all-reduce, waiting for a plan
+    nobody would otherwise send (what the resume-in-place race did). Its peer waits and says
+    so; the monitor declares w1 hung within collective timeout + fault timeout, the scaler
+    fences it, the spare takes rank 1, and the result is bitwise the fault-free one."""
+    ref = reference(2)  # before the hook is in the environment
+    monkeypatch.setenv("CEASELESS_TEST_ABSENT", "w1:30")
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", str(COLLECTIVE_S))
+
+    async def fault(c):
+        pass  # the hook is the fault; the spares registered before this is called
+
+    s = await _run(tmp_path, "absent", 2, 1, fault,
+                   extra=["--stall-timeout", str(STALL_S), "--fault-timeout", str(FAULT_S)])
+    _assert_same(s, ref)
+    assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w1", "hang")], s["incidents"]
+    # detection latency runs from the first report of the peer's wait (its all-reduce
+    # waited stuck_report_after before that)
+    assert STALL_S <= s["incidents"][0]["detection_latency"] <= COLLECTIVE_S + FAULT_S
+    log = (tmp_path / "absent" / "logs" / "w1.log").read_text()
+    assert "test hook: staying out of the collective" in log
+    assert _joined(tmp_path / "absent", "s0", 2)

@@ -9,7 +9,11 @@ Rules (docs/architecture.md, recovery step 1):
   another member's did -> ``hang``;
 * a report of kind exception / digest_mismatch / recovery_failed -> ``exception``;
 * a ``peer_error`` report makes every member of the current generation whose heartbeat is
-  older than ``suspect_timeout`` ``lost`` at once.
+  older than ``suspect_timeout`` ``lost`` at once;
+* absent member: while members keep reporting that they wait in the gradient all-reduce
+  (``peer_error`` every heartbeat interval, then the timeout itself), a member that is alive
+  but not among them once one has waited ``stall_timeout`` -> ``hang`` (issue 24: a member
+  that left the collective for any reason must not leave its peers waiting for ever).
 
 Every pod that heartbeats is watched (members and spares alike), and so are members of the
 current plan (from KV) that have not heartbeated yet, after a grace period. After a fault
@@ -63,6 +67,14 @@ class PodView:
     deadline_extra: float = 0.0   # grace added to fault_timeout (seeded members)
 
 
+@dataclass
+class Waiting:
+    """A member's run of peer_error reports in one generation: it waits in a collective."""
+    generation: int
+    since: float                  # monotonic: the first report of the run
+    last: float                   # monotonic: the latest
+
+
 class HealthMonitor(Service):
     name = "health_monitor"
     description = "liveness and progress -> fault events"
@@ -89,6 +101,8 @@ class HealthMonitor(Service):
         self._stale_logged: set[tuple[str, int]] = set()
         self._link_down_since: float | None = None
         self._last_stall_check = 0.0
+        self.waiting: dict[str, Waiting] = {}   # members reporting a collective wait
+        self._all_waiting_logged = 0            # generation last logged with nobody absent
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = (ViewPublisher(bus, self.log, self._heard, view_interval)
                      if view_interval else None)
@@ -137,6 +151,7 @@ class HealthMonitor(Service):
 
     def _on_plan(self, old: Plan | None, new: Plan) -> None:
         now, wall = time.monotonic(), time.time()
+        self.waiting.clear()  # a new generation: new collectives
         for pod in new.fenced:  # handled by the scaler: never watch again
             if pod not in self.faulted:
                 self.faulted.add(pod)
@@ -268,6 +283,12 @@ class HealthMonitor(Service):
                 suspects.append(v)
         self.log.info("peer error reported", subject=env.subject, pod=r.pod, error=r.error[:200],
                       suspects=[v.pod for v in suspects])
+        if plan.rank_of(r.pod) is not None and r.pod not in self.faulted:
+            w = self.waiting.get(r.pod)
+            if w is None or w.generation != r.generation or now - w.last > self.fault_timeout:
+                self.waiting[r.pod] = Waiting(r.generation, now, now)
+            else:
+                w.last = now
         for v in suspects:
             await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen, since=v.last_seen,
                                 reason=f"peer_error from {r.pod} and no heartbeat for "
@@ -330,6 +351,7 @@ class HealthMonitor(Service):
         if now - self._last_stall_check < min(0.25, self.stall_timeout / 20):
             return
         self._last_stall_check = now
+        await self._check_absent(now, plan)
         members = {m.pod for m in plan.members} if plan else set()
         window_start = now - self.stall_timeout
         views = [self.pods[p] for p in members if p in self.pods and p not in self.faulted]
@@ -344,6 +366,46 @@ class HealthMonitor(Service):
                     v.pod, FaultKind.hang, last_seen=v.last_seen, since=v.last_advance_wall,
                     reason=f"step {v.step} not advanced for {now - v.last_advance:.3f}s while "
                            f"{', '.join(sorted(advanced)[:8])} advanced")
+
+    async def _check_absent(self, now: float, plan: Plan | None) -> None:
+        """Members wait in a collective that another member, alive, does not enter: once one
+        has waited ``stall_timeout`` (<= the agents' collective timeout), that member is
+        hung. Waiting is known from the members' own reports: each reports every heartbeat
+        interval while its all-reduce waits and once more when it times out, so a run of
+        reports ends ``fault_timeout`` after the last one."""
+        if plan is None or not self.waiting:
+            return
+        live = {p: w for p, w in self.waiting.items()
+                if w.generation == plan.generation and now - w.last <= self.fault_timeout
+                and p not in self.faulted}
+        if len(live) != len(self.waiting):
+            self.waiting = dict(live)
+        if not live:
+            return
+        first, w = min(live.items(), key=lambda kv: kv[1].since)
+        waited = now - w.since
+        if waited < self.stall_timeout:
+            return
+        absent = []
+        for m in plan.members:
+            v = self.pods.get(m.pod)
+            if (v is None or m.pod in live or m.pod in self.faulted or not v.heartbeated
+                    or v.state in GONE_STATES or now - v.last_hb > self.fault_timeout):
+                continue  # waiting itself, handled, gone, or for the silence rules
+            absent.append(v)
+        if not absent:
+            if self._all_waiting_logged != plan.generation:
+                self._all_waiting_logged = plan.generation
+                self.log.warning("every live member waits in the collective; nobody is absent",
+                                 generation=plan.generation, waiting=sorted(live)[:16],
+                                 waited=round(waited, 3))
+            return
+        for v in absent:
+            await self._declare(
+                v.pod, FaultKind.hang, last_seen=v.last_seen, since=time.time() - waited,
+                reason=f"alive ({v.state.value}, generation {v.generation}, step {v.step}) but "
+                       f"not in the collective that {first} has waited in for {waited:.3f}s "
+                       f"({len(live)} member(s) waiting)")
 
     # ------------------------------------------------------------------ faults
     async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
