@@ -56,7 +56,47 @@ _GRAVEYARD_LOCK = threading.Lock()
 
 
 def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    """Without knowing where the tensors are: gloo (it carries CPU tensors on any machine,
+    and CUDA tensors staged through host memory). ``choose_backend`` knows better."""
+    return "gloo"
+
+
+# PyTorch's NCCL watchdog must never kill a survivor: on a timeout or an abort it would tear
+# the process down by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3 in torch 2.11-2.13), and its
+# heartbeat monitor kills a process whose watchdog looks stuck. Recovery is in-process here:
+# only abort the communicator (2), no monitor, no dumps. A user's own setting wins.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
+def nccl_env_defaults() -> None:
+    for k, v in NCCL_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def choose_backend(tensor_device: torch.device | str | None, override: str | None = None,
+                   shared_gpu: bool | None = None) -> str:
+    """The backend for a job whose tensors live on ``tensor_device`` (issue 19): the
+    backend follows the tensors, not whether CUDA exists. CPU tensors: gloo (a CPU model on
+    a GPU machine must not end up on NCCL). CUDA tensors: NCCL when each pod has a GPU of
+    its own; gloo (staged through host memory) when pods share a GPU, which NCCL refuses
+    ("Duplicate GPU detected"). ``shared_gpu`` None reads ``CEASELESS_GPU_SHARED`` (set by
+    ``ceaseless up`` when it puts several pods on one GPU). ``override``
+    (``CEASELESS_BACKEND``) wins."""
+    if override:
+        b = override.lower()
+        if b not in ("gloo", "nccl"):
+            raise ValueError(f"unknown backend {override!r} (gloo or nccl)")
+        return b
+    dev = torch.device(tensor_device) if tensor_device is not None else torch.device("cpu")
+    if dev.type != "cuda":
+        return "gloo"
+    if shared_gpu is None:
+        shared_gpu = os.environ.get("CEASELESS_GPU_SHARED", "").strip().lower() in (
+            "1", "true", "yes", "on")
+    if shared_gpu or not dist.is_nccl_available():
+        return "gloo"
+    return "nccl"
 
 
 def gloo_device(hostname: str | None = None, interface: str | None = None) -> Any:
@@ -92,8 +132,12 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float =
     elif backend == "nccl":
         if not (torch.cuda.is_available() and dist.is_nccl_available()):
             raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL")
+        nccl_env_defaults()
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = td
+        # Our own sliced waits give up at ``timeout_s`` and abort the group; PyTorch's
+        # watchdog gets twice that, so it is never the one that decides (and with the
+        # settings above it would only abort the communicator, never the process).
+        opts._timeout = timedelta(seconds=2 * timeout_s)
         dev = device or torch.device("cuda", torch.cuda.current_device())
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         try:  # eager communicator init, so that rendezvous happens here and not at step 1
@@ -268,6 +312,9 @@ class AbortableGroup:
         self.bucket_bytes = bucket_bytes
         self._store = store if store is not None else meta.get("store")
         self._nccl = self.backend == "nccl"
+        # The device the wire takes: tensors elsewhere are staged (copied in, and back out
+        # after the operation): CUDA tensors over gloo (pods sharing a GPU), CPU scalars
+        # over NCCL.
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self._nccl
                        else torch.device("cpu"))
         self._pending: list[Any] = []
@@ -379,9 +426,23 @@ class AbortableGroup:
 
     def _on_device(self, tensors: Sequence[Tensor], what: str) -> None:
         for t in tensors:
-            if t.device.type != self.device.type:
-                raise ValueError(f"{what}: tensor on {t.device}, group {self.backend} needs "
-                                 f"{self.device.type}")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{what}: tensor on {t.device}: only CPU and CUDA tensors "
+                                 f"are supported (group {self.backend})")
+            if t.device.type == "cuda" and self._nccl and t.device != self.device:
+                raise ValueError(f"{what}: tensor on {t.device}, but this pod's NCCL group "
+                                 f"is bound to {self.device}")
+
+    def _wire(self, flat: Tensor) -> Tensor:
+        """``flat`` on the wire's device (itself when it is there already). CUDA -> host
+        goes through pinned memory (no pageable bounce buffer)."""
+        if flat.device.type == self.device.type:
+            return flat
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat)
+            return host
+        return flat.to(self.device)
 
     # -------------------------------------------------------------- collectives
     def allreduce_(self, tensors: Sequence[Tensor], abort: threading.Event | None,
@@ -395,11 +456,13 @@ class AbortableGroup:
         for idx in buckets(tensors, self.bucket_bytes):
             ts = [tensors[i] for i in idx]
             flat = ts[0] if len(ts) == 1 and ts[0].is_contiguous() else flatten(ts)
-            plan.append((flat, ts))
-        works = [self._post(lambda f=flat: self.pg.allreduce([f]), "all-reduce")
-                 for flat, _ in plan]
+            plan.append((flat, self._wire(flat), ts))
+        works = [self._post(lambda w=wire: self.pg.allreduce([w]), "all-reduce")
+                 for _, wire, _ in plan]
         self.wait_all(works, abort, "all-reduce", slice_s, timeout_s)
-        for flat, ts in plan:
+        for flat, wire, ts in plan:
+            if wire is not flat:
+                flat.copy_(wire)
             if flat is not ts[0]:
                 unflatten_(flat, ts)
 
@@ -414,17 +477,19 @@ class AbortableGroup:
             flat = ts[0] if len(ts) == 1 and ts[0].is_contiguous() else (
                 flatten(ts) if self.rank == src else
                 torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device))
-            plan.append((flat, ts))
+            plan.append((flat, self._wire(flat), ts))
         works = []
-        for flat, _ in plan:
+        for _, wire, _ in plan:
             opts = dist.BroadcastOptions()
             opts.rootRank = src
             opts.rootTensor = 0
-            works.append(self._post(lambda f=flat, o=opts: self.pg.broadcast([f], o),
+            works.append(self._post(lambda w=wire, o=opts: self.pg.broadcast([w], o),
                                     "broadcast"))
         self.wait_all(works, abort, "broadcast", slice_s, timeout_s)
         if self.rank != src:
-            for flat, ts in plan:
+            for flat, wire, ts in plan:
+                if wire is not flat:
+                    flat.copy_(wire)
                 if flat is not ts[0]:
                     unflatten_(flat, ts)
 

@@ -75,6 +75,17 @@ class _Stats:
     lost_steps: int = 0
 
 
+def _export_ranks(rank: int | None, world_size: int | None) -> None:
+    """``RANK`` / ``WORLD_SIZE`` (and one process per pod: ``LOCAL_RANK`` 0 of 1) as
+    torchrun sets them, kept true across generations; absent while not a member."""
+    if rank is None:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(k, None)
+        return
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1")
+
+
 def _test_absent_step(cfg: AgentConfig | None) -> int | None:
     """``CEASELESS_TEST_ABSENT=<pod>:<step>`` (with injection allowed): this pod stays out of
     that step's all-reduce while staying alive (tests of the monitor's absent-member rule)."""
@@ -101,8 +112,11 @@ class Session:
         self.seed = seed
         self.cfg = config
         self.objs: dict[str, Any] = {}
-        self.rank = 0
-        self.world_size = 1
+        # Honest ranks: in a job, a pod that is not a member (a spare, a pod before its
+        # first plan, a released one) has no rank. Single-process: rank 0 of 1.
+        self.rank: int | None = 0 if config is None else None
+        self.world_size: int | None = 1 if config is None else None
+        self._joined: bool | None = None        # join()'s outcome, once known
         self.generation = 0
         self.last_committed = -1
         self.current_step: int | None = None
@@ -140,6 +154,11 @@ class Session:
         self._entered_in_step = False   # a resume entered the new generation, then gave up
         self._failed_attempt = False    # a resume's _enter failed
         self._absent_at = _test_absent_step(config)
+        self._backend_override = config.backend if config is not None else None
+        if config is not None:  # the override, else gloo until a registered model says
+            from .collectives import choose_backend
+
+            config.backend = choose_backend(None, self._backend_override)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -153,6 +172,16 @@ class Session:
     @property
     def distributed(self) -> bool:
         return self.cfg is not None
+
+    @property
+    def is_member(self) -> bool:
+        """True while this pod is a member of the job (has a rank); always in one process."""
+        return self.rank is not None
+
+    def _not_member(self) -> None:
+        self.rank = self.world_size = None
+        if self.cfg is not None:
+            _export_ranks(None, None)
 
     @property
     def pod(self) -> str:
@@ -218,6 +247,40 @@ class Session:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"{name!r} has no state_dict()/load_state_dict()")
             self.objs[name] = obj
+        if self.cfg is not None:
+            self._resolve_backend()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the registered model lives (its first parameter or buffer; CPU without)."""
+        for m in self._modules():
+            for t in m.parameters():
+                return t.device
+            for t in m.buffers():
+                return t.device
+        return torch.device("cpu")
+
+    def _resolve_backend(self) -> None:
+        """The job's backend follows the model (issue 19): gloo for a CPU model on any
+        machine, NCCL for a CUDA model with a GPU per pod, gloo staging CUDA tensors through
+        host memory when pods share a GPU; CEASELESS_BACKEND overrides. A pod that cannot
+        run the chosen backend is refused here, naming the pod and the device, never left
+        to hang in its first collective."""
+        from .collectives import choose_backend
+
+        dev = self.device
+        backend = choose_backend(dev, self._backend_override)
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"pod {self.pod}: backend nccl needs a CUDA device and this pod has none "
+                    f"(model on {dev}, CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)  # the group binds the model's device
+        log.info("backend", backend=backend, device=str(dev), override=self._backend_override,
+                 gpu_shared=os.environ.get("CEASELESS_GPU_SHARED"))
+        self.cfg.backend = backend
 
     # ------------------------------------------------------------------ registered state
     def _modules(self) -> list[torch.nn.Module]:
@@ -267,8 +330,7 @@ class Session:
         if not self.distributed:
             yield from self._local_steps(total)
             return
-        if not self._recover(first=True):
-            self._leave(released=self._released)
+        if not self.join():
             return
         while True:
             s = self.last_committed + 1
@@ -303,6 +365,23 @@ class Session:
                     return
         self._finish()
 
+    def join(self) -> bool:
+        """Block until this pod is a member of the job; True once it is (``s.rank`` is then
+        its rank). A spare waits here, following the job, until it is promoted; False when
+        the job finished (or released this pod) first: the pod is not a member, ``s.rank``
+        is None and ``s.steps()`` yields nothing. ``s.steps()`` calls it; call it yourself
+        before the loop for setup that needs the rank (``if s.join() and s.rank == 0:
+        wandb.init(...)``). Single-process: True at once."""
+        if not self._entered:
+            raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
+        if not self.distributed:
+            return True
+        if self._joined is None:
+            self._joined = self._recover(first=True)
+            if not self._joined:
+                self._leave(released=self._released)
+        return self._joined
+
     def _planned_transition(self, s: int) -> Any:
         """A planned plan that applies from step ``s`` (or earlier: a late arrival)."""
         p = self.runtime.plan
@@ -323,6 +402,7 @@ class Session:
         log.info("leaving at a planned transition", generation=plan.generation,
                  step=self.last_committed, spare=pod in plan.spares, reason=plan.reason)
         self._close_group()
+        self._not_member()
         self._seen_generation = plan.generation
         if pod in plan.spares:
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
@@ -664,6 +744,7 @@ class Session:
                 # We were a member and the plan dropped us (fenced, e.g. after a hang).
                 rt.report_sync(ReportKind.fenced, f"not in plan {plan.generation}")
                 self._fallback(f"fenced: pod {pod} is not in plan generation {plan.generation}")
+            self._not_member()
             if self.generation > 0 and pod not in plan.spares:
                 # Dropped without being fenced: a planned shrink released our slot (we saw
                 # the plan only after an error in the old group).
@@ -695,6 +776,7 @@ class Session:
         self.generation = g
         self.rank = plan.rank_of(self.cfg.pod)
         self.world_size = plan.world_size
+        _export_ranks(self.rank, self.world_size)
         def report() -> None:  # the broker takes this step and digest for the generation
             rt.update(now=True, generation=g, rank=self.rank, role=Role.worker,
                       step=self.last_committed, digest=self._digest(),
@@ -799,18 +881,18 @@ class Session:
         """A copy of the committed state (FlatState), with what a recipient restores too."""
         from .state import snapshot
 
+        # CUDA state goes to pinned host memory: a second full copy of model + optimizer
+        # on the GPU would cost what the user's batch needs (issue 19)
         return snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
-                                    "lr_factor": self.lr_factor})
+                                    "lr_factor": self.lr_factor}, to_host=True)
 
     # ------------------------------------------------------------------ shadow spares
     def _shadow_reason(self) -> str | None:
         """Why spares cannot follow this job (None: they can)."""
         if not self.cfg.shadow_spares:
             return "off (CEASELESS_SHADOW_SPARES=0)"
-        from .collectives import _default_backend
-
-        if (self.cfg.backend or _default_backend()) != "gloo":
-            return "gloo (CPU) process groups only"
+        # (the stream's pair group is gloo whatever the job's backend; CUDA tensors are
+        # copied to host memory to be sent and back to the device when applied)
         for name, o in self.objs.items():
             if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer,
                                   torch.optim.lr_scheduler.LRScheduler)):
@@ -947,7 +1029,7 @@ class Session:
                     for b, v in zip(bufs, val.tensors[len(params):]):
                         b.copy_(v)
                 for p, g in zip(params, val.tensors):
-                    p.grad = g
+                    p.grad = g if g.device == p.device else g.to(p.device)
                 self._update(val.lr_factor)
                 self._zero_grad()
                 self._shadow_at, self._shadow_loss = val.step, val.loss
@@ -1065,6 +1147,7 @@ class Session:
 
     def _leave(self, released: bool = False) -> None:
         self._shadow_stop(quiet=True)
+        self._not_member()  # the user's `if s.rank == 0: save()` after the loop: not here
         if released:
             log.info("slot released by a planned shrink; leaving", step=self.last_committed,
                      generation=self._seen_generation, exit_now=self.cfg.exit_on_release)
@@ -1096,6 +1179,8 @@ class Session:
                "param_sha256": self.param_sha256(),
                "losses": {str(k): v for k, v in sorted(self.stats.losses.items())},
                "commits": [[k, round(t, 6)] for k, t in self.stats.commits]}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            res["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
         if os.environ.get("CEASELESS_SAVE_PARAMS") == "1":  # exact values, for comparisons
             params = {f"{n}.{k}": t.detach().cpu().clone()
                       for n, o in sorted(self.objs.items()) if isinstance(o, torch.nn.Module)

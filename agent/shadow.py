@@ -176,7 +176,9 @@ class ShadowSender:
                             dtype=torch.int64)
         loss = math.nan if u.loss is None else float(u.loss)
         scalars = torch.tensor([loss, u.lr_factor], dtype=torch.float64)
-        tensors = [t.detach().contiguous() for t in u.tensors]
+        # gloo sends host memory: CUDA tensors (a model on the GPU) are copied out here, in
+        # this background thread, off the training thread's path
+        tensors = [t.detach().to("cpu").contiguous() for t in u.tensors]
         works = [group.isend(head, 1, TAG_HEAD), group.isend(scalars, 1, TAG_SCALARS)]
         works += [group.isend(t, 1, TAG_TENSORS) for t in tensors]
         group.wait_all(works, self._abort, "shadow step", timeout_s=self._timeout_s)

@@ -134,10 +134,13 @@ class FlatState:
         return node
 
 
-def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> FlatState:
+def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
+             to_host: bool = False) -> FlatState:
     """Copy the state of ``objs`` (name -> object with ``state_dict()``) and ``extra`` into a
     FlatState: one contiguous buffer per (dtype, device). Tensors that share memory (tied
-    weights) are stored once. Non-tensor leaves must be picklable."""
+    weights) are stored once. Non-tensor leaves must be picklable. ``to_host``: buffers of
+    CUDA tensors are built in pinned host memory, tensor by tensor (no second copy of the
+    state on the GPU); the specs keep the device, so a restore puts them back there."""
     refs: list[Tensor] = []
     seen: dict[tuple, int] = {}
 
@@ -178,8 +181,15 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None) ->
             n = refs[i].numel()
             metas[i] = TensorMeta(b, off, n, tuple(refs[i].shape))
             off += n
-        buf = torch.cat([refs[i].reshape(-1) for i in idx]) if off else torch.empty(
-            0, dtype=dtype, device=dev)
+        if to_host and torch.device(dev).type == "cuda":
+            buf = torch.empty(off, dtype=dtype, pin_memory=True)
+            for i in idx:
+                m = metas[i]
+                buf[m.offset:m.offset + m.numel].copy_(refs[i].reshape(-1))
+        elif off:
+            buf = torch.cat([refs[i].reshape(-1) for i in idx])
+        else:
+            buf = torch.empty(0, dtype=dtype, device=dev)
         buffers.append(buf)
         specs.append(BufferSpec(dtype, dev, off))
     skeleton = {"version": 1, "objs": structures, "extra": extra_s, "metas": metas,

@@ -41,7 +41,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "control-plane": "simulated agents vs the services: detection, plan delivery, CPU",
         "init": "process-group creation: NATS-backed store vs TCPStore, per generation",
         "elastic": "capacity/priority events: join and release times, pause of the others",
-        "goodput": "fixed-length run with a fault every K seconds: useful time / wall time"}
+        "goodput": "fixed-length run with a fault every K seconds: useful time / wall time",
+        "liveness": "rank-0 SIGKILLs with a spare under CPU load, repeated: hangs, bitwise"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -60,4 +61,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "init", "bench.init_bench")
     _module(bsub, "elastic", "bench.elastic")
     _module(bsub, "goodput", "bench.goodput")
+    _module(bsub, "liveness", "bench.liveness")
     return p

@@ -175,12 +175,33 @@ def main(argv: list[str] | None = None) -> None:
                         "part of the training state), updated after each step; 0: off")
     p.add_argument("--sleep", type=float, default=0.0, metavar="S",
                    help="sleep S seconds per micro-batch: a slower model, same numerics (tests)")
+    p.add_argument("--after-step", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds after each s.step(), as a script that logs or "
+                        "evaluates there (same numerics; the liveness stress)")
+    p.add_argument("--rank0-after-step", type=float, default=0.0, metavar="S",
+                   help="rank 0 sleeps S more seconds after each s.step(), as a script whose "
+                        "rank 0 logs or evaluates there (same numerics; the liveness stress)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model trains: cpu, cuda, cuda:N, or auto (CUDA when this "
+                        "process sees a GPU; with `ceaseless up`, each pod's "
+                        "CUDA_VISIBLE_DEVICES says which GPU that is)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms only (GPU runs then compare bit for bit)")
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
     torch.manual_seed(a.seed)  # every rank builds the same model; rank 0's weights win anyway
+    if a.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+        torch.use_deterministic_algorithms(True)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                       if a.device == "auto" else a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: no CUDA device visible to this process "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     model = build_model(a.model, vocab, dropout=a.dropout).to(getattr(torch, a.dtype))
+    model = model.to(dev)  # built on the CPU first: the same initial weights on any device
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     n_params = sum(p.numel() for p in model.parameters())
@@ -197,12 +218,15 @@ def main(argv: list[str] | None = None) -> None:
         for step in s.steps(total=a.steps):
             model.train()
             for x, y in s.batches(dataset, micro_batch_size=a.micro_batch_size):
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
                 s.backward(loss)
                 if a.sleep:
                     time.sleep(a.sleep)
             committed = s.step()
+            if a.after_step or (a.rank0_after_step and s.rank == 0):
+                time.sleep(a.after_step + (a.rank0_after_step if s.rank == 0 else 0.0))
             if committed and ema is not None:
                 with torch.no_grad():
                     for pe, pm in zip(ema.parameters(), model.parameters()):

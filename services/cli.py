@@ -56,7 +56,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
                      live=not args.quiet, model=args.model, dtype=args.dtype, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
-                     save_params=args.save_params, start_timeout=args.start_timeout)
+                     save_params=args.save_params, start_timeout=args.start_timeout,
+                     gpus_per_pod=args.gpus_per_pod)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -83,6 +84,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             opts.policy = str(Path(opts.policy).resolve())
         if opts.workers > pol.max_replicas:
             raise ValueError(f"--workers {opts.workers} exceeds max_replicas {pol.max_replicas}")
+        from services.actuator.gpus import GpuAssigner, visible_gpus
+
+        GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,
+                    per_pod=opts.gpus_per_pod)  # refuse --gpus-per-pod the machine cannot give
     except ValueError as e:
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2
@@ -312,6 +317,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          "with the ones alive (default 30)")
     up.add_argument("--fault-timeout", type=float, default=1.5)
     up.add_argument("--stall-timeout", type=float, default=30.0)
+    up.add_argument("--gpus-per-pod", type=int, default=None, metavar="N",
+                    help="GPUs each pod sees (CUDA_VISIBLE_DEVICES). Default: one per pod when "
+                         "the machine has enough, else pods share them (gloo for CUDA "
+                         "tensors); 0: none")
     up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")
     up.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                     help="the example's parameter dtype")

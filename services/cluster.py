@@ -59,6 +59,7 @@ class UpOptions:
     dtype: str = "float32"   # the example's parameter dtype (float64: runs of different
                              # world sizes stay comparable to ~1e-12, see docs/elastic.md)
     extra_env: dict[str, str] = field(default_factory=dict)
+    gpus_per_pod: int | None = None  # None: one per pod if the machine has enough, else shared
 
 
 class ServiceSupervisor:
@@ -231,7 +232,17 @@ async def run(opts: UpOptions) -> int:
         env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject)
+    from .actuator.gpus import GpuAssigner, visible_gpus
+
+    gpus = GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,
+                       per_pod=opts.gpus_per_pod)
+    if gpus.mode != "none":
+        print(f"  gpus:    {len(gpus.devices)} visible, {gpus.mode}"
+              + (f" ({gpus.per_pod} per pod)" if gpus.mode == "exclusive" else ""),
+              file=out, flush=True)
+    if gpus.warning:
+        print(f"ceaseless up: warning: {gpus.warning}", file=sys.stderr, flush=True)
+    act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)

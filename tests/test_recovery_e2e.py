@@ -356,3 +356,50 @@ async def test_member_alive_but_out_of_the_collective_is_replaced(tmp_path, refe
     log = (tmp_path / "absent" / "logs" / "w1.log").read_text()
     assert "test hook: staying out of the collective" in log
     assert _joined(tmp_path / "absent", "s0", 2)
+
+
+async def test_ranks_are_honest(tmp_path):
+    """Issue 23, honest ranks: a spare that is never promoted has no rank before, at and
+    after the loop (s.join() says False), so the user's `if s.rank == 0: save()` after the
+    loop runs on the member of rank 0 only."""
+    steps = 12
+    async with Cluster(tmp_path / "ranks", 2, 1, steps,
+                       cmd=[sys.executable, "-m", "tests.helpers.ranks_script", str(steps)]) as c:
+        await c.wait_spares(1)
+        assert await c.finish() == 0, c.output()
+    d = tmp_path / "ranks" / "ranks"
+    await asyncio.sleep(0)  # the spare leaves when the job is done: give it its last write
+    recs = {}
+    for pod in ("w0", "w1", "s0"):
+        for _ in range(100):
+            if (d / f"{pod}.json").exists():
+                break
+            await asyncio.sleep(0.1)
+        recs[pod] = json.loads((d / f"{pod}.json").read_text())
+    assert recs["s0"] == {"before": [None, None, False], "join": False,
+                          "joined": [None, None, False], "after": [None, None, False]}
+    for pod, rank in (("w0", 0), ("w1", 1)):
+        assert recs[pod]["before"] == [None, None, False]
+        assert recs[pod]["join"] is True
+        assert recs[pod]["joined"] == recs[pod]["after"] == [rank, 2, True]
+    assert (d / "saved").read_text() == "w0"
+
+
+async def test_liveness_stress_short(tmp_path):
+    """The CI-sized `bench.liveness` (issue 24): rank 0 killed while it lingers after its
+    step (the spare misses its confirmation) and the survivors wait in the next all-reduce
+    (it fails on the dead peer), a busy loop for load. The job must finish, bitwise equal to
+    its fault-free run (`python -m bench.liveness --repeats 30` is the full stress)."""
+    import argparse
+
+    from bench import liveness
+
+    p = argparse.ArgumentParser()
+    liveness.add_arguments(p)
+    a = p.parse_args(["--repeats", "1", "--load", "1", "--sleep", "0.02", "--after-step", "0.05",
+                      "--rank0-after-step", "0.3", "--run-timeout", "120",
+                      "--run-dir", str(tmp_path)])
+    res = await liveness._main(a)
+    (r,) = res["runs"]
+    assert not r["hang"], r
+    assert r["bitwise"] and r["lost_steps"] == 0, r

@@ -12,7 +12,7 @@ import itertools
 import os
 import signal
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Inject,
                               InjectAction, Lifecycle, LifecycleEvent, Plan, Role)
@@ -30,8 +30,10 @@ log = logs.get("actuator")
 
 class LocalActuator:
     def __init__(self, bus: Bus, argv: list[str], env: dict[str, str], log_dir: Path,
-                 restart_fallback: bool = True, allow_inject: bool = False) -> None:
+                 restart_fallback: bool = True, allow_inject: bool = False,
+                 gpus: Any = None) -> None:
         self.allow_inject = allow_inject
+        self.gpus = gpus  # a GpuAssigner (services/actuator/gpus.py), or None: env as is
         self.bus = bus
         self.argv = argv
         self.env = env
@@ -118,7 +120,16 @@ class LocalActuator:
         return pods
 
     async def spawn(self, spec: PodSpec) -> None:
-        env = {**os.environ, **self.env, **spec.env,
+        gpu_env: dict[str, str] = {}
+        if self.gpus is not None:
+            from .gpus import NoFreeGpu
+
+            try:
+                gpu_env = self.gpus.assign(spec.pod)
+            except NoFreeGpu as e:
+                log.warning("pod not started", pod=spec.pod, reason=str(e))
+                return
+        env = {**os.environ, **self.env, **spec.env, **gpu_env,
                "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"{spec.pod}.log", "ab")
@@ -139,6 +150,8 @@ class LocalActuator:
     async def _watch(self, pod: str, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         self.procs.pop(pod, None)
+        if self.gpus is not None:
+            self.gpus.release(pod)
         self.exits[pod] = code
         log.info("pod exited", pod=pod, exit_code=code)
         try:

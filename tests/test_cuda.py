@@ -1,0 +1,96 @@
+"""Ceaseless with the model on CUDA (issue 19). Skipped without CUDA; run on the GPU machine
+(one H200 there: pods share it, so CUDA tensors go over gloo, and NCCL runs at world size
+1; multi-GPU NCCL needs 2+ GPUs and skips below that)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+from harness import Cluster, run_job
+
+pytestmark = [pytest.mark.timeout(400),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+STEPS = 60
+SLOW = ("--sleep", "0.03")  # per micro-batch, fault runs only: time to aim the kill; same numerics
+
+
+def _example(*args: str) -> list[str]:
+    return ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS), *args]
+
+
+def _events(run_dir, pod: str, event: str) -> list[dict]:
+    out = []
+    for line in (run_dir / "logs" / f"{pod}.log").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
+async def test_cpu_example_on_a_gpu_machine_uses_gloo(tmp_path):
+    """The README demo on a GPU workstation: the example's model is on the CPU, so the job
+    is gloo whatever CUDA says (it used to pick NCCL and fail on the first collective)."""
+    s = await run_job(tmp_path, "cpu", 2, 0, steps=STEPS, extra=_example())
+    assert s["final_step"] == STEPS - 1 and s["param_sha256"]
+    assert [r["backend"] for r in _events(tmp_path / "cpu", "w0", "backend")] == ["gloo"]
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+async def test_cuda_model_on_a_shared_gpu_survives_a_kill_bitwise(tmp_path, victim):
+    """2 workers + a spare, all on one GPU (shared: gloo carrying CUDA tensors through host
+    memory): SIGKILL of rank ``victim``; the result equals the fault-free CUDA run bit for
+    bit, and the spare followed the job on the GPU (received nothing when promoted)."""
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=STEPS, extra=_example("--device", "cuda"))
+    assert ref["param_sha256"], ref
+
+    async def fault(c):
+        await c.wait_rank_step(victim, 8)
+        await c.wait_for(lambda: any(h.role.value == "spare" and h.step >= 8
+                                     for h in c.hb.values()), 60, "the spare to follow")
+        h = c.member(victim)
+        os.kill(h.pid, signal.SIGKILL)
+
+    s = await run_job(tmp_path, "kill", 2, 1, fault, steps=STEPS,
+                      extra=_example("--device", "cuda", *SLOW))
+    assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+    assert {r["backend"] for r in _events(tmp_path / "kill", "w0" if victim else "w1",
+                                          "backend")} == {"gloo"}
+    assert {r["device"] for r in _events(tmp_path / "kill", "s0", "backend")} == {"cuda:0"}
+    if victim == 1:  # (rank 0's death can take its last confirmation with it)
+        joined = [r for r in _events(tmp_path / "kill", "s0", "joined generation")
+                  if r["generation"] == 2]
+        assert joined and joined[0]["received"] == 0, joined
+
+
+async def test_cuda_model_alone_on_its_gpu_uses_nccl(tmp_path):
+    """One pod with a GPU of its own: NCCL (world size 1 here; the same path as one GPU per
+    pod in a larger job)."""
+    s = await run_job(tmp_path, "nccl", 1, 0, steps=STEPS, extra=_example("--device", "cuda"))
+    assert s["final_step"] == STEPS - 1 and s["param_sha256"]
+    assert [r["backend"] for r in _events(tmp_path / "nccl", "w0", "backend")] == ["nccl"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs (NCCL across pods)")
+async def test_cuda_one_gpu_per_pod_survives_a_kill_over_nccl(tmp_path):
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=STEPS, extra=_example("--device", "cuda"))
+
+    async def fault(c):
+        await c.wait_rank_step(1, 8)
+        os.kill(c.member(1).pid, signal.SIGKILL)
+
+    n_spares = 1 if torch.cuda.device_count() >= 3 else 0
+    s = await run_job(tmp_path, "kill", 2, n_spares, fault, steps=STEPS,
+                      extra=_example("--device", "cuda", *SLOW))
+    assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0
+    if n_spares:
+        assert s["param_sha256"] == ref["param_sha256"]
