@@ -8,8 +8,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# torch first, CPU build, from the PyTorch index (a large layer that rarely changes).
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch first, from the PyTorch index (a large layer that rarely changes). CPU build by
+# default; the CUDA variant for GPU trainers takes the index of your CUDA version:
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 -t ceaseless:cuda .
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -75,6 +75,19 @@ class _Stats:
     lost_steps: int = 0
 
 
+def _refuse_foreign_launcher() -> None:
+    """Without Ceaseless' environment the session runs single-process. Under torchrun (or any
+    launcher that starts several ranks) that would be N independent jobs, each training the
+    whole batch alone and writing the same files: refuse, saying what to run instead."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or (world.isdigit() and int(world) > 1):
+        raise RuntimeError(
+            f"this Ceaseless script runs under a launcher (WORLD_SIZE={world or '?'}, "
+            f"RANK={os.environ.get('RANK', '?')}) without Ceaseless' environment: each process "
+            "would train alone. Launch it with `ceaseless up -- python SCRIPT ...` (or the "
+            "compose stack), not torchrun; to run one process, unset WORLD_SIZE/RANK.")
+
+
 def _export_ranks(rank: int | None, world_size: int | None) -> None:
     """``RANK`` / ``WORLD_SIZE`` (and one process per pod: ``LOCAL_RANK`` 0 of 1) as
     torchrun sets them, kept true across generations; absent while not a member."""
@@ -167,6 +180,8 @@ class Session:
         if cfg is not None:
             for k, v in overrides.items():
                 setattr(cfg, k, v)
+        else:
+            _refuse_foreign_launcher()
         return cls(global_batch_size, seed=seed, config=cfg)
 
     @property

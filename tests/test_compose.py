@@ -303,8 +303,9 @@ def test_entrypoint_writes_private_credentials(tmp_path):
 def test_dockerfile():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/"
-                     r"whl/cpu", text)
+    # the CPU build unless the CUDA variant's build argument says otherwise
+    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert re.search(r"pip install torch==2\.13\.0 --index-url \$\{TORCH_INDEX\}", text)
     assert re.search(r"^RUN pip install \.$", text, re.M)
     assert re.search(r"^USER (?!root)\S+", text, re.M)
     for src in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", text, re.M):

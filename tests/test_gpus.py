@@ -69,3 +69,4 @@ def test_backend_follows_the_tensors():
 def test_shared_flag_from_the_environment(monkeypatch):
     monkeypatch.setenv(SHARED_ENV, "1")
     assert choose_backend("cuda:0") == "gloo"
+
