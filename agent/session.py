@@ -29,6 +29,8 @@ from schemas.messages import AgentState, InjectAction, Recovery, ReportKind, Rol
 from services.common import logs
 
 from .config import FALLBACK_EXIT_CODE, AgentConfig
+from .shadow_roles import ShadowFollower, ShadowLeader, why_not
+from .train_state import TrainState
 
 log = logs.get("agent")
 tracer = trace.get_tracer("ceaseless.agent")
@@ -124,16 +126,14 @@ class Session:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.cfg = config
-        self.objs: dict[str, Any] = {}
+        self.state = TrainState()               # registered objects, committed step, loss
         # Honest ranks: in a job, a pod that is not a member (a spare, a pod before its
         # first plan, a released one) has no rank. Single-process: rank 0 of 1.
         self.rank: int | None = 0 if config is None else None
         self.world_size: int | None = 1 if config is None else None
         self._joined: bool | None = None        # join()'s outcome, once known
         self.generation = 0
-        self.last_committed = -1
         self.current_step: int | None = None
-        self.loss: float | None = None          # global mean loss of the last committed step
         self.total: int | None = None
         self.group: Any = None
         self.runtime: Any = None
@@ -151,19 +151,12 @@ class Session:
         self._entered = False
         self._finished = False
         self._released = False
-        # learning-rate factor (the plan's lr_factor, ramped over lr_warmup_steps): part of
-        # the training state, so a replacement continues the same ramp
-        self.lr_factor = 1.0
         self._lr_from = 1.0
         self._lr_start = 0
         self._plan: Any = None
         # shadow spares (agent/shadow.py): rank 0's streams to the spares, a spare's stream
-        self._shadow_out: dict[str, Any] = {}  # spare pod -> ShadowSender (rank 0)
-        self._shadow_served: dict[str, str] = {}  # spare pod -> the request it answered
-        self._shadow_lead_g = 0                 # rank 0: the generation spares may follow
-        self._shadow_in: Any = None
-        self._shadow_at = -1            # a spare: the last step applied (held once confirmed)
-        self._shadow_loss: float | None = None
+        self._leader: Any = None    # ShadowLeader (rank 0), ShadowFollower (a spare): set
+        self._follower: Any = None  # up in __enter__ (agent/shadow_roles.py)
         self._entered_in_step = False   # a resume entered the new generation, then gave up
         self._failed_attempt = False    # a resume's _enter failed
         self._absent_at = _test_absent_step(config)
@@ -183,6 +176,37 @@ class Session:
         else:
             _refuse_foreign_launcher()
         return cls(global_batch_size, seed=seed, config=cfg)
+
+    # the training state's figures, as the script reads them
+    @property
+    def objs(self) -> dict[str, Any]:
+        return self.state.objs
+
+    @property
+    def device(self) -> torch.device:
+        """Where the registered model lives (its first parameter or buffer; CPU without)."""
+        return self.state.device
+
+    @property
+    def last_committed(self) -> int:
+        return self.state.last_committed
+
+    @last_committed.setter
+    def last_committed(self, v: int) -> None:
+        self.state.last_committed = v
+
+    @property
+    def loss(self) -> float | None:
+        """The global mean loss of the last committed step."""
+        return self.state.loss
+
+    @loss.setter
+    def loss(self, v: float | None) -> None:
+        self.state.loss = v
+
+    @property
+    def lr_factor(self) -> float:
+        return self.state.lr_factor
 
     @property
     def distributed(self) -> bool:
@@ -215,6 +239,8 @@ class Session:
             from .runtime import Runtime
 
             self.runtime = Runtime(self.cfg)
+            self._leader = ShadowLeader(self.runtime, self.cfg, self.state)
+            self._follower = ShadowFollower(self.runtime, self.cfg, self.state)
             self.runtime.start()
             self.runtime.update(now=True, state=AgentState.waiting)
             self._install_sigterm()
@@ -258,22 +284,9 @@ class Session:
 
     def register(self, **objs: Any) -> None:
         """Register the training state: anything with ``state_dict()``/``load_state_dict()``."""
-        for name, obj in objs.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"{name!r} has no state_dict()/load_state_dict()")
-            self.objs[name] = obj
+        self.state.register(**objs)
         if self.cfg is not None:
             self._resolve_backend()
-
-    @property
-    def device(self) -> torch.device:
-        """Where the registered model lives (its first parameter or buffer; CPU without)."""
-        for m in self._modules():
-            for t in m.parameters():
-                return t.device
-            for t in m.buffers():
-                return t.device
-        return torch.device("cpu")
 
     def _resolve_backend(self) -> None:
         """The job's backend follows the model (issue 19): gloo for a CPU model on any
@@ -296,43 +309,15 @@ class Session:
         log.info("backend", backend=backend, device=str(dev), override=self._backend_override,
                  gpu_shared=os.environ.get("CEASELESS_GPU_SHARED"))
         self.cfg.backend = backend
+        if self.runtime is not None:  # `ceaseless status` shows it
+            gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.runtime.update(device=(f"{dev} [GPU {gpus}]" if dev.type == "cuda" and gpus
+                                        else str(dev))[:64])
 
     # ------------------------------------------------------------------ registered state
-    def _modules(self) -> list[torch.nn.Module]:
-        return [o for o in self.objs.values() if isinstance(o, torch.nn.Module)]
-
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in self.objs.values() if isinstance(o, torch.optim.Optimizer)]
-
-    def _schedulers(self) -> list[Any]:
-        return [o for o in self.objs.values()
-                if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        seen: set[int] = set()
-        out = []
-        for m in self._modules():
-            for p in m.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
-
-    def _digest(self) -> str:
-        from .state import digest
-
-        mods = self._modules()
-        return digest(mods[0]) if mods else ""
-
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""
-        h = hashlib.sha256()
-        for name, m in sorted(((n, o) for n, o in self.objs.items()
-                               if isinstance(o, torch.nn.Module)), key=lambda x: x[0]):
-            for k, t in m.state_dict().items():
-                h.update(f"{name}.{k}".encode())
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return self.state.param_sha256()
 
     # ------------------------------------------------------------------ the loop
     def steps(self, total: int) -> Iterator[int]:
@@ -367,8 +352,8 @@ class Session:
             self._interrupted = False
             yield s
             self.runtime.end_step()
-            if self._shadow_lead_g and self.last_committed == s:
-                self._shadow_confirm(s)
+            if self._leader.generation and self.last_committed == s:
+                self._leader.confirm(s)
             if self.last_committed != s:
                 if not self._interrupted:
                     raise RuntimeError("call s.step() exactly once per step")
@@ -422,7 +407,7 @@ class Session:
         if pod in plan.spares:
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
                       state=AgentState.waiting)
-            self._shadow_follow(plan)
+            self._follower.follow(plan)
             return self._recover(first=True)
         self._released = True
         return False
@@ -486,7 +471,7 @@ class Session:
         if s is None:
             raise RuntimeError("step() is called inside `for step in s.steps(...)`")
         t0 = time.perf_counter()
-        params = self._params()
+        params = self.state.params()
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
         if self.distributed:
             self._injections(s)
@@ -527,11 +512,11 @@ class Session:
                 if p.grad is None:
                     p.grad = g
         f = self._lr_at(s)
-        self._update(f)
+        self.state.update(f)
         self._zero_grad()
         self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
-        if self._shadow_out:
-            self._shadow_offer(s, grads, f)
+        if self._leader is not None and self._leader.streaming:
+            self._leader.offer(s, grads, f)
         return True
 
     def _resume_in_place(self, s: int, pre: Any) -> bool:
@@ -565,23 +550,6 @@ class Session:
         log.info("step resumed in the new generation", step=s, generation=plan.generation)
         return True
 
-    def _update(self, f: float) -> None:
-        """Optimizer and scheduler step with the learning rate scaled by ``f`` (the plan's
-        ramp). Spares that follow the job run exactly this on rank 0's gradients."""
-        for opt in self._optimizers():
-            if f != 1.0:  # scale around the update only: schedulers keep their own lr
-                saved = [g["lr"] for g in opt.param_groups]
-                for g in opt.param_groups:
-                    g["lr"] = g["lr"] * f
-                opt.step()
-                for g, lr in zip(opt.param_groups, saved):
-                    g["lr"] = lr
-            else:
-                opt.step()
-        self.lr_factor = f
-        for sch in self._schedulers():
-            sch.step()
-
     # ------------------------------------------------------------------ commit / discard
     def _lr_at(self, s: int) -> float:
         p = self._plan
@@ -590,10 +558,7 @@ class Session:
         return lr_factor_at(s, self._lr_start, self._lr_from, p.lr_factor, p.lr_warmup_steps)
 
     def _zero_grad(self) -> None:
-        for opt in self._optimizers():
-            opt.zero_grad(set_to_none=True)
-        for m in self._modules():
-            m.zero_grad(set_to_none=True)
+        self.state.zero_grad()
         self._loss_acc = None
 
     def _discard(self, reason: str) -> bool:
@@ -626,7 +591,7 @@ class Session:
         self._last_commit_time = now
         if self.runtime is not None:
             st = self.stats.step_times
-            self.runtime.update(step=s, digest=self._digest(), state=AgentState.training,
+            self.runtime.update(step=s, digest=self.state.digest(), state=AgentState.training,
                                 loss=loss, step_time=(sorted(st)[len(st) // 2] if st else None))
             if self._incident is not None:
                 self._report_recovery(now)
@@ -737,7 +702,7 @@ class Session:
 
             def ready_or_shadow():
                 got = ready()
-                if got is None and self._shadow_in is not None and self._shadow_in.ready():
+                if got is None and self._follower.ready():
                     return ("shadow", None, None)
                 return got
 
@@ -747,10 +712,10 @@ class Session:
                 return "timeout"
             kind, plan, ctx = got
             if kind == "shadow":
-                self._shadow_apply(1)  # one at a time: a plan is noticed between items
+                self._follower.apply(1)  # one at a time: a plan is noticed between items
                 continue
             if kind == "done":
-                self._shadow_stop(quiet=True)
+                self._follower.stop(quiet=True)
                 return None
             if plan.rank_of(pod) is not None:
                 return plan, ctx  # a following spare drains its stream in _enter
@@ -767,7 +732,7 @@ class Session:
                 return None
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
                       state=AgentState.waiting)
-            self._shadow_follow(plan)
+            self._follower.follow(plan)
 
     def _enter(self, plan: Any, plan_ctx: Any, first: bool, keep_grads: bool = False) -> None:
         from .collectives import Aborted, AbortableGroup, make_group_abortable
@@ -794,7 +759,7 @@ class Session:
         _export_ranks(self.rank, self.world_size)
         def report() -> None:  # the broker takes this step and digest for the generation
             rt.update(now=True, generation=g, rank=self.rank, role=Role.worker,
-                      step=self.last_committed, digest=self._digest(),
+                      step=self.last_committed, digest=self.state.digest(),
                       state=AgentState.recovering)
 
         # rendezvous: ranks come from the plan; the store lives on NATS
@@ -804,19 +769,19 @@ class Session:
         pre = rt.take_prejoin(g)
         if pre is not None:
             pass  # the runtime reported the generation and is building the group (prejoin.py)
-        elif self._shadow_in is not None:
+        elif self._follower.following:
             # A spare that followed the job: apply what already arrived (cheaper than a
             # transfer) while the peers connect, then report the step it holds.
             def meanwhile() -> None:
-                self._shadow_apply()
-                self._shadow_stop()
+                self._follower.apply()
+                self._follower.stop()
                 report()
         else:
             report()
             # A member holding committed state (or anyone at generation 1, where rank 0 is
             # the source) is likely a source: copy the state while the peers connect.
             if self.last_committed >= 0 or g == 1:
-                meanwhile = lambda: snap.append(self._snapshot())  # noqa: E731
+                meanwhile = lambda: snap.append(self.state.snapshot())  # noqa: E731
         if pre is not None and (pre.rank, pre.world_size) == (self.rank, self.world_size):
             pg = pre.wait_group(rt.abort, self.cfg.collective_slice)
         else:
@@ -852,12 +817,8 @@ class Session:
         held = None  # the committed state this rank holds as a FlatState, if it has one
         if self.rank in transfer.sources:
             st = held = recv_state(self.group, self.rank, transfer.sources[self.rank], rt.abort)
-            st.restore(self.objs)
+            self.state.restore(st, transfer.restore_step)
             received = st.nbytes
-            extra = st.extra or {}
-            self.last_committed = int(extra.get("step", transfer.restore_step))
-            self.loss = extra.get("loss")
-            self.lr_factor = float(extra.get("lr_factor", 1.0))
             if self.last_committed != transfer.restore_step:
                 raise RuntimeError(f"received state of step {self.last_committed}, "
                                    f"expected {transfer.restore_step}")
@@ -869,7 +830,7 @@ class Session:
             if snap:
                 held = snap[0]
             if mine:
-                st = held = held or self._snapshot()
+                st = held = held or self.state.snapshot()
                 sent = send_state(self.group, st, self.rank, mine, rt.abort) or 0
         if not keep_grads:
             self._zero_grad()
@@ -880,200 +841,21 @@ class Session:
             inc.restore_step = transfer.restore_step
             inc.bytes_received, inc.bytes_sent = received, sent
             inc.role = "recipient" if received else ("source" if sent else "survivor")
-        if self.rank == 0 and self._shadow_reason() is None:  # spares may register later
+        if self.rank == 0 and why_not(self.cfg, self.state) is None:  # spares may ask later
             if plan.spares and held is None:
-                held = self._snapshot()
-            self._shadow_lead(plan, held)
+                held = self.state.snapshot()
+            self._leader.lead(plan, held)
         # data_resume: the loader position is a pure function of the step
         if inc is not None:
             inc.t_data = time.time()
-        rt.update(now=True, step=self.last_committed, digest=self._digest(),
+        rt.update(now=True, step=self.last_committed, digest=self.state.digest(),
                   state=AgentState.training)
         log.info("joined generation", generation=g, rank=self.rank, world_size=self.world_size,
                  restore_step=transfer.restore_step, received=received, sent=sent)
 
-    def _snapshot(self) -> Any:
-        """A copy of the committed state (FlatState), with what a recipient restores too."""
-        from .state import snapshot
-
-        # CUDA state goes to pinned host memory: a second full copy of model + optimizer
-        # on the GPU would cost what the user's batch needs (issue 19)
-        return snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
-                                    "lr_factor": self.lr_factor}, to_host=True)
-
-    # ------------------------------------------------------------------ shadow spares
-    def _shadow_reason(self) -> str | None:
-        """Why spares cannot follow this job (None: they can)."""
-        if not self.cfg.shadow_spares:
-            return "off (CEASELESS_SHADOW_SPARES=0)"
-        # (the stream's pair group is gloo whatever the job's backend; CUDA tensors are
-        # copied to host memory to be sent and back to the device when applied)
-        for name, o in self.objs.items():
-            if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer,
-                                  torch.optim.lr_scheduler.LRScheduler)):
-                # the spare could not replay what the script does to it
-                return f"registered object {name!r} is not a module, optimizer or scheduler"
-        return None
-
-    def _buffers(self) -> list[torch.Tensor]:
-        seen: set[int] = set()
-        out = []
-        for m in self._modules():
-            for b in m.buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    out.append(b)
-        return out
-
-    def _shadow_store(self, generation: int, pod: str, rid: str,
-                      timeout: float | None = None) -> Callable[[], Any]:
-        from .shadow import store_prefix
-        from .store import NatsStore
-
-        rt = self.runtime
-        prefix = store_prefix(generation, pod, rid)
-        return lambda: NatsStore(rt.store_kv, rt.loop, prefix=prefix,
-                                 timeout=timeout or self.cfg.store_timeout)
-
-    def _shadow_lead(self, plan: Any, held: Any) -> None:
-        """Rank 0: stream the committed state, then every committed step, to each spare that
-        asks (the plan's spares at once, from ``held``; later ones at a step boundary)."""
-        g = self._shadow_lead_g = plan.generation
-        self.runtime.watch_shadow_requests(g)
-        for pod in plan.spares:
-            rid = self.runtime.shadow_request(g, pod)
-            if rid is not None:
-                self._shadow_serve(pod, rid, held)
-
-    def _shadow_serve(self, pod: str, rid: str, held: Any) -> None:
-        from .shadow import ShadowSender
-
-        old = self._shadow_out.pop(pod, None)
-        if old is not None:
-            old.close()
-        self._shadow_served[pod] = rid
-        self._shadow_out[pod] = ShadowSender(
-            pod, self._shadow_store(self._shadow_lead_g, pod, rid), held, self.last_committed,
-            timeout_s=self.cfg.collective_timeout, slice_s=self.cfg.collective_slice)
-
-    def _shadow_end_lead(self) -> None:
-        for out in self._shadow_out.values():
-            out.close()
-        self._shadow_out, self._shadow_served = {}, {}
-        if self._shadow_lead_g:
-            self._shadow_lead_g = 0
-            self.runtime.watch_shadow_requests(None)
-
-    def _shadow_offer(self, s: int, grads: list[torch.Tensor], f: float) -> None:
-        from .shadow import Update
-
-        bufs = [b.detach().clone() for b in self._buffers()]  # the next forward changes them
-        u = Update(step=s, loss=self.loss, lr_factor=f, tensors=list(grads) + bufs)
-        for out in self._shadow_out.values():
-            out.offer(u)
-
-    def _shadow_confirm(self, s: int) -> None:
-        """Rank 0, back from the script after committing ``s``: the state the spares must
-        hold (anything the script did between steps included); spares that asked since the
-        last step start here, from a snapshot of that state."""
-        from .shadow import Confirm, state_word
-
-        if self._shadow_out:
-            c = Confirm(step=s, check=state_word(self._modules()))
-            for out in self._shadow_out.values():
-                out.offer(c)
-        reqs = self.runtime.shadow_requests
-        new = sorted(p for p, rid in reqs.items() if self._shadow_served.get(p) != rid)
-        if new:
-            held = self._snapshot()
-            for pod in new:
-                self._shadow_serve(pod, reqs[pod], held)
-
-    def _shadow_follow(self, plan: Any) -> None:
-        """A spare of ``plan``: follow its rank 0 (ends any older stream)."""
-        self._shadow_stop()
-        reason = self._shadow_reason()
-        if reason is not None or not plan.members:
-            return
-        from .shadow import IDLE_TIMEOUT_S, ShadowReceiver
-
-        rt = self.runtime
-        self._shadow_at = self.last_committed
-        rid = rt.request_shadow(plan.generation, self.cfg.pod)
-        if rid is None:
-            return
-
-        def notify() -> None:
-            with rt.cond:
-                rt.cond.notify_all()
-
-        self._shadow_in = ShadowReceiver(
-            self._shadow_store(plan.generation, self.cfg.pod, rid, IDLE_TIMEOUT_S),
-            self._params() + self._buffers(), notify,
-            timeout_s=self.cfg.collective_timeout, slice_s=self.cfg.collective_slice)
-
-    def _shadow_stop(self, quiet: bool = False) -> None:
-        """End the stream; a step applied but not confirmed leaves state matching no step."""
-        if self._shadow_in is not None:
-            self._shadow_in.close()
-            self._shadow_in = None
-            if self._shadow_at != self.last_committed and not quiet:
-                self._shadow_diverged(f"step {self._shadow_at} applied but not confirmed")
-
-    def _shadow_apply(self, n: int | None = None) -> None:
-        """Training thread of a spare: apply what the stream delivered (the first ``n`` items;
-        None: all). A step is applied when it arrives and held (``last_committed``, the
-        heartbeat) once confirmed."""
-        src = self._shadow_in
-        if src is None:
-            return
-        from .shadow import state_word
-
-        for kind, val in src.take(n):
-            if kind == "state":
-                extra = val.restore(self.objs)
-                self.last_committed = self._shadow_at = int(extra.get("step", -1))
-                self.loss = extra.get("loss")
-                self.lr_factor = float(extra.get("lr_factor", 1.0))
-                self._zero_grad()
-            elif kind == "step":
-                if val.step != self._shadow_at + 1:
-                    return self._shadow_diverged(f"step {val.step} after {self._shadow_at}")
-                params, bufs = self._params(), self._buffers()
-                with torch.no_grad():
-                    for b, v in zip(bufs, val.tensors[len(params):]):
-                        b.copy_(v)
-                for p, g in zip(params, val.tensors):
-                    p.grad = g if g.device == p.device else g.to(p.device)
-                self._update(val.lr_factor)
-                self._zero_grad()
-                self._shadow_at, self._shadow_loss = val.step, val.loss
-                continue
-            else:
-                if val.step != self._shadow_at:
-                    return self._shadow_diverged(f"confirmation of step {val.step}, "
-                                                 f"holding {self._shadow_at}")
-                if state_word(self._modules()) != val.check:
-                    return self._shadow_diverged(
-                        f"state differs from rank 0's after step {val.step} (does the script "
-                        "change registered modules outside s.step()?)")
-                self.last_committed, self.loss = val.step, self._shadow_loss
-            self.runtime.update(step=self.last_committed, digest=self._digest())
-
-    def _shadow_diverged(self, why: str) -> None:
-        """The followed state is not the job's: hold nothing (the broker then sends it)."""
-        log.warning("spare stops following the job; it takes the state transfer when promoted",
-                    reason=why)
-        if self._shadow_in is not None:
-            self._shadow_in.close()
-            self._shadow_in = None
-        self.last_committed = self._shadow_at = -1
-        self.loss, self.lr_factor = None, 1.0
-        self._zero_grad()
-        self.runtime.update(now=True, step=-1, digest="")
-
     def _close_group(self) -> None:
-        self._shadow_end_lead()
+        if self._leader is not None:
+            self._leader.end()
         if self.group is not None:
             try:
                 self.group.close()
@@ -1154,14 +936,14 @@ class Session:
     # ------------------------------------------------------------------ end of job
     def _finish(self) -> None:
         self._finished = True
-        self._shadow_end_lead()
+        self._leader.end()
         rt = self.runtime
         rt.update(now=True, state=AgentState.done)
         rt.put_done(self.last_committed, self.generation)
         self._write_result()
 
     def _leave(self, released: bool = False) -> None:
-        self._shadow_stop(quiet=True)
+        self._follower.stop(quiet=True)
         self._not_member()  # the user's `if s.rank == 0: save()` after the loop: not here
         if released:
             log.info("slot released by a planned shrink; leaving", step=self.last_committed,

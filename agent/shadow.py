@@ -62,14 +62,13 @@ def layout_hash(tensors: Sequence[Tensor]) -> int:
 
 def state_word(modules: Sequence[torch.nn.Module]) -> int:
     """An exact check of every tensor in the modules' state dicts (parameters and buffers), as
-    one signed int64: any changed 64-bit word changes it (``state._checksum_u8`` per tensor).
-    About 6 ms for 10M parameters on one CPU thread."""
+    one signed int64: any changed 64-bit word changes it (``state._checksum_u8`` per tensor,
+    wrapping integer sums: the same value on any device). About 6 ms for 10M parameters on one
+    CPU thread; CUDA tensors are summed on their GPU."""
     h = hashlib.blake2b(digest_size=8)
     for i, m in enumerate(modules):
         for k, t in m.state_dict().items():
-            t = t.detach().reshape(-1)
-            if t.device.type != "cpu":
-                t = t.cpu()
+            t = t.detach().reshape(-1)  # on its device: a CUDA model is not copied to the host
             if not t.is_contiguous() or (t.storage_offset() * t.element_size()) % 8:
                 t = t.clone()  # the checksum reads 8-byte words from an aligned start
             h.update(f"{i}.{k}".encode())

@@ -187,7 +187,7 @@ def render(res: dict[str, Any]) -> str:
                   f"| peak GPU memory (`max_memory_allocated`) | {_mib(p['peak_mem'])} | "
                   f"{_mib(mem)} | "
                   + (f"{mem / p['peak_mem']:.3f}" if mem and p["peak_mem"] else "–") + " |",
-                  f"| median step time | "
+                  "| median step time | "
                   + (f"{p['step_s'] * 1e3:.1f} ms" if p["step_s"] else "–") + " | "
                   + (f"{st * 1e3:.1f} ms" if st else "–") + " | "
                   + (f"{st / p['step_s']:.3f}" if st and p["step_s"] else "–") + " |"]

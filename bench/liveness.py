@@ -171,7 +171,7 @@ def render(res: dict[str, Any]) -> str:
         f"| runs | {len(runs)} |",
         f"| hangs (not finished in {cfg['run_timeout']:.0f} s) | **{hangs}** |",
         f"| bitwise equal to the fault-free run, no lost step | **{ok} / {len(runs)}** |",
-        f"| downtime per incident, median (min–max) | "
+        "| downtime per incident, median (min–max) | "
         + (f"{d['median']:.3f} s ({d['min']:.3f}–{d['max']:.3f})" if d["n"] else "–") + " |",
         f"| runs where a survivor took the resume-in-place path | "
         f"{sum(1 for r in runs if r.get('resumed'))} |",

@@ -112,6 +112,9 @@ class Heartbeat(Message):
     step_time: Annotated[float, Field(ge=0)] | None = None
     loss: float | None = None
     pid: Annotated[int, Field(ge=0)] | None = None
+    # where the pod's model trains ("cpu", "cuda:0 [GPU 3]"; None: nothing registered yet).
+    # Added 2026-12-04 (issue 19), optional: older agents' heartbeats still validate.
+    device: Annotated[str, Field(max_length=64)] | None = None
 
 
 class Seen(BaseModel):

@@ -134,11 +134,13 @@ def _render_status(st: dict[str, Any]) -> str:
     mon = st["services"].get("health_monitor", {})
     pods = mon.get("pods") or {}
     if pods:
-        lines.append(f"{'pod':<10}{'role':<8}{'state':<12}{'gen':>4}{'rank':>5}{'step':>7}{'age s':>8}  health")
+        lines.append(f"{'pod':<10}{'role':<8}{'state':<12}{'gen':>4}{'rank':>5}{'step':>7}{'age s':>8}"
+                     f"  {'device':<16}health")
         for pod, p in sorted(pods.items()):
             lines.append(f"{pod:<10}{str(p.get('role')):<8}{str(p.get('state')):<12}"
                          f"{p.get('generation', '-'):>4}{str(p.get('rank', '-')):>5}"
-                         f"{p.get('step', '-'):>7}{p.get('age', 0):>8.2f}  {p.get('health', '')}")
+                         f"{p.get('step', '-'):>7}{p.get('age', 0):>8.2f}  "
+                         f"{str(p.get('device') or '-'):<16}{p.get('health', '')}")
     for name, s in st["services"].items():
         state = s.get("error") or f"up {s.get('uptime_s', 0):.0f}s, dropped {sum(s.get('dropped', {}).values())}"
         lines.append(f"service {name}: {state}")

@@ -28,7 +28,7 @@ def test_shared_when_too_few_and_several_per_pod():
     g = GpuAssigner(["0"], expected=3)
     assert g.mode == "shared" and "share" in g.warning
     assert [g.assign(p) for p in ("w0", "w1")] == [
-        {"CUDA_VISIBLE_DEVICES": "0", SHARED_ENV: "1"}] * 2
+        {"CUDA_VISIBLE_DEVICES": "0", SHARED_ENV: "1", "LOCAL_RANK": "0"}] * 2
     g2 = GpuAssigner(["0", "1", "2", "3"], expected=2, per_pod=2)
     assert g2.mode == "exclusive"
     assert [g2.assign(p)["CUDA_VISIBLE_DEVICES"] for p in ("a", "b")] == ["0,1", "2,3"]

@@ -1,4 +1,5 @@
-"""Which GPUs each pod sees (``ceaseless up --gpus-per-pod``), as ``CUDA_VISIBLE_DEVICES``.
+"""Which GPUs each pod sees (``ceaseless up --gpus-per-pod``), as ``CUDA_VISIBLE_DEVICES``
+(one process per pod: ``LOCAL_RANK`` 0, its first visible device).
 
 One GPU per pod is the normal case: each pod gets devices of its own, NCCL can be used.
 When the machine has fewer GPUs than pods (a workstation, our tests), pods share them round
@@ -87,11 +88,11 @@ class GpuAssigner:
                                 f"{k} per pod, all held by {sorted(self._held)}")
             got, self._free = self._free[:k], self._free[k:]
             self._held[pod] = got
-            return {"CUDA_VISIBLE_DEVICES": ",".join(got), SHARED_ENV: "0"}
+            return {"CUDA_VISIBLE_DEVICES": ",".join(got), SHARED_ENV: "0", "LOCAL_RANK": "0"}
         n = len(self.devices)
         got = [self.devices[(self._next + i) % n] for i in range(k)]
         self._next = (self._next + k) % n
-        return {"CUDA_VISIBLE_DEVICES": ",".join(got), SHARED_ENV: "1"}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(got), SHARED_ENV: "1", "LOCAL_RANK": "0"}
 
     def release(self, pod: str) -> None:
         for d in self._held.pop(pod, []):

@@ -481,6 +481,7 @@ class HealthMonitor(Service):
                         "age": round(now - v.last_hb, 3),
                         "since_advance": round(now - v.last_advance, 3),
                         "state": v.state.value, "heartbeated": v.heartbeated,
+                        "device": v.hb.device if v.hb is not None else None,
                         "health": self._health(v, now)}
                 for v in sorted(self.pods.values(), key=lambda v: v.pod)
             },

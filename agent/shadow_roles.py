@@ -1,0 +1,206 @@
+"""The two ends of shadow spares, as the Session uses them (``agent/shadow.py`` has the wire).
+
+``ShadowLeader`` (rank 0 of a generation): answers the spares that ask to follow (their KV
+requests), streams the committed state once, then every committed step, and a checksum of
+the state the script came back with. ``ShadowFollower`` (a spare): asks rank 0 to stream,
+applies what arrives to the ``TrainState`` with the members' own update, and holds a step
+once rank 0 confirmed it; when the state stops matching it holds nothing and takes the
+ordinary transfer when promoted. See docs/architecture.md, "Shadow spares".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from services.common import logs
+
+from .config import AgentConfig
+from .train_state import TrainState
+
+log = logs.get("agent")
+
+
+def why_not(cfg: AgentConfig, state: TrainState) -> str | None:
+    """Why spares cannot follow this job (None: they can). The pair group is gloo whatever
+    the job's backend; CUDA tensors go through host memory."""
+    if not cfg.shadow_spares:
+        return "off (CEASELESS_SHADOW_SPARES=0)"
+    return state.replayable()  # the spare must replay what the script does
+
+
+def _store(rt: Any, cfg: AgentConfig, generation: int, pod: str, rid: str,
+           timeout: float | None = None) -> Callable[[], Any]:
+    from .shadow import store_prefix
+    from .store import NatsStore
+
+    prefix = store_prefix(generation, pod, rid)
+    return lambda: NatsStore(rt.store_kv, rt.loop, prefix=prefix,
+                             timeout=timeout or cfg.store_timeout)
+
+
+class ShadowLeader:
+    """Rank 0's streams to the spares of one generation at a time."""
+
+    def __init__(self, rt: Any, cfg: AgentConfig, state: TrainState) -> None:
+        self._rt, self._cfg, self._state = rt, cfg, state
+        self._out: dict[str, Any] = {}      # spare pod -> ShadowSender
+        self._served: dict[str, str] = {}   # spare pod -> the request it answered
+        self.generation = 0                 # the generation spares may follow (0: none)
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self._out)
+
+    def lead(self, plan: Any, held: Any) -> None:
+        """Stream the committed state, then every committed step, to each spare that asks
+        (the plan's spares at once, from ``held``; later ones at a step boundary)."""
+        g = self.generation = plan.generation
+        self._rt.watch_shadow_requests(g)
+        for pod in plan.spares:
+            rid = self._rt.shadow_request(g, pod)
+            if rid is not None:
+                self._serve(pod, rid, held)
+
+    def _serve(self, pod: str, rid: str, held: Any) -> None:
+        from .shadow import ShadowSender
+
+        old = self._out.pop(pod, None)
+        if old is not None:
+            old.close()
+        self._served[pod] = rid
+        self._out[pod] = ShadowSender(
+            pod, _store(self._rt, self._cfg, self.generation, pod, rid), held,
+            self._state.last_committed, timeout_s=self._cfg.collective_timeout,
+            slice_s=self._cfg.collective_slice)
+
+    def end(self) -> None:
+        for out in self._out.values():
+            out.close()
+        self._out, self._served = {}, {}
+        if self.generation:
+            self.generation = 0
+            self._rt.watch_shadow_requests(None)
+
+    def offer(self, s: int, grads: list[torch.Tensor], f: float) -> None:
+        """Step ``s`` committed with these reduced gradients and learning-rate factor."""
+        from .shadow import Update
+
+        bufs = [b.detach().clone() for b in self._state.buffers()]  # the next forward changes them
+        u = Update(step=s, loss=self._state.loss, lr_factor=f, tensors=list(grads) + bufs)
+        for out in self._out.values():
+            out.offer(u)
+
+    def confirm(self, s: int) -> None:
+        """Back from the script after committing ``s``: the state the spares must hold
+        (anything the script did between steps included); spares that asked since the last
+        step start here, from a snapshot of that state."""
+        from .shadow import Confirm, state_word
+
+        if self._out:
+            c = Confirm(step=s, check=state_word(self._state.modules()))
+            for out in self._out.values():
+                out.offer(c)
+        reqs = self._rt.shadow_requests
+        new = sorted(p for p, rid in reqs.items() if self._served.get(p) != rid)
+        if new:
+            held = self._state.snapshot()
+            for pod in new:
+                self._serve(pod, reqs[pod], held)
+
+
+class ShadowFollower:
+    """A spare's stream from rank 0 and what it applies."""
+
+    def __init__(self, rt: Any, cfg: AgentConfig, state: TrainState) -> None:
+        self._rt, self._cfg, self._state = rt, cfg, state
+        self._in: Any = None
+        self._at = -1                       # the last step applied (held once confirmed)
+        self._loss: float | None = None
+
+    @property
+    def following(self) -> bool:
+        return self._in is not None
+
+    def ready(self) -> bool:
+        """Something arrived to apply."""
+        return self._in is not None and self._in.ready()
+
+    def follow(self, plan: Any) -> None:
+        """A spare of ``plan``: follow its rank 0 (ends any older stream)."""
+        self.stop()
+        if why_not(self._cfg, self._state) is not None or not plan.members:
+            return
+        from .shadow import IDLE_TIMEOUT_S, ShadowReceiver
+
+        rt = self._rt
+        self._at = self._state.last_committed
+        rid = rt.request_shadow(plan.generation, self._cfg.pod)
+        if rid is None:
+            return
+
+        def notify() -> None:
+            with rt.cond:
+                rt.cond.notify_all()
+
+        self._in = ShadowReceiver(
+            _store(rt, self._cfg, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
+            self._state.params() + self._state.buffers(), notify,
+            timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice)
+
+    def stop(self, quiet: bool = False) -> None:
+        """End the stream; a step applied but not confirmed leaves state matching no step."""
+        if self._in is not None:
+            self._in.close()
+            self._in = None
+            if self._at != self._state.last_committed and not quiet:
+                self._diverged(f"step {self._at} applied but not confirmed")
+
+    def apply(self, n: int | None = None) -> None:
+        """Training thread: apply what the stream delivered (the first ``n`` items; None:
+        all). A step is applied when it arrives and held (``last_committed``, the heartbeat)
+        once confirmed."""
+        src, st = self._in, self._state
+        if src is None:
+            return
+        from .shadow import state_word
+
+        for kind, val in src.take(n):
+            if kind == "state":
+                self._at = st.restore(val)
+                st.zero_grad()
+            elif kind == "step":
+                if val.step != self._at + 1:
+                    return self._diverged(f"step {val.step} after {self._at}")
+                params, bufs = st.params(), st.buffers()
+                with torch.no_grad():
+                    for b, v in zip(bufs, val.tensors[len(params):]):
+                        b.copy_(v)
+                for p, g in zip(params, val.tensors):
+                    p.grad = g if g.device == p.device else g.to(p.device)
+                st.update(val.lr_factor)
+                st.zero_grad()
+                self._at, self._loss = val.step, val.loss
+                continue
+            else:
+                if val.step != self._at:
+                    return self._diverged(f"confirmation of step {val.step}, holding {self._at}")
+                if state_word(st.modules()) != val.check:
+                    return self._diverged(
+                        f"state differs from rank 0's after step {val.step} (does the script "
+                        "change registered modules outside s.step()?)")
+                st.last_committed, st.loss = val.step, self._loss
+            self._rt.update(step=st.last_committed, digest=st.digest())
+
+    def _diverged(self, why: str) -> None:
+        """The followed state is not the job's: hold nothing (the broker then sends it)."""
+        log.warning("spare stops following the job; it takes the state transfer when promoted",
+                    reason=why)
+        if self._in is not None:
+            self._in.close()
+            self._in = None
+        self._state.forget()
+        self._at = -1
+        self._state.zero_grad()
+        self._rt.update(now=True, step=-1, digest="")

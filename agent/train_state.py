@@ -1,0 +1,146 @@
+"""``TrainState``: the registered training state and everything done to it.
+
+The objects the script registered (modules, optimizers, schedulers, anything with
+``state_dict()``), the committed step, its global loss and the learning-rate factor, and
+the operations on them that members, promoted spares and spares following the job all run
+the same way: the update, zero-grad, the digest and exact checksums, snapshot and restore.
+Device-aware: the model may live on a GPU; snapshots go to host memory (issue 19). It knows
+nothing of process groups, plans or the bus (issue 18: the Session's first part out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+
+class TrainState:
+    def __init__(self) -> None:
+        self.objs: dict[str, Any] = {}
+        self.last_committed = -1
+        self.loss: float | None = None          # global mean loss of the last committed step
+        # learning-rate factor (the plan's lr_factor, ramped over lr_warmup_steps): part of
+        # the state, so a replacement continues the same ramp
+        self.lr_factor = 1.0
+
+    # ------------------------------------------------------------------ what is registered
+    def register(self, **objs: Any) -> None:
+        for name, obj in objs.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{name!r} has no state_dict()/load_state_dict()")
+            self.objs[name] = obj
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [o for o in self.objs.values() if isinstance(o, torch.nn.Module)]
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in self.objs.values() if isinstance(o, torch.optim.Optimizer)]
+
+    def schedulers(self) -> list[Any]:
+        return [o for o in self.objs.values()
+                if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """Trainable parameters of every registered module, each once, in order."""
+        seen: set[int] = set()
+        out = []
+        for m in self.modules():
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def buffers(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        for m in self.modules():
+            for b in m.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        """Where the registered model lives (its first parameter or buffer; CPU without)."""
+        for m in self.modules():
+            for t in m.parameters():
+                return t.device
+            for t in m.buffers():
+                return t.device
+        return torch.device("cpu")
+
+    def replayable(self) -> str | None:
+        """Why a spare could not replay this state's updates (None: it can)."""
+        for name, o in self.objs.items():
+            if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer,
+                                  torch.optim.lr_scheduler.LRScheduler)):
+                return f"registered object {name!r} is not a module, optimizer or scheduler"
+        return None
+
+    # ------------------------------------------------------------------ the update
+    def update(self, f: float) -> None:
+        """Optimizer and scheduler step with the learning rate scaled by ``f`` (the plan's
+        ramp). Spares that follow the job run exactly this on rank 0's gradients."""
+        for opt in self.optimizers():
+            if f != 1.0:  # scale around the update only: schedulers keep their own lr
+                saved = [g["lr"] for g in opt.param_groups]
+                for g in opt.param_groups:
+                    g["lr"] = g["lr"] * f
+                opt.step()
+                for g, lr in zip(opt.param_groups, saved):
+                    g["lr"] = lr
+            else:
+                opt.step()
+        self.lr_factor = f
+        for sch in self.schedulers():
+            sch.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers():
+            opt.zero_grad(set_to_none=True)
+        for m in self.modules():
+            m.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ checks
+    def digest(self) -> str:
+        """Cheap digest of the first module's parameters (a heartbeat hint)."""
+        from .state import digest
+
+        mods = self.modules()
+        return digest(mods[0]) if mods else ""
+
+    def param_sha256(self) -> str:
+        """sha256 over every registered module's state_dict tensors (exact)."""
+        h = hashlib.sha256()
+        for name, m in sorted(((n, o) for n, o in self.objs.items()
+                               if isinstance(o, torch.nn.Module)), key=lambda x: x[0]):
+            for k, t in m.state_dict().items():
+                h.update(f"{name}.{k}".encode())
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ copies
+    def snapshot(self) -> Any:
+        """A copy of the committed state (FlatState), with what a recipient restores too.
+        CUDA state goes to pinned host memory: a second full copy of model + optimizer on
+        the GPU would cost what the user's batch needs (issue 19)."""
+        from .state import snapshot
+
+        return snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
+                                    "lr_factor": self.lr_factor}, to_host=True)
+
+    def restore(self, st: Any, default_step: int = -1) -> int:
+        """Load a FlatState (a snapshot, a transfer); returns the step it holds."""
+        extra = st.restore(self.objs) or {}
+        self.last_committed = int(extra.get("step", default_step))
+        self.loss = extra.get("loss")
+        self.lr_factor = float(extra.get("lr_factor", 1.0))
+        return self.last_committed
+
+    def forget(self) -> None:
+        """Hold no committed step (a spare whose copy stopped matching the job's)."""
+        self.last_committed, self.loss, self.lr_factor = -1, None, 1.0
