@@ -101,13 +101,15 @@ def emit_with_plot(a: Any, res: dict[str, Any], md: str, heading: str, img: str,
 
 
 def emit(res: dict[str, Any], md: str, heading: str, json_path: str | None,
-         write_doc: bool) -> int:
-    """Print a benchmark's table; keep its JSON; update its docs/benchmarks.md section."""
+         write_doc: bool, doc: Path = DOC) -> int:
+    """Print a benchmark's table; keep its JSON; update its section of ``doc``
+    (docs/benchmarks.md unless told)."""
     import json
 
     print(md)
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(res, indent=1))
     if write_doc:
-        write_section(heading, md)
+        write_section(heading, md, doc)
     return 0

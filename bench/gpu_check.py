@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, machine, machine_line, write_section
+from bench.common import REPO, emit, machine, machine_line
 
 SECTION = "## GPU"
 
@@ -199,13 +199,7 @@ def render(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     res = asyncio.run(_main(a))
-    text = render(res)
-    print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
-    if a.write_doc:
-        write_section(SECTION, text)
+    emit(res, render(res), SECTION, a.json, a.write_doc)
     ok = all(f["sha"] == res["ref"]["sha"] and not f["lost_steps"] for f in res["faults"])
     if "nccl_kill" in res:
         ok = ok and res["nccl_kill"]["sha"] == res["nccl_ref"]["sha"]

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, machine, machine_line, replace_section, summary
+from bench.common import REPO, emit, machine, machine_line, summary
 
 DOC = REPO / "docs" / "reliability.md"
 SECTION = "## Liveness under load: rank-0 kills with a spare"
@@ -190,13 +190,7 @@ def run(a: argparse.Namespace) -> int:
                 r.update(counts(Path(r["run_dir"])))
     else:
         res = asyncio.run(_main(a))
-    text = render(res)
-    print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
-    if a.write_doc:
-        DOC.write_text(replace_section(DOC.read_text(), SECTION, text))
+    emit(res, render(res), SECTION, a.json, a.write_doc, DOC)
     bad = [r for r in res["runs"] if r["hang"] or not r["bitwise"] or r["lost_steps"]]
     return 1 if bad else 0
 
