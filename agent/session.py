@@ -111,11 +111,37 @@ def _test_absent_step(cfg: AgentConfig | None) -> int | None:
     return int(step) if pod == cfg.pod and step.isdigit() else None
 
 
+def _seed(v: int) -> None:
+    """torch (CPU and every CUDA device), numpy's global generator, ``random``."""
+    torch.manual_seed(v)
+    random.seed(v)
+    try:
+        import numpy as np
+
+        np.random.seed(v & 0xFFFFFFFF)
+    except ImportError:
+        pass
+
+
+def _seed_step(seed: int, step: int) -> None:
+    """At the start of each step: whatever the script draws before or between its
+    micro-batches (a prefetch, an augmentation) is the same on every rank and after any
+    fault, as if the step had never been interrupted."""
+    h = hashlib.blake2b(f"{seed}:{step}:step".encode(), digest_size=8).digest()
+    _seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
+
+
 def _seed_micro(seed: int, step: int, k: int) -> None:
     h = hashlib.blake2b(f"{seed}:{step}:{k}".encode(), digest_size=8).digest()
     v = int.from_bytes(h, "little") & ((1 << 63) - 1)
     torch.manual_seed(v)
     random.seed(v)
+    try:  # (torch and random exactly as before: earlier runs stay bitwise comparable)
+        import numpy as np
+
+        np.random.seed(v & 0xFFFFFFFF)
+    except ImportError:
+        pass
 
 
 class Session:
@@ -134,6 +160,7 @@ class Session:
         self._joined: bool | None = None        # join()'s outcome, once known
         self.generation = 0
         self.current_step: int | None = None
+        self.grad_norm: float | None = None     # of the last step(max_grad_norm=...), pre-clip
         self.total: int | None = None
         self.group: Any = None
         self.runtime: Any = None
@@ -350,6 +377,7 @@ class Session:
                 continue
             self.current_step = s
             self._interrupted = False
+            _seed_step(self.seed, s)
             yield s
             self.runtime.end_step()
             if self._leader.generation and self.last_committed == s:
@@ -416,6 +444,7 @@ class Session:
         while self.last_committed + 1 < total:
             s = self.last_committed + 1
             self.current_step = s
+            _seed_step(self.seed, s)
             yield s
             if self.last_committed != s:
                 raise RuntimeError("call s.step() exactly once per step")
@@ -425,22 +454,37 @@ class Session:
         """This rank's share of the current step's global batch, one micro-batch at a time.
         Micro-batch ``k`` of step ``s`` holds the same samples and draws the same randomness
         whichever rank computes it."""
+        if self.current_step is None:
+            raise RuntimeError("batches() is called inside `for step in s.steps(...)`")
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError("s.batches() needs a map-style dataset (__len__ and __getitem__): "
+                            "the samples of a step are a pure function of the step, so that "
+                            "any rank can compute any micro-batch after a fault; an "
+                            "IterableDataset cannot be repositioned. Use s.micro_batches(m) "
+                            "and draw the samples yourself")
+        order = self._order(dataset)
+        for k in self.micro_batches(micro_batch_size):
+            yield _collate(dataset, order.indices(self.current_step, k, micro_batch_size))
+
+    def micro_batches(self, micro_batch_size: int) -> Iterator[int]:
+        """The indices ``k`` of this rank's micro-batches of the current step (of
+        ``global_batch_size / micro_batch_size``), each with the global RNGs (torch and
+        CUDA, numpy, ``random``) seeded from (seed, step, k): a script that draws its own
+        samples gets the same ones whichever rank computes micro-batch ``k``."""
         s = self.current_step
         if s is None:
-            raise RuntimeError("batches() is called inside `for step in s.steps(...)`")
+            raise RuntimeError("micro_batches() is called inside `for step in s.steps(...)`")
         m = micro_batch_size
         M = num_micro_batches(self.global_batch_size, m)
         self._micro_batch_size = m
-        order = self._order(dataset)
         abort = self.runtime.abort if self.distributed and self.runtime is not None else None
         for k in micro_batch_range(M, self.world_size, self.rank):
             if abort is not None and abort.is_set():
                 # A newer plan: this step will be discarded anyway (s.step() sees the same
                 # flag), so stop computing it now instead of finishing every micro-batch.
                 return
-            idx = order.indices(s, k, m)
             _seed_micro(self.seed, s, k)
-            yield _collate(dataset, idx)
+            yield k
 
     def _order(self, dataset: Any) -> Any:
         key = id(dataset)
@@ -464,9 +508,17 @@ class Session:
         d = scaled.detach().reshape(1).to(torch.float64)
         self._loss_acc = d if self._loss_acc is None else self._loss_acc + d
 
-    def step(self) -> bool:
+    def step(self, max_grad_norm: float | None = None,
+             grad_hook: Callable[[list[torch.nn.Parameter]], None] | None = None) -> bool:
         """Gradient sync, optimizer and scheduler step, commit. Returns False when the step was
-        discarded because of a fault (``s.steps()`` then recovers and repeats nothing)."""
+        discarded because of a fault (``s.steps()`` then recovers and repeats nothing).
+
+        On the synchronised gradient (the global batch's mean, the same on every rank):
+        ``max_grad_norm`` clips it by its global L2 norm (``s.grad_norm`` holds the norm
+        before clipping, what one process computing the whole global batch gets, within
+        rounding); then ``grad_hook(params)`` may change the gradients in place or replace
+        them (anything else a script did before ``optimizer.step()``). Spares that follow the
+        job receive the gradients after both, so they replay them exactly."""
         s = self.current_step
         if s is None:
             raise RuntimeError("step() is called inside `for step in s.steps(...)`")
@@ -511,12 +563,55 @@ class Session:
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = g
+        self._synced(params, max_grad_norm, grad_hook)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         f = self._lr_at(s)
         self.state.update(f)
         self._zero_grad()
         self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
         if self._leader is not None and self._leader.streaming:
             self._leader.offer(s, grads, f)
+        return True
+
+    def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,
+                grad_hook: Callable[[list[torch.nn.Parameter]], None] | None) -> None:
+        """What a script does between the gradient sync and the update, done for it."""
+        self.grad_norm = None
+        if max_grad_norm is not None:
+            if not max_grad_norm > 0:
+                raise ValueError(f"max_grad_norm must be positive (got {max_grad_norm})")
+            with_grad = [p for p in params if p.grad is not None]
+            if with_grad:
+                self.grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_grad_norm))
+        if grad_hook is not None:
+            grad_hook(params)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> bool:
+        """Reduce ``tensor`` in place over the members (``op``: "sum" or "mean"), e.g. an
+        evaluation loss. One process: unchanged (a mean over one). Abortable like the
+        gradient sync: False when a fault interrupted it (the tensor is then unchanged and
+        the step will be discarded by ``s.step()``); True when reduced."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean' (got {op!r})")
+        if not self.distributed:
+            return True
+        if not self.is_member or self.group is None:
+            raise RuntimeError(f"pod {self.pod} is not a member: nothing to reduce with")
+        from .collectives import Aborted, PeerError
+
+        rt = self.runtime
+        work = tensor.detach().clone()
+        try:
+            self.group.allreduce_([work], rt.abort, slice_s=self.cfg.collective_slice,
+                                  timeout_s=self.cfg.collective_timeout)
+        except (Aborted, PeerError) as e:
+            log.info("user all-reduce interrupted", error=str(e)[:200])
+            rt.interrupt()  # no-op without a newer plan; the step is lost either way
+            return False
+        if op == "mean":
+            work /= self.world_size
+        with torch.no_grad():
+            tensor.copy_(work)
         return True
 
     def _resume_in_place(self, s: int, pre: Any) -> bool:

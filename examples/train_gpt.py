@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
                         "CUDA_VISIBLE_DEVICES says which GPU that is)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms only (GPU runs then compare bit for bit)")
+    p.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
+                   help="clip the synchronised gradient by its global L2 norm; 0: off")
+    p.add_argument("--outside-rng", action="store_true",
+                   help="draw randomness outside s.batches() (a loss jitter drawn at the top "
+                        "of each step, as a prefetch or augmentation would): reproducible "
+                        "through faults because every step starts from a seeded RNG")
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -217,14 +223,15 @@ def main(argv: list[str] | None = None) -> None:
         t_last, logged = time.perf_counter(), None
         for step in s.steps(total=a.steps):
             model.train()
+            jitter = 1.0 + 0.05 * float(torch.rand(())) if a.outside_rng else 1.0
             for x, y in s.batches(dataset, micro_batch_size=a.micro_batch_size):
                 x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-                s.backward(loss)
+                s.backward(loss * jitter if a.outside_rng else loss)
                 if a.sleep:
                     time.sleep(a.sleep)
-            committed = s.step()
+            committed = s.step(max_grad_norm=a.grad_clip or None)
             if a.after_step or (a.rank0_after_step and s.rank == 0):
                 time.sleep(a.after_step + (a.rank0_after_step if s.rank == 0 else 0.0))
             if committed and ema is not None:
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                 sps = n * a.global_batch_size / max(now - t_last, 1e-9)
                 t_last, logged = now, step
                 print(f"step {step:5d}  loss {s.loss:.4f}  ppl {math.exp(min(s.loss, 20)):8.2f}  "
-                      f"{sps:8.1f} samples/s  rank {s.rank}/{s.world_size} gen {s.generation}",
+                      f"{sps:8.1f} samples/s  rank {s.rank}/{s.world_size} gen {s.generation}"
+                      + (f"  gnorm {s.grad_norm:.4f}" if s.grad_norm is not None else ""),
                       flush=True)
 
 

@@ -379,6 +379,7 @@ async def test_ranks_are_honest(tmp_path):
     assert recs["s0"] == {"before": [None, None, False], "join": False,
                           "joined": [None, None, False], "after": [None, None, False]}
     for pod, rank in (("w0", 0), ("w1", 1)):
+        assert recs[pod]["all_reduce"] == [True, 0.5]  # mean of the ranks 0 and 1
         assert recs[pod]["before"] == [None, None, False]
         assert recs[pod]["join"] is True
         assert recs[pod]["joined"] == recs[pod]["after"] == [rank, 2, True]

@@ -22,3 +22,39 @@ def test_a_script_under_torchrun_is_refused(monkeypatch):
     monkeypatch.delenv("RANK")
     s = agent.Session.from_env(global_batch_size=8)  # one process: fine
     assert (s.rank, s.world_size, s.is_member) == (0, 1, True)
+
+
+def test_one_process_clips_and_reduces_as_a_job_would(monkeypatch):
+    """Single-process: s.step(max_grad_norm=...) clips (s.grad_norm is the norm before),
+    a grad hook runs after it, s.all_reduce is the identity; bad arguments are refused."""
+    import torch
+
+    import agent
+
+    for k in [k for k in os.environ if k.startswith("CEASELESS_")]:
+        monkeypatch.delenv(k)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4) * 100, torch.randn(16, 1))
+    seen = []
+    with agent.Session(global_batch_size=8) as s:
+        s.register(model=model, optimizer=opt)
+        for _ in s.steps(total=2):
+            for x, y in s.batches(data, micro_batch_size=4):
+                s.backward(torch.nn.functional.mse_loss(model(x), y))
+            grads = [p.grad.clone() for p in model.parameters()]
+            norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
+            assert s.step(max_grad_norm=1.0, grad_hook=lambda ps: seen.append(
+                float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in ps])))))
+            assert abs(s.grad_norm - norm) <= 1e-4 * norm and norm > 1.0
+            assert abs(seen[-1] - 1.0) < 1e-4  # the hook saw the clipped gradient
+        t = torch.tensor([3.0])
+        assert s.all_reduce(t) and float(t) == 3.0
+        with pytest.raises(ValueError, match="op must be"):
+            s.all_reduce(t, op="max")
+    with pytest.raises(TypeError, match="map-style"):
+        with agent.Session(global_batch_size=8) as s2:
+            s2.register(model=model, optimizer=opt)
+            for _ in s2.steps(total=1):
+                next(iter(s2.batches(iter([1, 2, 3]), micro_batch_size=4)))

@@ -28,10 +28,13 @@ def main() -> None:
         rec["before"] = [s.rank, s.world_size, s.is_member]
         rec["join"] = s.join()
         rec["joined"] = [s.rank, s.world_size, s.is_member]
-        for _ in s.steps(total=steps):
+        for step in s.steps(total=steps):
             for x, y in s.batches(data, micro_batch_size=2):
                 s.backward(torch.nn.functional.mse_loss(model(x), y))
             s.step()
+            if step == steps - 1:  # a metric averaged over the members
+                t = torch.tensor([float(s.rank)])
+                rec["all_reduce"] = [s.all_reduce(t), float(t)]
         rec["after"] = [s.rank, s.world_size, s.is_member]
         if s.rank == 0:
             (out / "saved").write_text(s.pod)
