@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import AgentConfig
-    from .session import Session
+    from .session import Session, init
 
-__all__ = ["AgentConfig", "Session"]
+__all__ = ["AgentConfig", "Session", "init"]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from .session import Session
 
         return Session
+    if name == "init":  # s = agent.init(global_batch_size=64): a session without `with`
+        from .session import init
+
+        return init
     if name == "AgentConfig":
         from .config import AgentConfig
 

@@ -77,6 +77,18 @@ class _Stats:
     lost_steps: int = 0
 
 
+def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
+    """A started Session without a ``with`` block (no re-indented script): closed when the
+    interpreter exits. ``s = agent.init(global_batch_size=64)`` is
+    ``with agent.Session.from_env(64) as s:`` around the rest of the script."""
+    import atexit
+
+    s = Session.from_env(global_batch_size, seed=seed, **overrides)
+    s.__enter__()
+    atexit.register(s.__exit__, None, None, None)
+    return s
+
+
 def _refuse_foreign_launcher() -> None:
     """Without Ceaseless' environment the session runs single-process. Under torchrun (or any
     launcher that starts several ranks) that would be N independent jobs, each training the

@@ -295,7 +295,10 @@ async def run(opts: UpOptions) -> int:
                 code, reason = 2, f"training state lost: {obs.lost.reason}"
                 break
             if plan is not None and all(exits.get(m.pod) == 0 for m in plan.members):
-                code, reason = 0, f"all {plan.world_size} members finished {opts.steps} steps"
+                # the script's own step count (its --steps may differ from up's)
+                done = max((obs.hb[m.pod].step for m in plan.members if m.pod in obs.hb),
+                           default=opts.steps - 1) + 1
+                code, reason = 0, f"all {plan.world_size} members finished {done} steps"
                 break
             if exits and not act.running():
                 code, reason = 1, f"every pod exited ({exits}) before training finished"

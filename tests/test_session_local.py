@@ -58,3 +58,29 @@ def test_one_process_clips_and_reduces_as_a_job_would(monkeypatch):
             s2.register(model=model, optimizer=opt)
             for _ in s2.steps(total=1):
                 next(iter(s2.batches(iter([1, 2, 3]), micro_batch_size=4)))
+
+
+def test_init_without_a_with_block(tmp_path):
+    """agent.init(): a session for a script that is not re-indented, closed at exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import torch, agent\n"
+        "s = agent.init(global_batch_size=4)\n"
+        "m = torch.nn.Linear(2, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "s.register(model=m, optimizer=o)\n"
+        "d = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))\n"
+        "for step in s.steps(total=3):\n"
+        "    for x, y in s.batches(d, micro_batch_size=2):\n"
+        "        s.backward(torch.nn.functional.mse_loss(m(x), y))\n"
+        "    s.step()\n"
+        "print('done', s.last_committed, s.rank)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done 2 0" in out.stdout
