@@ -742,6 +742,7 @@ class Session:
         """Wait for a plan that includes this pod and enter its generation. Returns False
         when the job finished while this pod was not a member."""
         from .collectives import Aborted, PeerError
+        from .state import StateMismatch
 
         rt = self.runtime
         if self._incident is None and not first:
@@ -779,11 +780,11 @@ class Session:
                 log.warning("recovery attempt failed", attempt=attempts, generation=plan.generation,
                             error=f"{kind}: {str(e)[:300]}")
                 self._close_group()
-                if kind == "StateMismatch":
+                if isinstance(e, StateMismatch):
                     rt.report_sync(ReportKind.digest_mismatch, str(e))
-                elif kind == "PeerError":  # let the monitor check who stopped heartbeating
+                elif isinstance(e, PeerError):  # the monitor checks who stopped heartbeating
                     rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
-                if kind != "Aborted":  # aborted = a newer plan is already here
+                if not isinstance(e, Aborted):  # aborted = a newer plan is already here
                     wait_s = self.cfg.recovery_timeout
                 if attempts >= self.cfg.max_attempts:
                     rt.report_sync(ReportKind.recovery_failed,

@@ -317,8 +317,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float,
                     help="the first plan waits this long for every worker before it starts "
                          "with the ones alive (default 30)")
-    up.add_argument("--fault-timeout", type=float, default=1.5)
-    up.add_argument("--stall-timeout", type=float, default=30.0)
+    from schemas.timeouts import DEFAULTS
+
+    up.add_argument("--fault-timeout", type=float, default=DEFAULTS["fault_timeout"])
+    up.add_argument("--stall-timeout", type=float, default=DEFAULTS["collective_timeout"],
+                    help="(default: the agents' collective timeout, %(default)s s)")
     up.add_argument("--gpus-per-pod", type=int, default=None, metavar="N",
                     help="GPUs each pod sees (CUDA_VISIBLE_DEVICES). Default: one per pod when "
                          "the machine has enough, else pods share them (gloo for CUDA "
@@ -362,15 +365,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ex.add_argument("dir")
     ex.set_defaults(func=cmd_schemas_export)
 
-    for mod in ("services.cli_trace", "services.cli_data", "services.chaos", "bench.cli"):
-        try:
-            module = __import__(mod, fromlist=["register"])
-        except ImportError:
-            continue
-        if mod == "bench.cli":
-            module.register(sub, lazy=argv is not None and "bench" not in argv)
-        else:
-            module.register(sub)
+    # Registered explicitly: a module that cannot be imported is a broken install, said
+    # when it happens, never a subcommand that silently disappears.
+    from bench import cli as bench_cli
+    from services import chaos, cli_data, cli_trace
+
+    cli_trace.register(sub)
+    cli_data.register(sub)
+    chaos.register(sub)
+    bench_cli.register(sub, lazy=argv is not None and "bench" not in argv)
     return p
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schemas.timeouts import DEFAULTS
 from schemas.messages import Fault, Heartbeat, Plan, Recovery, Role, StateLost
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
@@ -49,8 +50,10 @@ class UpOptions:
     scale_up_snooze: float | None = None
     start_timeout: float | None = None   # None: the scaler's default
     save_params: bool = False
-    fault_timeout: float = 1.5
-    stall_timeout: float = 30.0
+    fault_timeout: float = DEFAULTS["fault_timeout"]
+    # = the agents' collective timeout: a step may stand still as long as an all-reduce may
+    # wait (a long rank-0 evaluation is no hang)
+    stall_timeout: float = DEFAULTS["collective_timeout"]
     allow_inject: bool = True
     timeout: float | None = None
     live: bool = True

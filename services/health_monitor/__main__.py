@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from schemas.timeouts import DEFAULTS as T
 from services.common.service import common_args, serve
 
 from .monitor import HealthMonitor
@@ -11,14 +12,15 @@ from .monitor import HealthMonitor
 
 def parser():
     p = common_args("Ceaseless health monitor: liveness and progress -> fault events")
-    p.add_argument("--fault-timeout", type=float, default=1.5,
-                   help="seconds without a heartbeat before a pod is lost (default 1.5)")
-    p.add_argument("--stall-timeout", type=float, default=10.0,
+    p.add_argument("--fault-timeout", type=float, default=T["fault_timeout"],
+                   help="seconds without a heartbeat before a pod is lost (default %(default)s)")
+    p.add_argument("--stall-timeout", type=float, default=T["stall_timeout"],
                    help="seconds a training member's step may stand still while others "
-                        "advance before it hangs (default 10)")
-    p.add_argument("--suspect-timeout", type=float, default=0.5,
+                        "advance, or a live member may stay out of a collective its peers "
+                        "wait in, before it hangs (default %(default)s)")
+    p.add_argument("--suspect-timeout", type=float, default=T["suspect_timeout"],
                    help="after a peer_error report, members silent this long are lost at once "
-                        "(default 0.5)")
+                        "(default %(default)s)")
     p.add_argument("--check-interval", type=float, default=0.05,
                    help="seconds between liveness checks (default 0.05)")
     p.add_argument("--view-interval", type=float, default=0.5,

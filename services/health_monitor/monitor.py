@@ -25,6 +25,7 @@ list says who was already handled), the rest comes back with the next heartbeats
 
 from __future__ import annotations
 
+from schemas.timeouts import DEFAULTS as TIMEOUTS
 from schemas.timeouts import check_timeouts
 
 import asyncio
@@ -79,8 +80,10 @@ class HealthMonitor(Service):
     name = "health_monitor"
     description = "liveness and progress -> fault events"
 
-    def __init__(self, bus: Bus, *, fault_timeout: float = 1.5, stall_timeout: float = 10.0,
-                 suspect_timeout: float = 0.5, check_interval: float = 0.05,
+    def __init__(self, bus: Bus, *, fault_timeout: float = TIMEOUTS["fault_timeout"],
+                 stall_timeout: float = TIMEOUTS["stall_timeout"],
+                 suspect_timeout: float = TIMEOUTS["suspect_timeout"],
+                 check_interval: float = 0.05,
                  view_interval: float | None = VIEW_INTERVAL) -> None:
         check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
                        stall_timeout=stall_timeout)  # refuse a contradictory configuration

@@ -7,6 +7,7 @@ import asyncio
 from services.common.service import common_args, serve
 
 from schemas.policy import load_policy
+from schemas.timeouts import DEFAULTS
 
 from .policy import PolicyConfig
 from .scaler import Scaler
@@ -53,7 +54,7 @@ def parser():
     p.add_argument("--start-timeout", type=float, default=30.0,
                    help="seconds to wait for --workers workers before starting with "
                         ">= --min-replicas (default 30)")
-    p.add_argument("--fault-timeout", type=float, default=1.5,
+    p.add_argument("--fault-timeout", type=float, default=DEFAULTS["fault_timeout"],
                    help="a pod is alive if it heartbeated within this many seconds")
     p.add_argument("--fence-timeout", type=float, default=0.5,
                    help="timeout of the actuator kill request (best effort)")

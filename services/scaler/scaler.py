@@ -30,6 +30,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from schemas.timeouts import DEFAULTS
 from schemas import LEASE_KEY, PLAN_KEY
 from schemas.policy import SCALE_KEY, PendingRelease, ScaleState, ScalingPolicy
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
@@ -79,7 +80,8 @@ class Scaler(Service):
 
     def __init__(self, bus: Bus, *, workers: int = 2, min_replicas: int = 1,
                  max_replicas: int = 64, global_batch_size: int = 64, micro_batch_size: int = 8,
-                 lease_ttl: float = 3.0, start_timeout: float = 30.0, fault_timeout: float = 1.5,
+                 lease_ttl: float = 3.0, start_timeout: float = 30.0,
+                 fault_timeout: float = DEFAULTS["fault_timeout"],
                  fence_timeout: float = 0.5, tick_interval: float = 0.05,
                  scaler_id: str | None = None, policy: ScalingPolicy | None = None,
                  actuator_timeout: float = 5.0) -> None:
