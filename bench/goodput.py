@@ -117,8 +117,8 @@ def worker(argv: list[str]) -> None:
     files: dict[str, Any] = {}
     orig = agent.Session.step
 
-    def step(self: Any) -> bool:
-        ok = orig(self)
+    def step(self: Any, *args: Any, **kwargs: Any) -> bool:
+        ok = orig(self, *args, **kwargs)
         if ok:
             f = files.get(self.pod)
             if f is None:

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                 s.backward(loss * jitter if a.outside_rng else loss)
                 if a.sleep:
                     time.sleep(a.sleep)
-            committed = s.step(max_grad_norm=a.grad_clip or None)
+            committed = s.step(max_grad_norm=a.grad_clip) if a.grad_clip else s.step()
             if a.after_step or (a.rank0_after_step and s.rank == 0):
                 time.sleep(a.after_step + (a.rank0_after_step if s.rank == 0 else 0.0))
             if committed and ema is not None:
