@@ -359,13 +359,18 @@ class Session:
         return self.state.param_sha256()
 
     # ------------------------------------------------------------------ the loop
-    def steps(self, total: int) -> Iterator[int]:
+    def steps(self, total: int, start: int | None = None) -> Iterator[int]:
         """Yield the steps this pod computes, from the last committed one on. Survives faults:
         after a recovery it continues at ``restore_step + 1``. A spare blocks until it is
-        promoted and returns without yielding if the job finishes first."""
+        promoted and returns without yielding if the job finishes first.
+
+        ``start``: the script restored its own checkpoint of step ``start - 1`` (model,
+        optimizer, scheduler): the count, the data positions (a function of the step) and
+        the learning-rate ramp continue from ``start``, not from 0."""
         if not self._entered:
             raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
         self.total = total
+        self._start_at(start)
         if not self.distributed:
             yield from self._local_steps(total)
             return
@@ -405,7 +410,18 @@ class Session:
                     return
         self._finish()
 
-    def join(self) -> bool:
+    def _start_at(self, start: int | None) -> None:
+        if start is None:
+            return
+        if start < 0:
+            raise ValueError(f"start must be >= 0 (got {start})")
+        if self._joined is not None and self.last_committed != start - 1:
+            raise RuntimeError("s.join() ran before the start step was known: pass the same "
+                               "start to s.join(start=...) and s.steps(..., start=...)")
+        if self.last_committed == -1:
+            self.state.last_committed = start - 1  # what the script's own checkpoint holds
+
+    def join(self, start: int | None = None) -> bool:
         """Block until this pod is a member of the job; True once it is (``s.rank`` is then
         its rank). A spare waits here, following the job, until it is promoted; False when
         the job finished (or released this pod) first: the pod is not a member, ``s.rank``
@@ -414,6 +430,7 @@ class Session:
         wandb.init(...)``). Single-process: True at once."""
         if not self._entered:
             raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
+        self._start_at(start)
         if not self.distributed:
             return True
         if self._joined is None:

@@ -311,3 +311,17 @@ def test_transfer_stays_small_with_thousands_of_ranks():
     assert all(len(v) == MAX_SOURCES and len(set(v)) == MAX_SOURCES for v in t.sources.values())
     assert {s for v in t.sources.values() for s in v} == set(range(0, n, 2))  # all serve
     assert len(t.model_dump_json()) < MAX_PAYLOAD_BYTES // 4
+
+
+def test_decide_generation_one_from_the_scripts_own_checkpoint():
+    """s.steps(total, start=k): members report step k-1 in generation 1. Rank 0's state is
+    the job's (as at step -1), even against a majority that loaded something else; members
+    holding the same step and digest receive nothing. Later generations vote as before."""
+    plan = make_plan(["a", "b", "c"])
+    t = decide_transfer(plan, {0: (9, "aa"), 1: (9, "bb"), 2: (9, "bb")}, high_water=-1)
+    assert (t.restore_step, t.digest, t.sources) == (9, "aa", {1: [0], 2: [0]})
+    t = decide_transfer(plan, {0: (9, "aa"), 1: (9, "aa"), 2: (-1, "")}, high_water=-1)
+    assert (t.restore_step, t.sources) == (9, {2: [0, 1]})
+    later = decide_transfer(make_plan(["a", "b", "c"], generation=2),
+                            {0: (9, "aa"), 1: (9, "bb"), 2: (9, "bb")}, high_water=9)
+    assert later.digest == "bb" and later.sources == {0: [1, 2]}

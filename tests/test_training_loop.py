@@ -66,3 +66,34 @@ async def test_sampling_outside_batches_survives_a_kill_bitwise(tmp_path):
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
     assert len(s["incidents"]) == 1
     assert s["param_sha256"] == ref["param_sha256"]
+
+
+def _plain(tmp_path, name: str, *args: str) -> dict:
+    d = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    env.update(CEASELESS_RUN_DIR=str(d), CEASELESS_SAVE_PARAMS="1", PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-m", "tests.helpers.resume_script", *args], cwd=REPO,
+                   env=env, check=True, timeout=120)
+    return torch.load(d / "results" / "local.pt")
+
+
+async def test_start_from_the_scripts_own_checkpoint(tmp_path):
+    """s.steps(total, start=k) after loading the script's checkpoint of step k-1: one process
+    continues bitwise as if it had never stopped; a 2-worker job continues from it too (the
+    count, the data positions and the schedule), equal to the uninterrupted run within
+    float64 rounding."""
+    ck = tmp_path / "ck.pt"
+    _plain(tmp_path, "first6", "--steps", "6", "--save", str(ck))
+    full = _plain(tmp_path, "full", "--steps", "12")
+    resumed = _plain(tmp_path, "resumed", "--steps", "12", "--start", "6", "--load", str(ck))
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    s = await run_job(tmp_path, "job", 2, 0, steps=12, extra=[
+        "--save-params", "--", sys.executable, "-m", "tests.helpers.resume_script",
+        "--steps", "12", "--start", "6", "--load", str(ck)])
+    assert s["final_step"] == 11
+    job = torch.load(tmp_path / "job" / "results" / "w0.pt")
+    assert max(float((job[k] - full[k]).abs().max()) for k in full) <= 1e-9
+    import json
+    firsts = {p.stem: json.loads(p.read_text())["first"]
+              for p in (tmp_path / "job" / "first").glob("*.json")}
+    assert firsts == {"w0": 6, "w1": 6}, firsts

@@ -9,7 +9,8 @@ recipients = every other member, each given all sources, rotated by the recipien
 so the load spreads. At ``restore_step == -1`` (nothing committed: generation 1) rank 0 is
 the source so every rank starts from identical weights -- unless some member once reported
 a committed step (the high-water mark): then the state died with the old members and a
-``state_lost`` goes out instead.
+``state_lost`` goes out instead. In generation 1 rank 0 is the source also when it holds a
+step (the scripts restored their own checkpoint, ``s.steps(total, start=...)``).
 
 A member that has not reported by ``member_wait`` but is alive (heartbeat of an older
 generation within ``live_s``) and holds a higher committed step than any reporter is
@@ -62,7 +63,15 @@ def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water
     steps = {r: s for r, (s, _) in sorted(reported.items())}
     restore = max(steps.values())
     ranks = sorted(m.rank for m in plan.members)
-    if restore == -1:
+    if plan.generation == 1 and restore >= 0:
+        # The job's first generation with committed state: the scripts restored their own
+        # checkpoint (``s.steps(total, start=...)``). As at step -1, every rank starts from
+        # rank 0's state, whatever the others loaded (a script that loads on rank 0 only);
+        # members that hold the same step and digest need nothing.
+        source = 0 if 0 in reported else min(reported)
+        restore, digest = reported[source]
+        sources = [r for r in sorted(reported) if reported[r] == (restore, digest)]
+    elif restore == -1:
         if high_water >= 0:
             return StateLost(
                 generation=plan.generation, incident=incident, best_step=-1,
