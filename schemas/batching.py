@@ -1,4 +1,4 @@
-"""Elastic batch arithmetic (DESIGN.md), one pure function shared by scaler and agent."""
+"""Elastic batch arithmetic (docs/elastic.md), one pure function shared by scaler and agent."""
 
 from __future__ import annotations
 

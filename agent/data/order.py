@@ -1,7 +1,7 @@
 """The global sample order: a pure function of (data, seed, step, micro-batch).
 
 Positions are global sample slots: step ``s``, micro-batch ``k`` of ``m`` samples holds
-positions ``[s*B + k*m, s*B + (k+1)*m)`` (DESIGN.md, "Elastic batch arithmetic"). Position
+positions ``[s*B + k*m, s*B + (k+1)*m)`` (docs/data.md, "Global order"). Position
 ``p`` lies in epoch ``e = p // n_usable`` at offset ``p % n_usable``, where ``n_usable`` is
 ``n_samples`` rounded down to a multiple of ``B``, so a step never straddles two epochs; the
 sample is ``perm_e[p % n_usable]``. ``perm_e`` is a permutation of all ``n_samples`` (each
