@@ -16,8 +16,8 @@ is refused with the reason.
     [per_scale.2]                     # at 2 replicas, scale the learning rate by 0.8
     lr_factor = 0.8
 
-The global batch is constant at every world size (docs/elastic.md, "Batch arithmetic and learning rate"): a per-scale override changes
-the learning rate, never the batch size.
+The global batch is constant at every world size (docs/elastic.md, "Batch arithmetic and
+learning rate"): a per-scale override changes the learning rate, never the batch size.
 """
 
 from __future__ import annotations
