@@ -141,6 +141,12 @@ def _render_status(st: dict[str, Any]) -> str:
                          f"{p.get('generation', '-'):>4}{str(p.get('rank', '-')):>5}"
                          f"{p.get('step', '-'):>7}{p.get('age', 0):>8.2f}  "
                          f"{str(p.get('device') or '-'):<16}{p.get('health', '')}")
+    waiting = mon.get("waiting") or {}
+    if waiting:
+        lines.append("waiting in the all-reduce: "
+                     + ", ".join(f"{p} {t:.1f}s" for p, t in list(waiting.items())[:8])
+                     + f" (a live member not among them is declared hung at "
+                       f"{mon.get('config', {}).get('stall_timeout', '?')}s)")
     for name, s in st["services"].items():
         state = s.get("error") or f"up {s.get('uptime_s', 0):.0f}s, dropped {sum(s.get('dropped', {}).values())}"
         lines.append(f"service {name}: {state}")

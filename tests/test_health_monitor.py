@@ -338,3 +338,16 @@ async def test_no_absent_member_while_the_wait_is_short_or_everyone_waits(env, b
     # every member waits (a collective stuck for everyone): nobody is absent
     await _report_waiting(bus, ["w0", "w1", "w2"], 1.5)
     assert env.faults == []
+
+
+async def test_status_shows_who_waits_in_the_collective(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1"]), stall_timeout=5.0)
+    env.beat("w0", rank=0, advance=False)
+    env.beat("w1", rank=1, advance=False)
+    await until(lambda: len(m.pods) == 2, what="pods watched")
+    await _report_waiting(bus, ["w0"], 0.4)
+    st = m.status()
+    assert list(st["waiting"]) == ["w0"] and st["waiting"]["w0"] >= 0.3
+    from services.cli import _render_status
+    text = _render_status({"job": "test", "services": {"health_monitor": st}})
+    assert "waiting in the all-reduce: w0" in text

@@ -488,6 +488,11 @@ class HealthMonitor(Service):
                         "health": self._health(v, now)}
                 for v in sorted(self.pods.values(), key=lambda v: v.pod)
             },
+            # members reporting that they wait in a collective, and for how long (the
+            # absent-member rule acts once one reaches stall_timeout)
+            "waiting": {p: round(now - w.since, 3) for p, w in sorted(self.waiting.items())
+                        if w.generation == self.generation
+                        and now - w.last <= self.fault_timeout},
             "faults_declared": len(self.incidents),
             "faults": list(self.faults)[-50:],
             "detection_latency": None if not lat else {
