@@ -146,7 +146,7 @@ def _render_status(st: dict[str, Any]) -> str:
         lines.append("waiting in the all-reduce: "
                      + ", ".join(f"{p} {t:.1f}s" for p, t in list(waiting.items())[:8])
                      + f" (a live member not among them is declared hung at "
-                       f"{mon.get('config', {}).get('stall_timeout', '?')}s)")
+                       f"{mon.get('config', {}).get('collective_timeout', '?')}s)")
     for name, s in st["services"].items():
         state = s.get("error") or f"up {s.get('uptime_s', 0):.0f}s, dropped {sum(s.get('dropped', {}).values())}"
         lines.append(f"service {name}: {state}")

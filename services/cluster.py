@@ -215,7 +215,12 @@ async def run(opts: UpOptions) -> int:
                    *_opt("--scale-up-snooze", opts.scale_up_snooze),
                    *_opt("--start-timeout", opts.start_timeout)],
         "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
-                           "--stall-timeout", str(opts.stall_timeout)],
+                           "--stall-timeout", str(opts.stall_timeout),
+                           # the pods inherit this environment: the monitor must know the
+                           # collective timeout they wait with (absent-member rule)
+                           "--collective-timeout",
+                           os.environ.get("CEASELESS_COLLECTIVE_TIMEOUT")
+                           or str(DEFAULTS["collective_timeout"])],
     }
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]

@@ -304,8 +304,10 @@ async def _report_waiting(bus, pods, seconds, interval=0.05, generation=1):
 async def test_absent_member_is_declared_hung(env, bus):
     """Issue 24: w0 and w1 wait in the all-reduce, w2 is alive but stays out of it (it went
     back to waiting for a plan). Nothing is silent and no step advances, so neither the
-    silence nor the stall rule sees it: the absent-member rule must, after stall_timeout."""
-    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.8)
+    silence nor the stall rule sees it: the absent-member rule must, once the wait reached
+    the agents' collective timeout."""
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.8,
+                          collective_timeout=0.8)
     env.beat("w0", rank=0, advance=False)
     env.beat("w1", rank=1, advance=False)
     env.beat("w2", rank=2, state=AgentState.recovering, advance=False)
@@ -324,7 +326,8 @@ async def test_absent_member_is_declared_hung(env, bus):
 
 
 async def test_no_absent_member_while_the_wait_is_short_or_everyone_waits(env, bus):
-    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.8)
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]), stall_timeout=0.8,
+                          collective_timeout=0.8)
     env.beat("w0", rank=0, advance=False)
     env.beat("w1", rank=1, advance=False)
     env.beat("w2", rank=2, advance=False)
@@ -341,7 +344,7 @@ async def test_no_absent_member_while_the_wait_is_short_or_everyone_waits(env, b
 
 
 async def test_status_shows_who_waits_in_the_collective(env, bus):
-    m = await env.monitor(make_plan(["w0", "w1"]), stall_timeout=5.0)
+    m = await env.monitor(make_plan(["w0", "w1"]), stall_timeout=5.0, collective_timeout=5.0)
     env.beat("w0", rank=0, advance=False)
     env.beat("w1", rank=1, advance=False)
     await until(lambda: len(m.pods) == 2, what="pods watched")

@@ -16,8 +16,11 @@ def parser():
                    help="seconds without a heartbeat before a pod is lost (default %(default)s)")
     p.add_argument("--stall-timeout", type=float, default=T["stall_timeout"],
                    help="seconds a training member's step may stand still while others "
-                        "advance, or a live member may stay out of a collective its peers "
-                        "wait in, before it hangs (default %(default)s)")
+                        "advance before it hangs (default %(default)s)")
+    p.add_argument("--collective-timeout", type=float, default=T["collective_timeout"],
+                   help="the agents' collective timeout (CEASELESS_COLLECTIVE_TIMEOUT): a live "
+                        "member out of a collective its peers have waited in this long hangs "
+                        "(default %(default)s)")
     p.add_argument("--suspect-timeout", type=float, default=T["suspect_timeout"],
                    help="after a peer_error report, members silent this long are lost at once "
                         "(default %(default)s)")
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     asyncio.run(serve(HealthMonitor, args, fault_timeout=args.fault_timeout,
                       stall_timeout=args.stall_timeout, suspect_timeout=args.suspect_timeout,
+                      collective_timeout=args.collective_timeout,
                       check_interval=args.check_interval,
                       view_interval=args.view_interval or None))
 

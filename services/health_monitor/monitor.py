@@ -12,8 +12,9 @@ Rules (docs/architecture.md, recovery step 1):
   older than ``suspect_timeout`` ``lost`` at once;
 * absent member: while members keep reporting that they wait in the gradient all-reduce
   (``peer_error`` every heartbeat interval, then the timeout itself), a member that is alive
-  but not among them once one has waited ``stall_timeout`` -> ``hang`` (issue 24: a member
-  that left the collective for any reason must not leave its peers waiting for ever).
+  but not among them once one has waited the agents' ``collective_timeout`` -> ``hang``
+  (issue 24: a member that left the collective for any reason must not leave its peers
+  waiting for ever; one that merely works longer, a rank-0 evaluation, has until then).
 
 Every pod that heartbeats is watched (members and spares alike), and so are members of the
 current plan (from KV) that have not heartbeated yet, after a grace period. After a fault
@@ -83,13 +84,15 @@ class HealthMonitor(Service):
     def __init__(self, bus: Bus, *, fault_timeout: float = TIMEOUTS["fault_timeout"],
                  stall_timeout: float = TIMEOUTS["stall_timeout"],
                  suspect_timeout: float = TIMEOUTS["suspect_timeout"],
+                 collective_timeout: float = TIMEOUTS["collective_timeout"],
                  check_interval: float = 0.05,
                  view_interval: float | None = VIEW_INTERVAL) -> None:
         check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
-                       stall_timeout=stall_timeout)  # refuse a contradictory configuration
-        super().__init__(bus)
+                       stall_timeout=stall_timeout, collective_timeout=collective_timeout)
+        super().__init__(bus)  # (a contradictory configuration was refused above)
         self.fault_timeout = fault_timeout
         self.stall_timeout = stall_timeout
+        self.collective_timeout = collective_timeout  # the agents': the absent-member rule
         self.suspect_timeout = suspect_timeout
         self.check_interval = check_interval
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
@@ -372,8 +375,8 @@ class HealthMonitor(Service):
 
     async def _check_absent(self, now: float, plan: Plan | None) -> None:
         """Members wait in a collective that another member, alive, does not enter: once one
-        has waited ``stall_timeout`` (<= the agents' collective timeout), that member is
-        hung. Waiting is known from the members' own reports: each reports every heartbeat
+        has waited the agents' collective timeout (when their own wait gives up), that
+        member is hung. Waiting is known from the members' own reports: each reports every heartbeat
         interval while its all-reduce waits and once more when it times out, so a run of
         reports ends ``fault_timeout`` after the last one."""
         if plan is None or not self.waiting:
@@ -387,7 +390,7 @@ class HealthMonitor(Service):
             return
         first, w = min(live.items(), key=lambda kv: kv[1].since)
         waited = now - w.since
-        if waited < self.stall_timeout:
+        if waited < self.collective_timeout:
             return
         absent = []
         for m in plan.members:
@@ -489,7 +492,7 @@ class HealthMonitor(Service):
                 for v in sorted(self.pods.values(), key=lambda v: v.pod)
             },
             # members reporting that they wait in a collective, and for how long (the
-            # absent-member rule acts once one reaches stall_timeout)
+            # absent-member rule acts once one reaches collective_timeout)
             "waiting": {p: round(now - w.since, 3) for p, w in sorted(self.waiting.items())
                         if w.generation == self.generation
                         and now - w.last <= self.fault_timeout},
@@ -501,6 +504,7 @@ class HealthMonitor(Service):
                 "last": round(self.latencies[-1], 4)},
             "ignored": dict(self.ignored),
             "config": {"fault_timeout": self.fault_timeout, "stall_timeout": self.stall_timeout,
+                       "collective_timeout": self.collective_timeout,
                        "suspect_timeout": self.suspect_timeout,
                        "check_interval": self.check_interval,
                        "view_interval": self.view.interval if self.view else None},
