@@ -49,6 +49,19 @@ class CollectiveTimeout(PeerError):
     """A collective ran past its timeout: every peer that could fail it was alive."""
 
 
+def on_wire(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on the device a group's wire takes (itself when it is there already), to be
+    copied back after the operation: CUDA tensors over gloo (pods sharing a GPU), CPU
+    tensors over NCCL. CUDA -> host goes through pinned memory (no pageable bounce)."""
+    if t.device.type == device.type:
+        return t
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host
+    return t.to(device)
+
+
 # ---------------------------------------------------------------------------- group creation
 _GROUP_META: dict[int, dict[str, Any]] = {}   # id(pg) -> store/timeout, picked up by the wrapper
 _GRAVEYARD: list[Any] = []                    # groups (and works) that must never be destroyed
@@ -434,15 +447,7 @@ class AbortableGroup:
                                  f"is bound to {self.device}")
 
     def _wire(self, flat: Tensor) -> Tensor:
-        """``flat`` on the wire's device (itself when it is there already). CUDA -> host
-        goes through pinned memory (no pageable bounce buffer)."""
-        if flat.device.type == self.device.type:
-            return flat
-        if flat.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat)
-            return host
-        return flat.to(self.device)
+        return on_wire(flat, self.device)
 
     # -------------------------------------------------------------- collectives
     def allreduce_(self, tensors: Sequence[Tensor], abort: threading.Event | None,

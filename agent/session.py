@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from opentelemetry import trace
 
@@ -123,37 +124,16 @@ def _test_absent_step(cfg: AgentConfig | None) -> int | None:
     return int(step) if pod == cfg.pod and step.isdigit() else None
 
 
-def _seed(v: int) -> None:
-    """torch (CPU and every CUDA device), numpy's global generator, ``random``."""
-    torch.manual_seed(v)
-    random.seed(v)
-    try:
-        import numpy as np
-
-        np.random.seed(v & 0xFFFFFFFF)
-    except ImportError:
-        pass
-
-
-def _seed_step(seed: int, step: int) -> None:
-    """At the start of each step: whatever the script draws before or between its
-    micro-batches (a prefetch, an augmentation) is the same on every rank and after any
-    fault, as if the step had never been interrupted."""
-    h = hashlib.blake2b(f"{seed}:{step}:step".encode(), digest_size=8).digest()
-    _seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
-
-
-def _seed_micro(seed: int, step: int, k: int) -> None:
+def _seed(seed: int, step: int, k: int | str) -> None:
+    """Seed torch (CPU and every CUDA device), numpy's global generator and ``random`` from
+    (seed, step, k): ``k`` a micro-batch index (its samples' randomness, whichever rank
+    computes it) or "step" (the start of the step: whatever the script draws before or
+    between its micro-batches is the same on every rank and after any fault)."""
     h = hashlib.blake2b(f"{seed}:{step}:{k}".encode(), digest_size=8).digest()
     v = int.from_bytes(h, "little") & ((1 << 63) - 1)
     torch.manual_seed(v)
     random.seed(v)
-    try:  # (torch and random exactly as before: earlier runs stay bitwise comparable)
-        import numpy as np
-
-        np.random.seed(v & 0xFFFFFFFF)
-    except ImportError:
-        pass
+    np.random.seed(v & 0xFFFFFFFF)
 
 
 class Session:
@@ -197,7 +177,9 @@ class Session:
         self._leader: Any = None    # ShadowLeader (rank 0), ShadowFollower (a spare): set
         self._follower: Any = None  # up in __enter__ (agent/shadow_roles.py)
         self._entered_in_step = False   # a resume entered the new generation, then gave up
-        self._failed_attempt = False    # a resume's _enter failed
+        # a failed attempt (a resume's _enter, a timed-out all-reduce): the next wait for a
+        # plan is bounded by the recovery timeout
+        self._failed_attempt = False
         self._absent_at = _test_absent_step(config)
         self._backend_override = config.backend if config is not None else None
         if config is not None:  # the override, else gloo until a registered model says
@@ -394,7 +376,7 @@ class Session:
                 continue
             self.current_step = s
             self._interrupted = False
-            _seed_step(self.seed, s)
+            _seed(self.seed, s, "step")
             yield s
             self.runtime.end_step()
             if self._leader.generation and self.last_committed == s:
@@ -473,7 +455,7 @@ class Session:
         while self.last_committed + 1 < total:
             s = self.last_committed + 1
             self.current_step = s
-            _seed_step(self.seed, s)
+            _seed(self.seed, s, "step")
             yield s
             if self.last_committed != s:
                 raise RuntimeError("call s.step() exactly once per step")
@@ -512,7 +494,7 @@ class Session:
                 # A newer plan: this step will be discarded anyway (s.step() sees the same
                 # flag), so stop computing it now instead of finishing every micro-batch.
                 return
-            _seed_micro(self.seed, s, k)
+            _seed(self.seed, s, k)
             yield k
 
     def _order(self, dataset: Any) -> Any:
@@ -593,13 +575,17 @@ class Session:
                 if p.grad is None:
                     p.grad = g
         self._synced(params, max_grad_norm, grad_hook)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # what spares replay: the gradients after the clip and the hook (which may replace
+        # them), taken before zero-grad drops them; only when a spare follows
+        stream = self._leader is not None and self._leader.streaming
+        sent = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params] \
+            if stream else None
         f = self._lr_at(s)
         self.state.update(f)
         self._zero_grad()
         self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
-        if self._leader is not None and self._leader.streaming:
-            self._leader.offer(s, grads, f)
+        if sent is not None:
+            self._leader.offer(s, sent, f)
         return True
 
     def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,

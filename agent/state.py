@@ -33,6 +33,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from .collectives import on_wire
+
 MAGIC = 0x6365_6173_6531  # "ceas" "e1"
 TAG_BASE = 0x3EA0_0000
 _TAG_CTRL, _TAG_SKEL, _TAG_BUF = 0, 1, 16
@@ -287,10 +289,6 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
 
 
 # ---------------------------------------------------------------------------- transfer
-def _wire(buf: Tensor, device: torch.device) -> Tensor:
-    return buf if buf.device.type == device.type else buf.to(device)
-
-
 def send_state(group: Any, state: FlatState, my_rank: int,
                recipients: Mapping[int, Sequence[int]], abort: threading.Event | None,
                timeout_s: float | None = None) -> int:
@@ -299,7 +297,7 @@ def send_state(group: Any, state: FlatState, my_rank: int,
     bytes this rank sent. Raises Aborted / PeerError like the group's waits."""
     dev = group.device
     lh = state.layout_hash()
-    wire = [_wire(b, dev) for b in state.buffers]
+    wire = [on_wire(b, dev) for b in state.buffers]
     u8s = [_u8(b) for b in wire]
     keep: list[Tensor] = []   # tensors must outlive their sends
     works = []

@@ -11,7 +11,7 @@ nothing of process groups, plans or the bus (issue 18: the Session's first part 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -44,24 +44,10 @@ class TrainState:
 
     def params(self) -> list[torch.nn.Parameter]:
         """Trainable parameters of every registered module, each once, in order."""
-        seen: set[int] = set()
-        out = []
-        for m in self.modules():
-            for p in m.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return _once(p for m in self.modules() for p in m.parameters() if p.requires_grad)
 
     def buffers(self) -> list[torch.Tensor]:
-        seen: set[int] = set()
-        out = []
-        for m in self.modules():
-            for b in m.buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    out.append(b)
-        return out
+        return _once(b for m in self.modules() for b in m.buffers())
 
     @property
     def device(self) -> torch.device:
@@ -144,3 +130,9 @@ class TrainState:
     def forget(self) -> None:
         """Hold no committed step (a spare whose copy stopped matching the job's)."""
         self.last_committed, self.loss, self.lr_factor = -1, None, 1.0
+
+
+def _once(tensors: Iterable[torch.Tensor]) -> list[Any]:
+    """Each tensor once (shared between modules: tied weights), in first-seen order."""
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]

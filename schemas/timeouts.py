@@ -21,6 +21,28 @@ _ORDER = [("heartbeat_interval", "<", "suspect_timeout"),
           ("collective_timeout", "<=", "recovery_timeout")]
 
 
+# The agents read theirs from the environment (agent/config.py); `ceaseless up`'s pods
+# inherit its own, so `up` checks these and hands the collective timeout to the monitor.
+AGENT_ENV = {"collective_timeout": "CEASELESS_COLLECTIVE_TIMEOUT",
+             "recovery_timeout": "CEASELESS_RECOVERY_TIMEOUT"}
+
+
+def agent_timeouts_from_env(env: dict[str, str] | None = None) -> dict[str, float]:
+    """The agent timeouts set in ``env`` (default ``os.environ``); ValueError if one is not
+    a number."""
+    import os
+
+    env = os.environ if env is None else env
+    out = {}
+    for k, v in AGENT_ENV.items():
+        if env.get(v):
+            try:
+                out[k] = float(env[v])
+            except ValueError:
+                raise ValueError(f"{v}={env[v]!r} is not a number of seconds") from None
+    return out
+
+
 class TimeoutConfigError(ValueError):
     """The timeouts contradict each other (the message says which and why)."""
 

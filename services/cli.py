@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -61,16 +60,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
-    from schemas.timeouts import check_timeouts
+    from schemas.timeouts import agent_timeouts_from_env, check_timeouts
 
     try:
-        # The pods inherit this environment: their collective and recovery timeouts are part
-        # of the chain (the monitor's absent-member rule needs stall <= collective timeout).
-        agent_t = {k: float(os.environ[v]) for k, v in (
-            ("collective_timeout", "CEASELESS_COLLECTIVE_TIMEOUT"),
-            ("recovery_timeout", "CEASELESS_RECOVERY_TIMEOUT")) if os.environ.get(v)}
+        # the pods inherit this environment: their timeouts are part of the chain
         check_timeouts(fault_timeout=opts.fault_timeout, stall_timeout=opts.stall_timeout,
-                       **agent_t)
+                       **agent_timeouts_from_env())
     except ValueError as e:  # TimeoutConfigError, or a variable that is not a number
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2

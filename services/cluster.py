@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas.timeouts import DEFAULTS
+from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import Fault, Heartbeat, Plan, Recovery, Role, StateLost
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
@@ -219,8 +219,8 @@ async def run(opts: UpOptions) -> int:
                            # the pods inherit this environment: the monitor must know the
                            # collective timeout they wait with (absent-member rule)
                            "--collective-timeout",
-                           os.environ.get("CEASELESS_COLLECTIVE_TIMEOUT")
-                           or str(DEFAULTS["collective_timeout"])],
+                           str(agent_timeouts_from_env().get(
+                               "collective_timeout", DEFAULTS["collective_timeout"]))],
     }
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
