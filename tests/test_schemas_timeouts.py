@@ -48,3 +48,13 @@ def test_partial_checks_only_what_is_given():
     check_timeouts(True, suspect_timeout=0.1, fault_timeout=0.3, stall_timeout=0.4)
     with pytest.raises(TimeoutConfigError, match="fault_timeout"):
         check_timeouts(True, suspect_timeout=0.1, fault_timeout=0.3, stall_timeout=0.3)
+
+
+def test_agent_timeouts_from_the_environment():
+    from schemas.timeouts import agent_timeouts_from_env
+
+    assert agent_timeouts_from_env({}) == {}
+    assert agent_timeouts_from_env({"CEASELESS_COLLECTIVE_TIMEOUT": "8"}) == {
+        "collective_timeout": 8.0}
+    with pytest.raises(ValueError, match="CEASELESS_RECOVERY_TIMEOUT='x' is not a number"):
+        agent_timeouts_from_env({"CEASELESS_RECOVERY_TIMEOUT": "x"})
