@@ -884,7 +884,7 @@ class Session:
             # A spare that followed the job: apply what already arrived (cheaper than a
             # transfer) while the peers connect, then report the step it holds.
             def meanwhile() -> None:
-                self._follower.apply()
+                self._follower.settle()
                 self._follower.stop()
                 report()
         else:

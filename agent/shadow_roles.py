@@ -10,6 +10,7 @@ ordinary transfer when promoted. See docs/architecture.md, "Shadow spares".
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,8 @@ from .config import AgentConfig
 from .train_state import TrainState
 
 log = logs.get("agent")
+# how long a promoted spare waits for the confirmation of the step it applied last
+SETTLE_S = 0.25
 
 
 def why_not(cfg: AgentConfig, state: TrainState) -> str | None:
@@ -148,6 +151,21 @@ class ShadowFollower:
             _store(rt, self._cfg, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
             self._state.params() + self._state.buffers(), notify,
             timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice)
+
+    def settle(self, wait_s: float = SETTLE_S) -> None:
+        """Promoted: apply what arrived and, if the last step applied is not confirmed yet,
+        wait up to ``wait_s`` for its confirmation. Rank 0 confirms a step when its script
+        comes back for the next one, so a fault right then can leave the confirmation in
+        flight; waiting for it a moment is cheaper than the state transfer that the spare
+        would need otherwise. A stream that ended (rank 0 died) is not waited for."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.apply()
+            src = self._in
+            if (src is None or self._at == self._state.last_committed
+                    or src.ended is not None or time.monotonic() >= deadline):
+                return
+            time.sleep(0.005)
 
     def stop(self, quiet: bool = False) -> None:
         """End the stream; a step applied but not confirmed leaves state matching no step."""
