@@ -30,7 +30,7 @@ from schemas.messages import AgentState, InjectAction, Recovery, ReportKind, Rol
 from services.common import logs
 
 from .config import FALLBACK_EXIT_CODE, AgentConfig
-from .shadow_roles import ShadowFollower, ShadowLeader, why_not
+from .shadow_roles import END_WAIT_S, ShadowFollower, ShadowLeader, why_not
 from .train_state import TrainState
 
 log = logs.get("agent")
@@ -293,8 +293,13 @@ class Session:
         rt = self.runtime
         if rt is not None:
             if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                rt.report_sync(ReportKind.exception, f"{exc_type.__name__}: {exc}")
-                rt.update(state=AgentState.leaving)
+                if rt.hb.get("state") == AgentState.done:
+                    # after the loop (the job's training is done): the script's own failure,
+                    # its exit code says so; not a fault to recover from
+                    log.warning("exception after training finished", error=f"{exc_type.__name__}: {exc}")
+                else:
+                    rt.report_sync(ReportKind.exception, f"{exc_type.__name__}: {exc}")
+                    rt.update(state=AgentState.leaving)
             rt.stop()
         try:
             from services.common import telemetry
@@ -1047,14 +1052,15 @@ class Session:
     # ------------------------------------------------------------------ end of job
     def _finish(self) -> None:
         self._finished = True
-        self._leader.end()
+        self._leader.end(final=True)
         rt = self.runtime
         rt.update(now=True, state=AgentState.done)
         rt.put_done(self.last_committed, self.generation)
         self._write_result()
 
     def _leave(self, released: bool = False) -> None:
-        self._follower.stop(quiet=True)
+        # job done: rank 0 ends the stream (END) before it reports done; wait for that
+        self._follower.stop(quiet=True, drain_s=0.0 if released else END_WAIT_S)
         self._not_member()  # the user's `if s.rank == 0: save()` after the loop: not here
         if released:
             log.info("slot released by a planned shrink; leaving", step=self.last_committed,

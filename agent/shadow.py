@@ -18,6 +18,13 @@ checksum that differs, a new generation) ends the stream; the spare then reports
 holds (-1 after a divergence) and takes the ordinary state transfer when it is promoted.
 Rank 0 never waits for a spare: it puts references on a bounded queue, and a spare that
 falls ``QUEUE_STEPS`` behind is dropped for the rest of the generation.
+
+When the job finishes, rank 0 ends each stream with an ``END`` header and both ends close
+their pair with nothing pending (``ShadowSender.finish``, ``ShadowReceiver.join``). Without
+it the spare's receive helper (a Python thread blocked in gloo, GIL released) returns when
+rank 0's process exits, and if that happens while the spare's interpreter is finalizing,
+CPython ends the thread with ``pthread_exit``, whose unwinding through C++ frames aborts the
+process ("terminate called without an active exception", exit -6): seen on both ends.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ log = logs.get("agent")
 
 MAGIC = 0x5AD0_5AD0
 TAG_HEAD, TAG_SCALARS, TAG_TENSORS = 0x3EB0_0001, 0x3EB0_0002, 0x3EB0_0003
-KIND_STEP, KIND_CONFIRM = 1, 2
+KIND_STEP, KIND_CONFIRM, KIND_END = 1, 2, 3
 QUEUE_STEPS = 4          # steps a spare may lag before rank 0 drops it
 IDLE_TIMEOUT_S = 86400.0  # a spare waits this long for the next step (a step may be slow)
 
@@ -106,6 +113,9 @@ class Confirm:
     check: int
 
 
+_END = object()  # queued by ShadowSender.finish
+
+
 class ShadowSender:
     """Rank 0's stream to one spare (its own thread and two-rank group)."""
 
@@ -116,7 +126,8 @@ class ShadowSender:
         self._state: FlatState | None = state
         self._expect = step + 1
         self._timeout_s, self._slice_s = timeout_s, slice_s
-        self._q: queue.Queue[Update | Confirm] = queue.Queue(maxsize=2 * QUEUE_STEPS)
+        # + 1: room for the END of a stream that is full when the job finishes
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=2 * QUEUE_STEPS + 1)
         self._abort = threading.Event()
         self.ended: str | None = None  # why the stream ended (None: running)
         self._thread = threading.Thread(target=self._run, name=f"shadow-to-{pod}", daemon=True)
@@ -133,6 +144,20 @@ class ShadowSender:
 
     def close(self) -> None:
         self._end("closed")
+
+    def finish(self) -> None:
+        """The job is done: send END after what is queued, then close the pair."""
+        if self.ended is not None:
+            return
+        try:
+            self._q.put_nowait(_END)
+        except queue.Full:
+            self._end("closed")
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the stream's thread to end; True if it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _end(self, why: str) -> None:
         if self.ended is None:
@@ -153,6 +178,11 @@ class ShadowSender:
                     u = self._q.get(timeout=self._slice_s * 4)
                 except queue.Empty:
                     continue
+                if u is _END:
+                    head = torch.tensor([MAGIC, KIND_END, 0, 0], dtype=torch.int64)
+                    group.send([head], 1, self._abort, TAG_HEAD, timeout_s=self._timeout_s)
+                    self.ended = "finished"
+                    break
                 if isinstance(u, Confirm):
                     head = torch.tensor([MAGIC, KIND_CONFIRM, u.step, u.check], dtype=torch.int64)
                     group.send([head], 1, self._abort, TAG_HEAD, timeout_s=self._timeout_s)
@@ -200,7 +230,8 @@ class ShadowReceiver:
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self.ended: str | None = None
-        threading.Thread(target=self._run, name="shadow-from-rank0", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="shadow-from-rank0", daemon=True)
+        self._thread.start()
 
     def ready(self) -> bool:
         return bool(self._items)
@@ -216,6 +247,13 @@ class ShadowReceiver:
             self.ended = "closed"
         self._abort.set()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the stream to end by itself (rank 0's END, or rank 0
+        gone), before ``close``: a pod that exits with the receive still pending may crash in
+        its interpreter's teardown (module docstring). True if it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _push(self, item: tuple[str, Any]) -> None:
         with self._lock:
             self._items.append(item)
@@ -228,7 +266,12 @@ class ShadowReceiver:
             self._push(("state", recv_state(group, 1, [0], self._abort,
                                             timeout_s=self._timeout_s)))
             while not self._abort.is_set():
-                self._push(self._recv(group))
+                item = self._recv(group)
+                if item is None:  # rank 0 ended the stream: the job is done
+                    if self.ended is None:
+                        self.ended = "finished"
+                    break
+                self._push(item)
                 while len(self._items) >= QUEUE_STEPS and not self._abort.wait(self._slice_s):
                     pass  # the training thread applies them; rank 0 drops us if we lag more
         except Aborted:
@@ -242,13 +285,16 @@ class ShadowReceiver:
             if group is not None:
                 group.close()
 
-    def _recv(self, group: AbortableGroup) -> tuple[str, Update | Confirm]:
+    def _recv(self, group: AbortableGroup) -> tuple[str, Update | Confirm] | None:
+        """The next item; None when rank 0 ended the stream."""
         head = torch.zeros(4, dtype=torch.int64)
         group.wait_all([group.irecv(head, 0, TAG_HEAD)], self._abort, "shadow head",
                        timeout_s=IDLE_TIMEOUT_S)
         magic, kind, step, value = head.tolist()
-        if magic != MAGIC or kind not in (KIND_STEP, KIND_CONFIRM):
+        if magic != MAGIC or kind not in (KIND_STEP, KIND_CONFIRM, KIND_END):
             raise ValueError(f"bad shadow header {head.tolist()}")
+        if kind == KIND_END:
+            return None
         if kind == KIND_CONFIRM:
             return "confirm", Confirm(step=int(step), check=int(value))
         if value != self._lh:

@@ -23,6 +23,9 @@ from .train_state import TrainState
 log = logs.get("agent")
 # how long a promoted spare waits for the confirmation of the step it applied last
 SETTLE_S = 0.25
+# at the end of the job: how long rank 0 waits for its streams' END to go out, and a spare
+# for its stream to end (bounded: a stuck peer must not hold the exit)
+END_WAIT_S = 2.0
 
 
 def why_not(cfg: AgentConfig, state: TrainState) -> str | None:
@@ -78,9 +81,18 @@ class ShadowLeader:
             self._state.last_committed, timeout_s=self._cfg.collective_timeout,
             slice_s=self._cfg.collective_slice)
 
-    def end(self) -> None:
-        for out in self._out.values():
-            out.close()
+    def end(self, final: bool = False, wait_s: float = END_WAIT_S) -> None:
+        """Stop streaming. ``final`` (the job is done): each spare gets END and its stream is
+        waited for up to ``wait_s`` in all, so no receive is left pending when both ends exit
+        (``agent/shadow.py``)."""
+        outs = list(self._out.values())
+        for out in outs:
+            out.finish() if final else out.close()
+        if final:
+            deadline = time.monotonic() + wait_s
+            for out in outs:
+                if not out.join(max(0.0, deadline - time.monotonic())):
+                    out.close()
         self._out, self._served = {}, {}
         if self.generation:
             self.generation = 0
@@ -167,9 +179,12 @@ class ShadowFollower:
                 return
             time.sleep(0.005)
 
-    def stop(self, quiet: bool = False) -> None:
-        """End the stream; a step applied but not confirmed leaves state matching no step."""
+    def stop(self, quiet: bool = False, drain_s: float = 0.0) -> None:
+        """End the stream; a step applied but not confirmed leaves state matching no step.
+        ``drain_s``: first wait that long for rank 0 to end it (the job finished)."""
         if self._in is not None:
+            if drain_s > 0:
+                self._in.join(drain_s)
             self._in.close()
             self._in = None
             if self._at != self._state.last_committed and not quiet:

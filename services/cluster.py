@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
-from schemas.messages import Fault, Heartbeat, Plan, Recovery, Role, StateLost
+from schemas.messages import AgentState, Fault, Heartbeat, Plan, Recovery, Role, StateLost
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
 from services.common import logs
@@ -302,11 +302,20 @@ async def run(opts: UpOptions) -> int:
             if obs.lost is not None:
                 code, reason = 2, f"training state lost: {obs.lost.reason}"
                 break
-            if plan is not None and all(exits.get(m.pod) == 0 for m in plan.members):
+            if plan is not None and all(
+                    exits.get(m.pod) == 0 or (m.pod in exits and m.pod in obs.hb
+                                              and obs.hb[m.pod].state == AgentState.done)
+                    for m in plan.members):
                 # the script's own step count (its --steps may differ from up's)
                 done = max((obs.hb[m.pod].step for m in plan.members if m.pod in obs.hb),
                            default=opts.steps - 1) + 1
                 code, reason = 0, f"all {plan.world_size} members finished {done} steps"
+                failed = {m.pod: exits[m.pod] for m in plan.members if exits[m.pod] != 0}
+                if failed:  # training is done, but the script failed after its loop
+                    code = 1
+                    reason += (", but " + ", ".join(f"{p} exited with {c}"
+                                                    for p, c in sorted(failed.items()))
+                               + " after it (see its log)")
                 break
             if exits and not act.running():
                 code, reason = 1, f"every pod exited ({exits}) before training finished"

@@ -387,6 +387,24 @@ async def test_ranks_are_honest(tmp_path):
     assert (d / "saved").read_text() == "w0"
 
 
+async def test_failure_after_the_loop_is_not_a_fault(tmp_path, monkeypatch):
+    """A member whose script fails after its loop (training done) is not recovered (there is
+    nothing to recover; a recovery would wait for state that is final): `up` exits 1 and
+    names the pod; no incident, the other member finishes."""
+    monkeypatch.setenv("RANKS_FAIL_AFTER", "w0")
+    steps = 12
+    async with Cluster(tmp_path / "after", 2, 0, steps,
+                       cmd=[sys.executable, "-m", "tests.helpers.ranks_script", str(steps)]) as c:
+        assert await c.finish() == 1, c.output()
+    out = c.output()
+    assert "all 2 members finished 12 steps, but w0 exited with 1 after it" in out, out
+    s = c.summary()
+    assert s["incidents"] == [], s["incidents"]
+    assert len(c.plans) == 1, [p.generation for p in c.plans]
+    log = (tmp_path / "after" / "logs" / "w0.log").read_text()
+    assert "exception after training finished" in log
+
+
 async def test_liveness_stress_short(tmp_path):
     """The CI-sized `bench.liveness` (issue 24): rank 0 killed while it lingers after its
     step (the spare misses its confirmation) and the survivors wait in the next all-reduce

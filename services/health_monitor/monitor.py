@@ -3,7 +3,8 @@ incident.
 
 Rules (docs/architecture.md, recovery step 1):
 
-* lifecycle ``exited`` with a non-zero code -> ``crash`` (exit 0: the pod is done, forgotten);
+* lifecycle ``exited`` with a non-zero code -> ``crash`` (exit 0, or any code after the pod's
+  last heartbeat said ``done``: the pod is done, forgotten);
 * no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving);
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
@@ -244,6 +245,15 @@ class HealthMonitor(Service):
                          exit_code=ev.exit_code)
             return
         v = self.pods.get(ev.pod)
+        if v is not None and v.hb is not None and v.hb.state == AgentState.done:
+            # It finished training (or left, job done) before it exited: whatever failed after
+            # that (the script's own code after the loop) is the script's to report (`up`
+            # says so); a recovery would have nothing to recover.
+            self.pods.pop(ev.pod, None)
+            self.gone.add(ev.pod)
+            self.log.warning("pod exited with a non-zero code after it was done; not a fault",
+                             pod=ev.pod, exit_code=ev.exit_code)
+            return
         await self._declare(ev.pod, FaultKind.crash, last_seen=v.last_seen if v else ev.ts,
                             since=ev.ts, reason=f"process exited with code {ev.exit_code}",
                             role=ev.role if v is None else None)
@@ -262,6 +272,10 @@ class HealthMonitor(Service):
                              report=r.report.value)
                 return
             v = self.pods.get(r.pod)
+            if v is not None and v.hb is not None and v.hb.state == AgentState.done:
+                self._ignore(env.subject, "exception after the pod was done: not a fault",
+                             level="warning", pod=r.pod, error=r.error[:200])
+                return
             await self._declare(r.pod, FaultKind.exception,
                                 last_seen=v.last_seen if v else r.ts, since=r.ts,
                                 reason=f"{r.report.value}: {r.error}"[:2000])

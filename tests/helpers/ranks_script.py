@@ -38,6 +38,8 @@ def main() -> None:
         rec["after"] = [s.rank, s.world_size, s.is_member]
         if s.rank == 0:
             (out / "saved").write_text(s.pod)
+        if os.environ.get("RANKS_FAIL_AFTER") == s.pod:  # the script's own bug, after the loop
+            raise RuntimeError("failure after the loop")
     (out / f"{s.pod}.json").write_text(json.dumps(rec))
 
 
