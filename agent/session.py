@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -153,6 +154,7 @@ class Session:
         self.generation = 0
         self.current_step: int | None = None
         self.grad_norm: float | None = None     # of the last step(max_grad_norm=...), pre-clip
+        self.skipped = False                    # the last step's update was skipped (fp16 inf/nan)
         self.total: int | None = None
         self.group: Any = None
         self.runtime: Any = None
@@ -520,7 +522,7 @@ class Session:
             return  # a newer plan: s.step() discards this step, skip the backward's compute
         scale = self._micro_batch_size / self.global_batch_size
         scaled = loss * scale
-        scaled.backward()
+        self.state.scale_loss(scaled).backward()  # fp16: times the GradScaler's scale
         d = scaled.detach().reshape(1).to(torch.float64)
         self._loss_acc = d if self._loss_acc is None else self._loss_acc + d
 
@@ -534,7 +536,13 @@ class Session:
         before clipping, what one process computing the whole global batch gets, within
         rounding); then ``grad_hook(params)`` may change the gradients in place or replace
         them (anything else a script did before ``optimizer.step()``). Spares that follow the
-        job receive the gradients after both, so they replay them exactly."""
+        job receive the gradients after both, so they replay them exactly.
+
+        fp16: register the ``torch.amp.GradScaler`` (``s.register(scaler=scaler)``) and call
+        nothing of it yourself: ``s.backward`` scales the loss, ``s.step`` unscales the
+        synchronised gradient (before the clip), skips the update when it is not finite (on
+        every rank alike; ``s.skipped``) and moves the scale as ``GradScaler.update`` does.
+        The scaler's state is part of the training state (transferred, followed by spares)."""
         s = self.current_step
         if s is None:
             raise RuntimeError("step() is called inside `for step in s.steps(...)`")
@@ -579,27 +587,34 @@ class Session:
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = g
-        self._synced(params, max_grad_norm, grad_hook)
+        skip = self.state.unscale(params)  # fp16 GradScaler: unscaled; skip on inf/nan
+        self.skipped = skip
+        self._synced(params, max_grad_norm, grad_hook, skip)
         # what spares replay: the gradients after the clip and the hook (which may replace
         # them), taken before zero-grad drops them; only when a spare follows
         stream = self._leader is not None and self._leader.streaming
         sent = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params] \
             if stream else None
         f = self._lr_at(s)
-        self.state.update(f)
+        self.state.update(f, skip)
         self._zero_grad()
         self._commit(s, float(loss_t.item()), time.perf_counter() - t0)
         if sent is not None:
-            self._leader.offer(s, sent, f)
+            self._leader.offer(s, sent, f, skip)
         return True
 
     def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,
-                grad_hook: Callable[[list[torch.nn.Parameter]], None] | None) -> None:
-        """What a script does between the gradient sync and the update, done for it."""
+                grad_hook: Callable[[list[torch.nn.Parameter]], None] | None,
+                skip: bool = False) -> None:
+        """What a script does between the gradient sync and the update, done for it (not on
+        a step the GradScaler skips: its gradients are not finite)."""
         self.grad_norm = None
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive (got {max_grad_norm})")
+        if skip:
+            self.grad_norm = math.inf if max_grad_norm is not None else None
+            return
         if max_grad_norm is not None:
-            if not max_grad_norm > 0:
-                raise ValueError(f"max_grad_norm must be positive (got {max_grad_norm})")
             with_grad = [p for p in params if p.grad is not None]
             if with_grad:
                 self.grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_grad_norm))

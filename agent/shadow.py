@@ -96,12 +96,13 @@ def _pair(store_factory: Callable[[], Any], rank: int, abort: threading.Event, s
 @dataclass
 class Update:
     """One committed step: reduced gradients (in ``Session._params`` order), then the module
-    buffers, the step's loss and learning-rate factor."""
+    buffers, the step's loss, learning-rate factor and whether the update was skipped."""
 
     step: int
     loss: float | None
     lr_factor: float
     tensors: list[Tensor]
+    skip: bool = False  # fp16: the GradScaler skipped the update (gradients not finite)
 
 
 @dataclass
@@ -204,7 +205,7 @@ class ShadowSender:
         head = torch.tensor([MAGIC, KIND_STEP, u.step, layout_hash(u.tensors)],
                             dtype=torch.int64)
         loss = math.nan if u.loss is None else float(u.loss)
-        scalars = torch.tensor([loss, u.lr_factor], dtype=torch.float64)
+        scalars = torch.tensor([loss, u.lr_factor, float(u.skip)], dtype=torch.float64)
         # gloo sends host memory: CUDA tensors (a model on the GPU) are copied out here, in
         # this background thread, off the training thread's path
         tensors = [t.detach().to("cpu").contiguous() for t in u.tensors]
@@ -300,11 +301,11 @@ class ShadowReceiver:
         if value != self._lh:
             raise ValueError("rank 0's gradients do not match this spare's parameters "
                              f"(layout {value:x} != {self._lh:x})")
-        scalars = torch.zeros(2, dtype=torch.float64)
+        scalars = torch.zeros(3, dtype=torch.float64)
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in self._templates]
         works = [group.irecv(scalars, 0, TAG_SCALARS)]
         works += [group.irecv(t, 0, TAG_TENSORS) for t in tensors]
         group.wait_all(works, self._abort, "shadow step", timeout_s=self._timeout_s)
-        loss, f = scalars.tolist()
+        loss, f, skip = scalars.tolist()
         return "step", Update(step=int(step), loss=None if math.isnan(loss) else loss,
-                              lr_factor=f, tensors=tensors)
+                              lr_factor=f, tensors=tensors, skip=skip != 0.0)

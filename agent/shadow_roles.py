@@ -98,12 +98,14 @@ class ShadowLeader:
             self.generation = 0
             self._rt.watch_shadow_requests(None)
 
-    def offer(self, s: int, grads: list[torch.Tensor], f: float) -> None:
-        """Step ``s`` committed with these reduced gradients and learning-rate factor."""
+    def offer(self, s: int, grads: list[torch.Tensor], f: float, skip: bool = False) -> None:
+        """Step ``s`` committed with these reduced gradients and learning-rate factor
+        (``skip``: the fp16 scaler skipped its update)."""
         from .shadow import Update
 
         bufs = [b.detach().clone() for b in self._state.buffers()]  # the next forward changes them
-        u = Update(step=s, loss=self._state.loss, lr_factor=f, tensors=list(grads) + bufs)
+        u = Update(step=s, loss=self._state.loss, lr_factor=f, tensors=list(grads) + bufs,
+                   skip=skip)
         for out in self._out.values():
             out.offer(u)
 
@@ -212,7 +214,7 @@ class ShadowFollower:
                         b.copy_(v)
                 for p, g in zip(params, val.tensors):
                     p.grad = g if g.device == p.device else g.to(p.device)
-                st.update(val.lr_factor)
+                st.update(val.lr_factor, val.skip)
                 st.zero_grad()
                 self._at, self._loss = val.step, val.loss
                 continue

@@ -11,6 +11,7 @@ nothing of process groups, plans or the bus (issue 18: the Session's first part 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -59,19 +60,75 @@ class TrainState:
                 return t.device
         return torch.device("cpu")
 
+    def scaler(self) -> Any:
+        """The registered, enabled ``torch.amp.GradScaler`` (fp16 training), or None."""
+        found = [o for o in self.objs.values()
+                 if isinstance(o, torch.amp.GradScaler) and o.is_enabled()]
+        if len(found) > 1:
+            raise ValueError("register one GradScaler (it scales the loss of every optimizer)")
+        return found[0] if found else None
+
     def replayable(self) -> str | None:
         """Why a spare could not replay this state's updates (None: it can)."""
         for name, o in self.objs.items():
             if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer,
-                                  torch.optim.lr_scheduler.LRScheduler)):
-                return f"registered object {name!r} is not a module, optimizer or scheduler"
+                                  torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)):
+                return (f"registered object {name!r} is not a module, optimizer, scheduler "
+                        "or GradScaler")
         return None
 
+    # ------------------------------------------------------------------ fp16 loss scaling
+    # Not GradScaler.unscale_/step/update: those keep per-optimizer stages that only the
+    # process that ran backward has, and a spare replays updates from rank 0's gradients. So
+    # the scaler scales the loss (its public ``scale``); the unscale, the inf/nan check and
+    # the scale's growth/backoff (GradScaler's documented rule) are done here, identically
+    # by members and by spares, and its state moves by ``state_dict``/``load_state_dict``.
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        sc = self.scaler()
+        return loss if sc is None else sc.scale(loss)
+
+    def unscale(self, params: list[torch.nn.Parameter]) -> bool:
+        """Divide the synchronised gradients by the loss scale. True when one of them is not
+        finite: the step's update is skipped. Every rank decides the same without another
+        collective: the gradients are the all-reduce's result, the same bits on every rank,
+        and an inf/nan in any rank's share is in the sum."""
+        sc = self.scaler()
+        if sc is None:
+            return False
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return False
+        finite = torch.stack([torch.isfinite(g).all().to(grads[0].device) for g in grads]).all()
+        if not bool(finite):
+            return True
+        torch._foreach_mul_(grads, 1.0 / sc.get_scale())  # a power of two: exact
+        return False
+
+    def _scale_after(self, skipped: bool) -> None:
+        """GradScaler.update's rule: back off on a skipped step, grow after
+        ``growth_interval`` good ones (in float32, like the scaler's own tensor)."""
+        sc = self.scaler()
+        if sc is None:
+            return
+        sd = sc.state_dict()
+        scale = torch.tensor(sd["scale"], dtype=torch.float32)
+        if skipped:
+            scale, tracker = scale * sd["backoff_factor"], 0
+        else:
+            tracker = sd["_growth_tracker"] + 1
+            if tracker == sd["growth_interval"]:
+                grown = scale * sd["growth_factor"]
+                if torch.isfinite(grown):
+                    scale = grown
+                tracker = 0
+        sc.load_state_dict({**sd, "scale": float(scale), "_growth_tracker": tracker})
+
     # ------------------------------------------------------------------ the update
-    def update(self, f: float) -> None:
+    def update(self, f: float, skip: bool = False) -> None:
         """Optimizer and scheduler step with the learning rate scaled by ``f`` (the plan's
-        ramp). Spares that follow the job run exactly this on rank 0's gradients."""
-        for opt in self.optimizers():
+        ramp); ``skip`` (fp16: a gradient was not finite): no optimizer step, the loss scale
+        backs off. Spares that follow the job run exactly this on rank 0's gradients."""
+        for opt in ([] if skip else self.optimizers()):
             if f != 1.0:  # scale around the update only: schedulers keep their own lr
                 saved = [g["lr"] for g in opt.param_groups]
                 for g in opt.param_groups:
@@ -82,8 +139,12 @@ class TrainState:
             else:
                 opt.step()
         self.lr_factor = f
-        for sch in self.schedulers():
-            sch.step()
+        with warnings.catch_warnings():
+            if skip:  # the schedule goes on over skipped steps, as in PyTorch's AMP recipe
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+            for sch in self.schedulers():
+                sch.step()
+        self._scale_after(skip)
 
     def zero_grad(self) -> None:
         for opt in self.optimizers():

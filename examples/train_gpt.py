@@ -193,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="draw randomness outside s.batches() (a loss jitter drawn at the top "
                         "of each step, as a prefetch or augmentation would): reproducible "
                         "through faults because every step starts from a seeded RNG")
+    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
+                   help="autocast the forward; fp16 also registers a torch.amp.GradScaler "
+                        "(the Session scales, unscales and skips for it)")
+    p.add_argument("--init-scale", type=float, default=2.0 ** 16,
+                   help="fp16: the GradScaler's initial scale")
+    p.add_argument("--growth-interval", type=int, default=2000,
+                   help="fp16: the GradScaler's growth interval")
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -211,8 +218,14 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     n_params = sum(p.numel() for p in model.parameters())
+    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.amp]
+    if amp is not None and a.dtype != "float32":
+        raise SystemExit(f"--amp {a.amp} needs --dtype float32 (autocast lowers float32 ops)")
     with agent.Session.from_env(global_batch_size=a.global_batch_size, seed=a.seed) as s:
         s.register(model=model, optimizer=opt, scheduler=sched)
+        if a.amp == "fp16":  # registered: s.backward scales, s.step unscales/skips/updates
+            s.register(scaler=torch.amp.GradScaler(dev.type, init_scale=a.init_scale,
+                                                   growth_interval=a.growth_interval))
         ema = None
         if a.ema > 0:
             import copy
@@ -226,8 +239,10 @@ def main(argv: list[str] | None = None) -> None:
             jitter = 1.0 + 0.05 * float(torch.rand(())) if a.outside_rng else 1.0
             for x, y in s.batches(dataset, micro_batch_size=a.micro_batch_size):
                 x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-                logits = model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                with torch.autocast(dev.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                           y.reshape(-1))
                 s.backward(loss * jitter if a.outside_rng else loss)
                 if a.sleep:
                     time.sleep(a.sleep)
@@ -245,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
                 t_last, logged = now, step
                 print(f"step {step:5d}  loss {s.loss:.4f}  ppl {math.exp(min(s.loss, 20)):8.2f}  "
                       f"{sps:8.1f} samples/s  rank {s.rank}/{s.world_size} gen {s.generation}"
-                      + (f"  gnorm {s.grad_norm:.4f}" if s.grad_norm is not None else ""),
+                      + (f"  gnorm {s.grad_norm:.4f}" if s.grad_norm is not None else "")
+                      + ("  (update skipped: fp16 overflow)" if s.skipped else ""),
                       flush=True)
 
 

@@ -84,3 +84,62 @@ def test_init_without_a_with_block(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "done 2 0" in out.stdout
+
+
+def test_fp16_grad_scaler_matches_pytorchs_own_recipe(monkeypatch):
+    """fp16 with a registered GradScaler, one process: s.backward scales, s.step unscales,
+    skips the steps whose gradient overflowed and moves the scale, exactly as PyTorch's AMP
+    recipe (scale, backward, unscale_, clip, step, update) does by hand: the same skipped
+    steps, scales and parameters, bit for bit."""
+    import torch
+
+    import agent
+
+    for k in [k for k in os.environ if k.startswith("CEASELESS_")]:
+        monkeypatch.delenv(k)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        # 2**12 overflows fp16 gradients at first: the scaler backs off, then grows (every 2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+        return model, opt, scaler
+
+    data = torch.randn(10, 4, 2, 8) * 3  # step, micro-batch, samples, features
+    target = torch.randn(10, 4, 2, 1)
+
+    def loss_of(model, s, k):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(data[s, k])
+        return torch.nn.functional.mse_loss(out.float(), target[s, k])
+
+    model, opt, scaler = build()
+    mine = []
+    with agent.Session(global_batch_size=8) as sess:
+        sess.register(model=model, optimizer=opt, scaler=scaler)
+        for s in sess.steps(total=10):
+            for k in sess.micro_batches(2):
+                sess.backward(loss_of(model, s, k))
+            sess.step(max_grad_norm=5.0)
+            mine.append((sess.skipped, scaler.get_scale()))
+
+    ref_model, ref_opt, ref_scaler = build()
+    ref = []
+    for s in range(10):
+        for k in range(4):
+            ref_scaler.scale(loss_of(ref_model, s, k) * (2 / 8)).backward()
+        ref_scaler.unscale_(ref_opt)
+        grads = [p.grad for p in ref_model.parameters()]
+        skipped = not all(bool(torch.isfinite(g).all()) for g in grads)
+        if not skipped:
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 5.0)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+        ref.append((skipped, ref_scaler.get_scale()))
+    assert mine == ref, (mine, ref)
+    assert any(sk for sk, _ in mine) and not all(sk for sk, _ in mine)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)

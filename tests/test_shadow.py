@@ -41,3 +41,37 @@ def test_layout_hash_tells_shapes_and_dtypes_apart():
     assert layout_hash(x) != layout_hash([torch.zeros(3, 2), torch.zeros(4)])
     assert layout_hash(x) != layout_hash([torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4)])
     assert layout_hash(x) != layout_hash(x[:1])
+
+
+def test_a_stream_carries_steps_and_ends_cleanly_with_end():
+    """Sender and receiver over a real two-rank gloo pair (in-process store): the state, a
+    step (with the fp16 skip flag) and a confirmation arrive in order; ``finish`` sends END
+    and both threads end with nothing pending (a receive left pending made pods abort in
+    interpreter teardown, exit -6, when rank 0 exited at the same moment)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from agent.shadow import Confirm, ShadowReceiver, ShadowSender, Update
+    from agent.state import snapshot
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    store = dist.HashStore()
+    factory = lambda: dist.PrefixStore("t.", store)  # noqa: E731
+    arrived = threading.Event()
+    rx = ShadowReceiver(factory, list(m.parameters()), arrived.set, timeout_s=20, slice_s=0.05)
+    tx = ShadowSender("s0", factory, snapshot({"m": m}, {"step": 4}), 4, timeout_s=20,
+                      slice_s=0.05)
+    grads = [torch.full_like(p, 0.5) for p in m.parameters()]
+    tx.offer(Update(step=5, loss=1.25, lr_factor=0.5, tensors=grads, skip=True))
+    tx.offer(Confirm(step=5, check=123))
+    tx.finish()
+    assert tx.join(20) and rx.join(20)
+    assert (tx.ended, rx.ended) == ("finished", "finished")
+    items = rx.take()
+    assert [k for k, _ in items] == ["state", "step", "confirm"]
+    u = items[1][1]
+    assert (u.step, u.loss, u.lr_factor, u.skip) == (5, 1.25, 0.5, True)
+    assert all(torch.equal(a, b) for a, b in zip(u.tensors, grads))
+    assert (items[2][1].step, items[2][1].check) == (5, 123)

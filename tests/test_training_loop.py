@@ -68,6 +68,32 @@ async def test_sampling_outside_batches_survives_a_kill_bitwise(tmp_path):
     assert s["param_sha256"] == ref["param_sha256"]
 
 
+async def test_fp16_grad_scaler_survives_a_kill_of_rank0_bitwise(tmp_path):
+    """fp16 autocast with a registered GradScaler (the scale starts too high, so steps
+    overflow and are skipped, then it grows again): SIGKILL of rank 0 while a spare follows
+    the job ends bitwise equal to the fault-free run; the spare replayed the skipped steps
+    and the scale (it is promoted holding the step, nothing transferred to it)."""
+    steps = 24
+    amp = ("--amp", "fp16", "--init-scale", str(2.0 ** 20), "--growth-interval", "3")
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps, extra=["--", *_example(steps, *amp)])
+    log = (tmp_path / "ref" / "logs" / "w0.log").read_text()
+    skipped = log.count("update skipped")
+    assert 0 < skipped < steps, skipped
+
+    async def fault(c):
+        await c.wait_rank_step(0, 10)
+        await c.wait_for(lambda: any(h.role.value == "spare" and h.step >= 10
+                                     for h in c.hb.values()), 60, "the spare to follow")
+        os.kill(c.member(0).pid, signal.SIGKILL)
+
+    s = await run_job(tmp_path, "kill", 2, 1, fault, steps=steps,
+                      extra=["--", *_example(steps, *amp, "--sleep", "0.03")])
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
+    assert len(s["incidents"]) == 1
+    assert s["param_sha256"] == ref["param_sha256"]
+    assert "spare stops following" not in (tmp_path / "kill" / "logs" / "s0.log").read_text()
+
+
 def _plain(tmp_path, name: str, *args: str) -> dict:
     d = tmp_path / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
