@@ -363,12 +363,29 @@ class AbortableGroup:
     # -------------------------------------------------------------- waiting
     def wait_all(self, works: Sequence[Any], abort: threading.Event | None,
                  what: str = "operation", slice_s: float | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None,
+                 extend: Callable[[], float | None] | None = None) -> None:
         """Wait for every work, checking ``abort`` every ``slice_s``. Raises Aborted (abort
-        set; the group is aborted), PeerError (an op failed or ran past ``timeout_s``)."""
+        set; the group is aborted), PeerError (an op failed or ran past ``timeout_s``).
+        ``extend`` (optional) is asked when ``timeout_s`` runs out: a later
+        ``time.monotonic()`` deadline to keep waiting until (a peer said it works alone for
+        a while: ``Session.solo``), or None to give up."""
         sl = slice_s or self.slice_s
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
+
+        def expired() -> bool:
+            nonlocal deadline, limit
+            now = time.monotonic()
+            if now < deadline:
+                return False
+            later = extend() if extend is not None else None
+            if later is None or later <= now:
+                return True
+            limit += later - deadline
+            deadline = later
+            return False
+
         if not self._nccl and any(id(w) in self._p2p for w in works):
             return self._wait_in_thread(works, abort, what, sl, limit, deadline)
         td = timedelta(seconds=sl)
@@ -384,7 +401,7 @@ class AbortableGroup:
                 try:
                     if self._nccl:
                         if not w.is_completed():
-                            if time.monotonic() >= deadline:
+                            if expired():
                                 raise self._broken(f"{what} did not complete in {limit:.1f}s", True)
                             time.sleep(poll)  # NCCL wait() does not block the CPU: poll
                             poll = min(poll * 2, sl, 0.005)
@@ -402,7 +419,7 @@ class AbortableGroup:
                     if not self._nccl and _is_slice_timeout(e) and (
                             not w.is_completed() or not rewaited):
                         rewaited = rewaited or w.is_completed()
-                        if time.monotonic() >= deadline:
+                        if expired():
                             raise self._broken(f"{what} did not complete in {limit:.1f}s", True) from e
                         continue
                     raise self._broken(f"{what} failed: {str(e)[:300]}") from e
@@ -451,10 +468,13 @@ class AbortableGroup:
 
     # -------------------------------------------------------------- collectives
     def allreduce_(self, tensors: Sequence[Tensor], abort: threading.Event | None,
-                   slice_s: float | None = None, timeout_s: float | None = None) -> None:
+                   slice_s: float | None = None, timeout_s: float | None = None,
+                   extend: Callable[[], float | None] | None = None,
+                   op_timeout_s: float | None = None) -> None:
         """SUM-all-reduce ``tensors`` in place, as a few flat buckets (one async all-reduce
         each, about ``bucket_bytes`` per dtype). Aborted / PeerError as in ``wait_all``; on
-        either the tensors hold undefined values."""
+        either the tensors hold undefined values. ``op_timeout_s``: the backend's own limit
+        for these operations (default: the group's), which must outlast any ``extend``."""
         self._check(abort)
         self._on_device(tensors, "allreduce_")
         plan = []
@@ -462,9 +482,12 @@ class AbortableGroup:
             ts = [tensors[i] for i in idx]
             flat = ts[0] if len(ts) == 1 and ts[0].is_contiguous() else flatten(ts)
             plan.append((flat, self._wire(flat), ts))
-        works = [self._post(lambda w=wire: self.pg.allreduce([w]), "all-reduce")
+        opts = dist.AllreduceOptions()
+        if op_timeout_s is not None:
+            opts.timeout = timedelta(seconds=op_timeout_s)
+        works = [self._post(lambda w=wire: self.pg.allreduce([w], opts), "all-reduce")
                  for _, wire, _ in plan]
-        self.wait_all(works, abort, "all-reduce", slice_s, timeout_s)
+        self.wait_all(works, abort, "all-reduce", slice_s, timeout_s, extend)
         for flat, wire, ts in plan:
             if wire is not flat:
                 flat.copy_(wire)

@@ -37,6 +37,9 @@ class AgentConfig:
     stuck_report_after: float = 0.5
     store_timeout: float = 30.0
     recovery_timeout: float = 60.0     # one in-process attempt
+    # The longest a member may work alone (``with s.solo():``, a rank-0 evaluation) while its
+    # peers wait in the collective; past it the monitor calls the member hung.
+    solo_max: float = 3600.0
     max_attempts: int = 3              # then exit FALLBACK_EXIT_CODE
     backend: str | None = None         # gloo | nccl | None (nccl when CUDA is available)
     # A member whose slot a planned shrink releases exits 0 at once (False: s.steps() just
@@ -55,6 +58,8 @@ class AgentConfig:
         check_id(self.pod, "pod id")
         if not (0 < self.heartbeat_interval < 1.5):
             raise ValueError("heartbeat_interval must be in (0, 1.5) s: below the fault timeout")
+        if not self.solo_max > 0:
+            raise ValueError(f"solo_max must be positive (CEASELESS_SOLO_MAX, got {self.solo_max})")
         if not (0 < self.collective_slice < self.collective_timeout):
             raise ValueError("collective_slice must be positive and below collective_timeout")
         if self.stuck_report_after < 0:
@@ -86,6 +91,7 @@ class AgentConfig:
             collective_timeout=float(env("CEASELESS_COLLECTIVE_TIMEOUT", "30")),
             stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", "0.5")),
             recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", "60")),
+            solo_max=float(env("CEASELESS_SOLO_MAX", "3600")),
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
             backend=env("CEASELESS_BACKEND") or None,
             exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", True),

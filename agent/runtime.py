@@ -26,6 +26,7 @@ from .config import AgentConfig
 
 log = logs.get("agent")
 DONE_KEY = "done"
+SOLO_KEY = "solo"
 
 
 class Runtime:
@@ -339,6 +340,29 @@ class Runtime:
             self.submit(self.kv.put(DONE_KEY, data)).result(5.0)
         except Exception as e:
             log.warning("could not record job completion", error=str(e)[:200])
+
+    # ------------------------------------------------------------------ solo work
+    def put_solo(self, generation: int, until: float, ended: float | None = None) -> None:
+        """Tell the peers of ``generation`` that this member works alone until ``until``
+        (wall time), or that it ``ended`` then: their collective waits extend to match."""
+        data = json.dumps({"pod": self.cfg.pod, "until": until, "ended": ended}).encode()
+        try:
+            self.submit(self.kv.put(f"{SOLO_KEY}.g{generation}", data)).result(5.0)
+        except Exception as e:
+            log.warning("could not record the solo", error=str(e)[:200])
+
+    def solo_of(self, generation: int) -> dict | None:
+        """The solo a member of ``generation`` declared last (None: none, or unreadable)."""
+        async def get() -> dict | None:
+            try:
+                e = await self.kv.get(f"{SOLO_KEY}.g{generation}")
+            except Exception:
+                return None
+            return json.loads(e.value) if e is not None and e.value else None
+        try:
+            return self.submit(get()).result(2.0)
+        except Exception:
+            return None
 
     # ------------------------------------------------------------------ shadow spares
     def request_shadow(self, generation: int, pod: str) -> str | None:

@@ -8,6 +8,7 @@ plain ``python``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -571,7 +572,8 @@ class Session:
             try:
                 self.group.allreduce_(grads + [loss_t], rt.abort,
                                       slice_s=self.cfg.collective_slice,
-                                      timeout_s=self.cfg.collective_timeout)
+                                      timeout_s=self.cfg.collective_timeout,
+                                      **self._solo_aware())
             except Aborted:
                 return self._discard("aborted: a newer plan arrived")
             except PeerError as e:
@@ -638,7 +640,7 @@ class Session:
         work = tensor.detach().clone()
         try:
             self.group.allreduce_([work], rt.abort, slice_s=self.cfg.collective_slice,
-                                  timeout_s=self.cfg.collective_timeout)
+                                  timeout_s=self.cfg.collective_timeout, **self._solo_aware())
         except (Aborted, PeerError) as e:
             log.info("user all-reduce interrupted", error=str(e)[:200])
             rt.interrupt()  # no-op without a newer plan; the step is lost either way
@@ -648,6 +650,62 @@ class Session:
         with torch.no_grad():
             tensor.copy_(work)
         return True
+
+    @contextlib.contextmanager
+    def solo(self, max_s: float | None = None) -> Iterator[None]:
+        """Work on this member alone for longer than the collective timeout (a rank-0
+        evaluation, a save), without the peers failing: ``with s.solo(): evaluate()``.
+
+        Until the block ends (at most ``max_s``; default and ceiling
+        ``CEASELESS_SOLO_MAX``, 3600 s) the peers' collectives wait for this member instead
+        of timing out, and the monitor does not call it absent; after the block they allow
+        it the ordinary collective timeout again. A block that overruns its bound is a hang
+        like any other: the member is replaced (so a real hang is never hidden for longer
+        than the bound you chose). Do not call collectives (``s.all_reduce``) inside; in one
+        process, and on a pod that is not a member, it does nothing."""
+        limit = self.cfg.solo_max if self.cfg is not None else 3600.0
+        if max_s is not None:
+            if not 0 < max_s <= limit:
+                raise ValueError(f"s.solo(max_s={max_s}): must be in (0, {limit:g}] s "
+                                 "(the ceiling is CEASELESS_SOLO_MAX)")
+            limit = max_s
+        rt = self.runtime
+        if not self.distributed or rt is None or not self.is_member:
+            yield
+            return
+        g = self.generation
+        until = time.time() + limit
+        rt.update(now=True, solo_until=until)
+        rt.put_solo(g, until)
+        log.info("working alone", generation=g, step=self.last_committed, max_s=limit)
+        try:
+            yield
+        finally:
+            rt.update(now=True, solo_until=None)
+            rt.put_solo(g, until, ended=time.time())
+
+    def _solo_aware(self) -> dict[str, Any]:
+        """Arguments of a member's all-reduce: its wait extends while a peer works alone
+        (``solo``), and the backend's own timeout outlasts the longest solo."""
+        rt, g, ct = self.runtime, self.generation, self.cfg.collective_timeout
+        noted: list[str] = []
+
+        def extend() -> float | None:
+            info = rt.solo_of(g)
+            if not info:
+                return None
+            now_w, now_m = time.time(), time.monotonic()
+            bound = (info["ended"] or info["until"]) + ct
+            nxt = bound if info["ended"] else min(now_w + ct, bound)
+            if nxt <= now_w:
+                return None
+            if not noted:
+                noted.append(info["pod"])
+                log.info("waiting for a peer that works alone", peer=info["pod"],
+                         until=round(info["until"], 3), ended=info["ended"])
+            return now_m + (nxt - now_w)
+
+        return {"extend": extend, "op_timeout_s": ct + self.cfg.solo_max}
 
     def _resume_in_place(self, s: int, pre: Any) -> bool:
         """A fault plan arrived while this step was computed and kept our rank (prejoin.py):

@@ -224,7 +224,8 @@ class ShadowFollower:
                 if state_word(st.modules()) != val.check:
                     return self._diverged(
                         f"state differs from rank 0's after step {val.step} (does the script "
-                        "change registered modules outside s.step()?)")
+                        "change registered state outside s.step(): a module, an EMA, an "
+                        "optimizer setting such as param_group['lr']?)")
                 st.last_committed, st.loss = val.step, self._loss
             self._rt.update(step=st.last_committed, digest=st.digest())
 

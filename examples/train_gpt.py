@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank0-after-step", type=float, default=0.0, metavar="S",
                    help="rank 0 sleeps S more seconds after each s.step(), as a script whose "
                         "rank 0 logs or evaluates there (same numerics; the liveness stress)")
+    p.add_argument("--rank0-every", type=int, default=1, metavar="N",
+                   help="--rank0-after-step only every N steps (an evaluation's cadence)")
+    p.add_argument("--solo", type=float, default=0.0, metavar="MAX_S",
+                   help="run the rank-0 work of --rank0-after-step inside s.solo(max_s=MAX_S), "
+                        "so it may outlast the collective timeout; 0: not in a solo")
     p.add_argument("--device", default="cpu",
                    help="where the model trains: cpu, cuda, cuda:N, or auto (CUDA when this "
                         "process sees a GPU; with `ceaseless up`, each pod's "
@@ -247,8 +252,14 @@ def main(argv: list[str] | None = None) -> None:
                 if a.sleep:
                     time.sleep(a.sleep)
             committed = s.step(max_grad_norm=a.grad_clip) if a.grad_clip else s.step()
-            if a.after_step or (a.rank0_after_step and s.rank == 0):
-                time.sleep(a.after_step + (a.rank0_after_step if s.rank == 0 else 0.0))
+            if a.after_step:
+                time.sleep(a.after_step)
+            if a.rank0_after_step and s.rank == 0 and step % a.rank0_every == 0:
+                if a.solo:  # e.g. a long evaluation: the peers wait for it, up to MAX_S
+                    with s.solo(max_s=a.solo):
+                        time.sleep(a.rank0_after_step)
+                else:
+                    time.sleep(a.rank0_after_step)
             if committed and ema is not None:
                 with torch.no_grad():
                     for pe, pm in zip(ema.parameters(), model.parameters()):

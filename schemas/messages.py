@@ -115,6 +115,10 @@ class Heartbeat(Message):
     # where the pod's model trains ("cpu", "cuda:0 [GPU 3]"; None: nothing registered yet).
     # Added 2026-12-04 (issue 19), optional: older agents' heartbeats still validate.
     device: Annotated[str, Field(max_length=64)] | None = None
+    # wall time until which this member works alone (``with s.solo():``, e.g. a rank-0
+    # evaluation) while its peers wait in the collective; None: not in a solo. Added
+    # 2026-12-04 (issue 23), optional: older agents' heartbeats still validate.
+    solo_until: Annotated[float, Field(ge=0)] | None = None
 
 
 class Seen(BaseModel):

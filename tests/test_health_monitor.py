@@ -27,6 +27,7 @@ class Beater:
         self.bus, self.pod, self.role, self.generation, self.rank = bus, pod, role, generation, rank
         self.state, self.advance, self.interval = state, advance, interval
         self.step, self.alive = -1, True
+        self.solo_until: float | None = None
         self.task = asyncio.create_task(self._run())
 
     async def _run(self):
@@ -37,7 +38,8 @@ class Beater:
                 try:  # as the agent: a failed beat (bus down) is retried with the next
                     await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
                         pod=self.pod, role=self.role, generation=self.generation,
-                        rank=self.rank, step=self.step, state=self.state))
+                        rank=self.rank, step=self.step, state=self.state,
+                        solo_until=self.solo_until))
                 except Exception:
                     pass
             await asyncio.sleep(self.interval)
@@ -357,6 +359,49 @@ async def test_absent_member_is_declared_hung(env, bus):
     assert [(f.pod, f.kind.value) for f in env.faults] == [("w2", "hang")]
     assert 0.8 <= took < 0.8 + FT + 0.5, took
     assert "not in the collective" in env.faults[0].reason
+
+
+async def test_a_member_working_alone_is_not_absent_until_its_bound(env, bus):
+    """Issue 23, `s.solo()`: rank 0 declares it works alone (a long evaluation) while w1
+    waits in the all-reduce. Not absent within its bound; a collective timeout after its
+    declared bound it is (a solo that overruns is a hang, not hidden for ever); and after a
+    solo that ended, the member has one collective timeout to come back."""
+    m = await env.monitor(make_plan(["w0", "w1"]), stall_timeout=0.8, collective_timeout=0.8)
+    w0 = env.beat("w0", rank=0, advance=False)
+    env.beat("w1", rank=1, advance=False)
+    w0.solo_until = time.time() + 1.5
+    await until(lambda: len(m.pods) == 2 and m.pods["w0"].solo_until, what="solo seen")
+    t0 = time.monotonic()
+    task = asyncio.create_task(_report_waiting(bus, ["w1"], 6.0))
+    try:
+        await until(lambda: env.faults, timeout=5, what="overrun solo declared")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    took = time.monotonic() - t0
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w0", "hang")]
+    assert 1.5 + 0.8 - 0.2 <= took < 1.5 + 0.8 + FT + 0.5, took
+
+
+async def test_a_solo_that_ended_gives_one_collective_timeout_back(env, bus):
+    m = await env.monitor(make_plan(["w0", "w1"]), stall_timeout=0.8, collective_timeout=0.8)
+    w0 = env.beat("w0", rank=0, advance=False)
+    env.beat("w1", rank=1, advance=False)
+    w0.solo_until = time.time() + 60
+    await until(lambda: len(m.pods) == 2 and m.pods["w0"].solo_until, what="solo seen")
+    task = asyncio.create_task(_report_waiting(bus, ["w1"], 5.0))
+    try:
+        await asyncio.sleep(1.5)  # past the collective timeout: the solo protects w0
+        assert env.faults == []
+        w0.solo_until = None  # it ended; w0 never comes back to the collective
+        t_end = time.monotonic()
+        await until(lambda: env.faults, timeout=3, what="declared after the solo")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    took = time.monotonic() - t_end
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w0", "hang")]
+    assert 0.8 - 0.2 <= took < 0.8 + FT + 0.5, took
 
 
 async def test_no_absent_member_while_the_wait_is_short_or_everyone_waits(env, bus):

@@ -94,6 +94,42 @@ async def test_fp16_grad_scaler_survives_a_kill_of_rank0_bitwise(tmp_path):
     assert "spare stops following" not in (tmp_path / "kill" / "logs" / "s0.log").read_text()
 
 
+SOLO_TIMEOUTS = ["--stall-timeout", "2.5", "--fault-timeout", "1.5"]
+
+
+async def test_rank0_work_inside_solo_is_no_fault(tmp_path, monkeypatch):
+    """A rank-0-only evaluation three times the collective timeout, inside `s.solo()`: the
+    peer waits for it (its all-reduce extends), nobody is declared, nothing is lost, and the
+    result is bitwise the run without the evaluation."""
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    steps = 10
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps,
+                        extra=[*SOLO_TIMEOUTS, "--", *_example(steps)])
+    s = await run_job(tmp_path, "solo", 2, 0, steps=steps, extra=[
+        *SOLO_TIMEOUTS, "--", *_example(steps, "--rank0-after-step", "9", "--rank0-every", "5",
+                                        "--solo", "30")])
+    assert s["incidents"] == [] and s["final_step"] == steps - 1
+    assert s["param_sha256"] == ref["param_sha256"]
+    assert len(s["plans"]) == 1
+    assert "waiting for a peer that works alone" in (tmp_path / "solo" / "logs" / "w1.log").read_text()
+
+
+async def test_a_solo_that_overruns_its_bound_is_a_hang(tmp_path, monkeypatch):
+    """The same evaluation inside `s.solo(max_s=2)`: past its bound plus the collective
+    timeout, rank 0 is declared hung and replaced by the spare; the result is still bitwise
+    the fault-free run (a real hang is never hidden for longer than the bound)."""
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    steps = 10
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps,
+                        extra=[*SOLO_TIMEOUTS, "--", *_example(steps)])
+    s = await run_job(tmp_path, "over", 2, 1, steps=steps, extra=[
+        *SOLO_TIMEOUTS, "--", *_example(steps, "--rank0-after-step", "60", "--rank0-every", "50",
+                                        "--solo", "2")])  # at step 0 only
+    assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w0", "hang")], s["incidents"]
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
+    assert s["param_sha256"] == ref["param_sha256"]
+
+
 def _plain(tmp_path, name: str, *args: str) -> dict:
     d = tmp_path / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}

@@ -23,7 +23,7 @@ p.add_argument('--max-iters', type=int, default=200)
 p.add_argument('--batch-size', type=int, default=8)     # sequences per micro-batch
 p.add_argument('--grad-accum', type=int, default=8)     # micro-batches per iteration, all ranks
 p.add_argument('--block-size', type=int, default=32)
-p.add_argument('--lr', type=float, default=3e-3)
+p.add_argument('--lr', type=float, default=6e-3)
 p.add_argument('--warmup-iters', type=int, default=5)
 p.add_argument('--lr-decay-iters', type=int, default=200)
 p.add_argument('--eval-interval', type=int, default=10)
@@ -80,6 +80,9 @@ class GPT(nn.Module):  # a tiny GPT: pre-norm causal transformer blocks, tied em
         self.h = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
         self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         self.wte.weight = self.lm_head.weight  # weight tying
+        for w in self.parameters():  # GPT-2's initialisation of the weight matrices
+            if w.dim() >= 2:
+                nn.init.normal_(w, mean=0.0, std=0.02)
 
     def forward(self, idx, targets):
         T = idx.shape[1]

@@ -15,7 +15,8 @@ Rules (docs/architecture.md, recovery step 1):
   (``peer_error`` every heartbeat interval, then the timeout itself), a member that is alive
   but not among them once one has waited the agents' ``collective_timeout`` -> ``hang``
   (issue 24: a member that left the collective for any reason must not leave its peers
-  waiting for ever; one that merely works longer, a rank-0 evaluation, has until then).
+  waiting for ever; one that merely works longer, a rank-0 evaluation, has until then, or
+  until the bound it declared with ``Session.solo`` plus that timeout).
 
 Every pod that heartbeats is watched (members and spares alike), and so are members of the
 current plan (from KV) that have not heartbeated yet, after a grace period. After a fault
@@ -68,6 +69,8 @@ class PodView:
     heartbeated: bool = False     # False: seeded from the plan, never heard from
     hb: Heartbeat | None = None   # the last one accepted (what the health view publishes)
     deadline_extra: float = 0.0   # grace added to fault_timeout (seeded members)
+    solo_until: float | None = None  # wall (the agent's clock): it works alone until then
+    solo_ended: float | None = None  # monotonic: when its heartbeat said the solo ended
 
 
 @dataclass
@@ -221,6 +224,10 @@ class HealthMonitor(Service):
         v.role, v.generation, v.step, v.state = hb.role, hb.generation, hb.step, hb.state
         v.rank = plan_rank if plan_rank is not None else hb.rank
         v.last_hb, v.last_seen, v.heartbeated, v.deadline_extra = now, wall, True, 0.0
+        if hb.solo_until is not None:
+            v.solo_until, v.solo_ended = hb.solo_until, None
+        elif v.solo_until is not None:
+            v.solo_until, v.solo_ended = None, now
         if self.view is not None:
             self.view.note(v.hb, hb)
         v.hb = hb
@@ -378,9 +385,16 @@ class HealthMonitor(Service):
         # one pass for who advanced (linear in the members, not quadratic: thousands of them)
         moved = [o for o in views if o.last_advance >= window_start and o.heartbeated]
         for v in views:
-            if v.state != AgentState.training or v.last_advance > window_start:
+            if v.state != AgentState.training or v.last_advance > window_start or \
+                    self._solo(v, now):
                 continue
-            advanced = [o.pod for o in moved if o is not v]
+            # Only members that went past v's step, as v's own latest heartbeat (sent after
+            # they did) still says: one that reached the same step a moment later (then
+            # waits for v, e.g. in a rank-0 evaluation), or one whose heartbeat merely came
+            # in before v's (heartbeats are up to an interval old), says nothing against v.
+            advanced = [o.pod for o in moved if o is not v
+                        and (o.generation, o.step) > (v.generation, v.step)
+                        and v.last_hb > o.last_advance]
             if advanced:
                 await self._declare(
                     v.pod, FaultKind.hang, last_seen=v.last_seen, since=v.last_advance_wall,
@@ -412,6 +426,8 @@ class HealthMonitor(Service):
             if (v is None or m.pod in live or m.pod in self.faulted or not v.heartbeated
                     or v.state in GONE_STATES or now - v.last_hb > self.fault_timeout):
                 continue  # waiting itself, handled, gone, or for the silence rules
+            if self._solo(v, now):
+                continue
             absent.append(v)
         if not absent:
             if self._all_waiting_logged != plan.generation:
@@ -426,6 +442,17 @@ class HealthMonitor(Service):
                 reason=f"alive ({v.state.value}, generation {v.generation}, step {v.step}) but "
                        f"not in the collective that {first} has waited in for {waited:.3f}s "
                        f"({len(live)} member(s) waiting)")
+
+    def _solo(self, v: PodView, now: float) -> bool:
+        """The member works alone by its own declaration (``Session.solo``): within its
+        bound plus a collective timeout, or a collective timeout after it ended (to come back
+        to the collective), it is not absent. Past that it is, like any other member."""
+        if v.solo_until is not None:
+            if time.time() < v.solo_until + self.collective_timeout:
+                return True
+        elif v.solo_ended is not None and now < v.solo_ended + self.collective_timeout:
+            return True
+        return False
 
     # ------------------------------------------------------------------ faults
     async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
