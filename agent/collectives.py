@@ -26,6 +26,7 @@ import ctypes
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
@@ -476,6 +477,15 @@ class AbortableGroup:
         either the tensors hold undefined values. ``op_timeout_s``: the backend's own limit
         for these operations (default: the group's), which must outlast any ``extend``."""
         self._check(abort)
+        pending = self.allreduce_start(tensors, op_timeout_s)
+        self.allreduce_finish(pending, abort, slice_s, timeout_s, extend)
+
+    def allreduce_start(self, tensors: Sequence[Tensor],
+                        op_timeout_s: float | None = None) -> "PendingAllreduce":
+        """Post the all-reduce of ``tensors`` (bucketed like ``allreduce_``) without waiting;
+        ``allreduce_finish`` waits and writes the results back. Any thread may post (e.g. a
+        gradient hook during the backward); one thread at a time."""
+        self._check(None)
         self._on_device(tensors, "allreduce_")
         plan = []
         for idx in buckets(tensors, self.bucket_bytes):
@@ -487,12 +497,17 @@ class AbortableGroup:
             opts.timeout = timedelta(seconds=op_timeout_s)
         works = [self._post(lambda w=wire: self.pg.allreduce([w], opts), "all-reduce")
                  for _, wire, _ in plan]
-        self.wait_all(works, abort, "all-reduce", slice_s, timeout_s, extend)
-        for flat, wire, ts in plan:
-            if wire is not flat:
-                flat.copy_(wire)
-            if flat is not ts[0]:
-                unflatten_(flat, ts)
+        return PendingAllreduce(self, plan, works)
+
+    def allreduce_finish(self, pending: "PendingAllreduce", abort: threading.Event | None,
+                         slice_s: float | None = None, timeout_s: float | None = None,
+                         extend: Callable[[], float | None] | None = None) -> None:
+        """Wait for a posted all-reduce (``abort``, timeouts as ``wait_all``), then write the
+        sums into the tensors it was given."""
+        if pending.group is not self:
+            raise ValueError("this all-reduce was posted on another group")
+        self.wait_all(pending.works, abort, "all-reduce", slice_s, timeout_s, extend)
+        pending.write_back()
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int, abort: threading.Event | None,
                    slice_s: float | None = None, timeout_s: float | None = None) -> None:
@@ -607,6 +622,23 @@ class AbortableGroup:
     def __repr__(self) -> str:
         return (f"AbortableGroup({self.backend}, rank={self.rank}/{self.world_size}, "
                 f"state={self._state})")
+
+
+@dataclass
+class PendingAllreduce:
+    """An all-reduce posted by ``AbortableGroup.allreduce_start``."""
+
+    group: AbortableGroup
+    plan: list
+    works: list
+
+    def write_back(self) -> None:
+        """After the works completed: the sums into the tensors that were given."""
+        for flat, wire, ts in self.plan:
+            if wire is not flat:
+                flat.copy_(wire)
+            if flat is not ts[0]:
+                unflatten_(flat, ts)
 
 
 def _completed(w: Any) -> bool:

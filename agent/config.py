@@ -37,6 +37,9 @@ class AgentConfig:
     stuck_report_after: float = 0.5
     store_timeout: float = 30.0
     recovery_timeout: float = 60.0     # one in-process attempt
+    # A member whose training thread reaches no step boundary and no collective for this
+    # long reports itself hung (runtime._report_if_stalled). 0: the collective timeout.
+    stall_timeout: float = 0.0
     # The longest a member may work alone (``with s.solo():``, a rank-0 evaluation) while its
     # peers wait in the collective; past it the monitor calls the member hung.
     solo_max: float = 3600.0
@@ -52,6 +55,9 @@ class AgentConfig:
     # computed when no member needs state: it is finished and all-reduced in the new group
     # (agent/prejoin.py). Off: every fault plan aborts the step.
     resume_in_place: bool = True
+    # The gradient all-reduce starts in buckets during the backward of the last micro-batch
+    # (agent/grad_sync.py), as DDP's does. Off: one bucketed all-reduce in s.step().
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -92,9 +98,11 @@ class AgentConfig:
             stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", "0.5")),
             recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", "60")),
             solo_max=float(env("CEASELESS_SOLO_MAX", "3600")),
+            stall_timeout=float(env("CEASELESS_STALL_TIMEOUT", "0")),
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
             backend=env("CEASELESS_BACKEND") or None,
             exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", True),
             shadow_spares=_flag("CEASELESS_SHADOW_SPARES", True),
             resume_in_place=_flag("CEASELESS_RESUME_IN_PLACE", True),
+            overlap=_flag("CEASELESS_OVERLAP", True),
         )

@@ -62,6 +62,10 @@ class Runtime:
         self.prejoin: Any = None
         self._world_size = 0  # of the joined generation
         self._stuck_reported = 0.0
+        # the training thread's last sign of progress (a step boundary, a collective, a
+        # join): the stall watchdog (_report_if_stalled) measures from here
+        self.progress_at = time.monotonic()
+        self._stall_reported = False
         # rank 0: spares that asked to follow this generation (agent/shadow.py)
         self.shadow_requests: dict[str, str] = {}  # pod -> request id
         self._shadow_watch: asyncio.Task | None = None
@@ -189,12 +193,14 @@ class Runtime:
             if p is not None and p.generation > generation:
                 return p
             self.collective_since = time.monotonic()
+            self._progress()
             return None
 
     def enter_collective(self) -> None:
         """Training thread: the gradient all-reduce starts now (after a resume in place)."""
         with self.cond:
             self.collective_since = time.monotonic()
+            self._progress()
 
     def take_prejoin(self, generation: int) -> Any:
         """The Prejoin of ``generation`` (handed over once); an older one is dropped."""
@@ -230,6 +236,7 @@ class Runtime:
         """Training thread: computing ``step`` from now (a fault plan may resume it)."""
         with self.cond:
             self.step_in_flight = step
+            self._progress()
 
     def end_step(self) -> None:
         """Training thread: the step is over (committed or discarded). From here a fault plan
@@ -237,10 +244,17 @@ class Runtime:
         with self.cond:
             self.step_in_flight = None
             self.collective_since = None
+            self._progress()
 
     def end_collective(self) -> None:
         with self.cond:
             self.collective_since = None
+            self._progress()
+
+    def _progress(self) -> None:
+        """(Under ``cond``.) The training thread moved: a stall, if any, is over."""
+        self.progress_at = time.monotonic()
+        self._stall_reported = False
 
     async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
         with self.cond:
@@ -289,6 +303,7 @@ class Runtime:
             try:
                 await self._send_heartbeat()
                 await self._report_if_stuck()
+                await self._report_if_stalled()
             except Exception as e:  # reconnecting: the next beat goes through
                 log.debug("heartbeat failed", error=str(e)[:200])
             await asyncio.sleep(self.cfg.heartbeat_interval)
@@ -306,12 +321,39 @@ class Runtime:
         await self.report(ReportKind.peer_error,
                           f"all-reduce waiting for {now - since:.2f}s")
 
+    async def _report_if_stalled(self) -> None:
+        """The stall watchdog: a member whose training thread reached no step boundary and
+        no collective for ``stall_timeout`` (and declared no ``solo``) reports itself, once
+        per stall (a hang of user code, a deadlock) while its heartbeats, from this thread,
+        go on. Waiting in a collective is not a stall of this member (the monitor's
+        absent-member rule finds whoever it waits for)."""
+        limit = self.cfg.stall_timeout or self.cfg.collective_timeout
+        hb = self.hb
+        if (limit <= 0 or self._stall_reported or hb.get("rank") is None
+                or hb.get("state") != AgentState.training or self.collective_since is not None):
+            return
+        solo = hb.get("solo_until")
+        if solo is not None and time.time() < solo:
+            return
+        idle = time.monotonic() - self.progress_at
+        if idle < limit:
+            return
+        self._stall_reported = True
+        log.warning("training thread stalled: reporting this pod hung", idle_s=round(idle, 3),
+                    step=hb.get("step"), stall_timeout=limit)
+        await self.report(ReportKind.stalled,
+                          f"training thread made no progress for {idle:.1f}s (no step "
+                          f"boundary, no collective; stall timeout {limit:g}s)")
+
     async def _send_heartbeat(self) -> None:
         hb = Heartbeat(pod=self.cfg.pod, pid=_pid(), **self.hb)
         await self.bus.publish(self.bus.subjects.heartbeat(self.cfg.pod), hb)
 
     def update(self, now: bool = False, **fields: Any) -> None:
         """Set heartbeat fields (training thread); ``now`` sends one at once."""
+        if fields.get("state") == AgentState.training and self.hb.get("state") != AgentState.training:
+            with self.cond:
+                self._progress()  # (re)joined: the stall watchdog counts from here
         self.hb = {**self.hb, **fields}
         if now and self.loop is not None:
             self.submit(self._send_heartbeat())
@@ -446,6 +488,7 @@ class Runtime:
         with self.cond:
             self.joined_generation = generation
             self._world_size = world_size
+            self._progress()
             self.abort.clear()
             if self.plan is not None and self.plan.generation > generation \
                     and self.plan.apply_step is None:

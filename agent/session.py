@@ -156,6 +156,9 @@ class Session:
         self.current_step: int | None = None
         self.grad_norm: float | None = None     # of the last step(max_grad_norm=...), pre-clip
         self.skipped = False                    # the last step's update was skipped (fp16 inf/nan)
+        self._sync: Any = None                  # GradSync (overlapped gradient all-reduce)
+        self._batch_checked = 0                 # the generation whose batch was checked
+        self._micro: tuple[int, bool, int] | None = None  # the micro-batch being computed
         self.total: int | None = None
         self.group: Any = None
         self.runtime: Any = None
@@ -497,13 +500,35 @@ class Session:
         M = num_micro_batches(self.global_batch_size, m)
         self._micro_batch_size = m
         abort = self.runtime.abort if self.distributed and self.runtime is not None else None
-        for k in micro_batch_range(M, self.world_size, self.rank):
+        self._check_batch(m, M)
+        ks = micro_batch_range(M, self.world_size, self.rank)
+        last = ks[-1] if len(ks) else None
+        for k in ks:
             if abort is not None and abort.is_set():
                 # A newer plan: this step will be discarded anyway (s.step() sees the same
                 # flag), so stop computing it now instead of finishing every micro-batch.
                 return
             _seed(self.seed, s, k)
+            self._micro = (k, k == last, 0)  # (index, last of this rank, backwards so far)
             yield k
+        self._micro = None
+
+    def _check_batch(self, m: int, M: int) -> None:
+        """Once per generation: the plan's batch arithmetic (``ceaseless up``'s flags, which
+        the scaler sizes the job by) should be this script's; say so when it is not, and
+        when some ranks get no micro-batch (correct, but idle)."""
+        p = self._plan
+        if p is None or self._batch_checked == p.generation:
+            return
+        self._batch_checked = p.generation
+        if (p.global_batch_size, p.micro_batch_size) != (self.global_batch_size, m):
+            log.warning("the job was planned for another batch: pass the script's to "
+                        "`ceaseless up` (--global-batch-size, --micro-batch-size)",
+                        script=[self.global_batch_size, m],
+                        plan=[p.global_batch_size, p.micro_batch_size])
+        if M < self.world_size:
+            log.warning("fewer micro-batches than members: some ranks compute nothing",
+                        micro_batches=M, world_size=self.world_size)
 
     def _order(self, dataset: Any) -> Any:
         key = id(dataset)
@@ -523,6 +548,17 @@ class Session:
             return  # a newer plan: s.step() discards this step, skip the backward's compute
         scale = self._micro_batch_size / self.global_batch_size
         scaled = loss * scale
+        sync = self._grad_sync()
+        if sync is not None and self._micro is not None:
+            k, last, n = self._micro
+            if n:
+                raise RuntimeError(
+                    "s.backward() called twice for one micro-batch: with the gradient sync "
+                    "overlapped with the backward (CEASELESS_OVERLAP=1, the default) call it "
+                    "once per micro-batch (add the losses first), or set CEASELESS_OVERLAP=0")
+            self._micro = (k, last, 1)
+            if last:  # the gradients are final after this one: post buckets as they fill
+                sync.arm(self.group, self._solo_aware()["op_timeout_s"])
         self.state.scale_loss(scaled).backward()  # fp16: times the GradScaler's scale
         d = scaled.detach().reshape(1).to(torch.float64)
         self._loss_acc = d if self._loss_acc is None else self._loss_acc + d
@@ -569,11 +605,21 @@ class Session:
                 rt.end_collective()
                 return self._discard("a newer plan arrived")
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            sync = self._grad_sync()
             try:
-                self.group.allreduce_(grads + [loss_t], rt.abort,
-                                      slice_s=self.cfg.collective_slice,
-                                      timeout_s=self.cfg.collective_timeout,
-                                      **self._solo_aware())
+                if sync is not None:
+                    for p, g in zip(params, grads):
+                        if p.grad is None:
+                            p.grad = g
+                    solo = self._solo_aware()
+                    sync.finish(self.group, [loss_t], rt.abort, solo["op_timeout_s"],
+                                slice_s=self.cfg.collective_slice,
+                                timeout_s=self.cfg.collective_timeout, extend=solo["extend"])
+                else:
+                    self.group.allreduce_(grads + [loss_t], rt.abort,
+                                          slice_s=self.cfg.collective_slice,
+                                          timeout_s=self.cfg.collective_timeout,
+                                          **self._solo_aware())
             except Aborted:
                 return self._discard("aborted: a newer plan arrived")
             except PeerError as e:
@@ -748,6 +794,24 @@ class Session:
     def _zero_grad(self) -> None:
         self.state.zero_grad()
         self._loss_acc = None
+        self._micro = None
+        if self._sync is not None:
+            self._sync.disarm()
+
+    def _grad_sync(self) -> Any:
+        """The overlapped gradient sync of this member (None: off, one process, or no
+        group); rebuilt when the registered parameters change."""
+        if not (self.distributed and self.cfg.overlap and self.group is not None
+                and self.is_member):
+            return None
+        params = self.state.params()
+        if self._sync is None or [id(p) for p in self._sync.params] != [id(p) for p in params]:
+            from .grad_sync import GradSync
+
+            if self._sync is not None:
+                self._sync.close()
+            self._sync = GradSync(params, self.group.bucket_bytes)
+        return self._sync
 
     def _discard(self, reason: str) -> bool:
         self._zero_grad()

@@ -167,7 +167,9 @@ class TrainState:
                                if isinstance(o, torch.nn.Module)), key=lambda x: x[0]):
             for k, t in m.state_dict().items():
                 h.update(f"{name}.{k}".encode())
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                # reshape: a 0-dim tensor (BatchNorm's num_batches_tracked) has no byte view
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                         .numpy().tobytes())
         return h.hexdigest()
 
     # ------------------------------------------------------------------ copies

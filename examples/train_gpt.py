@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--solo", type=float, default=0.0, metavar="MAX_S",
                    help="run the rank-0 work of --rank0-after-step inside s.solo(max_s=MAX_S), "
                         "so it may outlast the collective timeout; 0: not in a solo")
+    p.add_argument("--hang-at-step", type=int, default=-1, metavar="N",
+                   help="test: the training thread of rank --hang-rank hangs after "
+                        "committing step N (a deadlock in user code; its heartbeats go on)")
+    p.add_argument("--hang-rank", type=int, default=0)
     p.add_argument("--device", default="cpu",
                    help="where the model trains: cpu, cuda, cuda:N, or auto (CUDA when this "
                         "process sees a GPU; with `ceaseless up`, each pod's "
@@ -260,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
                         time.sleep(a.rank0_after_step)
                 else:
                     time.sleep(a.rank0_after_step)
+            if committed and s.rank == a.hang_rank and step == a.hang_at_step:
+                print(f"hanging after step {step} (--hang-at-step)", flush=True)
+                threading.Event().wait()  # for ever: only the stall watchdog ends this
             if committed and ema is not None:
                 with torch.no_grad():
                     for pe, pm in zip(ema.parameters(), model.parameters()):

@@ -73,6 +73,9 @@ class ReportKind(str, Enum):
     digest_mismatch = "digest_mismatch"
     fenced = "fenced"            # this pod found it is not in the current plan
     recovery_failed = "recovery_failed"
+    # the pod's own watchdog: its training thread made no progress for the stall timeout
+    # (added 2026-12-04, issue 20; an older monitor drops it as malformed, logged)
+    stalled = "stalled"
 
 
 class InjectAction(str, Enum):

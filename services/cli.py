@@ -53,6 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
+                     replace=not args.no_replace, max_replacements=args.max_replacements,
                      live=not args.quiet, model=args.model, dtype=args.dtype, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
                      save_params=args.save_params, start_timeout=args.start_timeout,
@@ -332,6 +333,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="the example's parameter dtype")
     up.add_argument("--timeout", type=float, help="give up after this many seconds")
     up.add_argument("--no-inject", action="store_true", help="refuse fault injection")
+    up.add_argument("--no-replace", action="store_true",
+                    help="do not start a fresh spare in place of a failed pod (by default "
+                         "every failed pod is replaced, so the job heals back to its size)")
+    up.add_argument("--max-replacements", type=int, default=None, metavar="N",
+                    help="crash-loop guard: at most N replacements in 5 minutes "
+                         "(default: 2 x (workers + spares))")
     up.add_argument("--tls", action="store_true",
                     help="serve the bus over TLS only, with a throw-away CA and server "
                          "certificate for this run (needs 'cryptography': ceaseless[tls])")

@@ -63,6 +63,8 @@ class UpOptions:
                              # world sizes stay comparable to ~1e-12, see docs/elastic.md)
     extra_env: dict[str, str] = field(default_factory=dict)
     gpus_per_pod: int | None = None  # None: one per pod if the machine has enough, else shared
+    replace: bool = True     # start a fresh spare in place of every failed pod
+    max_replacements: int | None = None  # per 5 minutes; None: 2 x (workers + spares)
 
 
 class ServiceSupervisor:
@@ -233,6 +235,8 @@ async def run(opts: UpOptions) -> int:
     env = {"CEASELESS_NATS_URL": srv.url, "CEASELESS_CREDS": str(roles["agent"][0]),
            "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
+           # the agents' own stall watchdog acts at the monitor's stall timeout
+           "CEASELESS_STALL_TIMEOUT": str(opts.stall_timeout),
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
     if opts.save_params:
         env["CEASELESS_SAVE_PARAMS"] = "1"
@@ -250,7 +254,12 @@ async def run(opts: UpOptions) -> int:
               file=out, flush=True)
     if gpus.warning:
         print(f"ceaseless up: warning: {gpus.warning}", file=sys.stderr, flush=True)
-    act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus)
+    from services.actuator.replace import ReplacementBudget
+
+    budget = ReplacementBudget(limit=opts.max_replacements if opts.max_replacements is not None
+                               else 2 * (opts.workers + opts.spares))
+    act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus,
+                        replace=opts.replace, budget=budget)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)

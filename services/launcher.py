@@ -25,14 +25,17 @@ REPO = Path(__file__).resolve().parent.parent
 class Cluster:
     def __init__(self, run_dir: Path, workers: int, spares: int, steps: int,
                  extra: list[str] | None = None, cmd: list[str] | None = None,
-                 timeout: float = 240.0) -> None:
+                 timeout: float = 240.0, replace: bool = False) -> None:
         self.run_dir = run_dir
         self.argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
                      "--workers", str(workers), "--spares", str(spares), "--steps", str(steps),
                      "--quiet", "--timeout", str(timeout),
                      # Tests compare against fault-free runs of the full world size: on a
                      # loaded machine the first plan must not start without a slow worker.
-                     "--start-timeout", "120", *(extra or [])]
+                     "--start-timeout", "120",
+                     # Replacement pods are `up`'s default; runs that compare plans and world
+                     # sizes with a fixed pool of spares opt in (replace=True).
+                     *([] if replace else ["--no-replace"]), *(extra or [])]
         if cmd:
             self.argv += ["--", *cmd]
         self.proc: subprocess.Popen | None = None

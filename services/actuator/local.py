@@ -1,8 +1,10 @@
 """Local process supervisor: pods are child processes of ``ceaseless up``.
 
 It answers ``ActuatorCommand`` requests on ``ceaseless.<job>.actuator``, executes
-``inject kill``, publishes a ``Lifecycle`` event for every start and exit, and restarts a
-pod that exits with ``FALLBACK_EXIT_CODE`` (in-process recovery gave up) as a fresh spare.
+``inject kill``, publishes a ``Lifecycle`` event for every start and exit, and starts a
+fresh spare in place of every pod that fails (any non-zero exit: a crash, a kill, a fenced
+pod, ``FALLBACK_EXIT_CODE`` when in-process recovery gave up), within a crash-loop budget
+(``replace.py``); ``replace=False`` only restarts ``FALLBACK_EXIT_CODE`` pods.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import itertools
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +23,7 @@ from services.common import logs
 from services.common.bus import Bus, Envelope
 
 from .base import PodSpec
+from .replace import ReplacementBudget, should_replace
 
 # The agent exits with this code when in-process recovery failed too often or it was
 # fenced: "restart me as a spare".
@@ -31,7 +35,8 @@ log = logs.get("actuator")
 class LocalActuator:
     def __init__(self, bus: Bus, argv: list[str], env: dict[str, str], log_dir: Path,
                  restart_fallback: bool = True, allow_inject: bool = False,
-                 gpus: Any = None) -> None:
+                 gpus: Any = None, replace: bool = True,
+                 budget: ReplacementBudget | None = None) -> None:
         self.allow_inject = allow_inject
         self.gpus = gpus  # a GpuAssigner (services/actuator/gpus.py), or None: env as is
         self.bus = bus
@@ -39,6 +44,10 @@ class LocalActuator:
         self.env = env
         self.log_dir = log_dir
         self.restart_fallback = restart_fallback
+        self.replace = replace
+        self.budget = budget or ReplacementBudget()
+        self.shutting_down = False
+        self.replacements: list[tuple[str, str]] = []  # (failed pod, its replacement)
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.roles: dict[str, Role] = {}
         self.exits: dict[str, int] = {}
@@ -162,9 +171,15 @@ class LocalActuator:
             log.warning("could not publish exit", pod=pod, error=str(e)[:200])
         for cb in self.on_exit:
             cb(pod, code)
-        if code == FALLBACK_EXIT_CODE and self.restart_fallback and pod not in self.killed:
+        fallback = code == FALLBACK_EXIT_CODE and self.restart_fallback and pod not in self.killed
+        if (self.replace or fallback) and should_replace(code, self.shutting_down):
+            refused = self.budget.take(time.monotonic())
+            if refused is not None:
+                log.warning("pod not replaced", pod=pod, exit_code=code, reason=refused)
+                return
             new = await self.start(Role.spare, 1)
-            log.info("restarted fallback pod as spare", old=pod, new=new)
+            self.replacements += [(pod, n) for n in new]
+            log.info("replacement started as a spare", old=pod, new=new, exit_code=code)
 
     async def stop(self, pod: str, grace_s: float = 5.0) -> bool:
         proc = self.procs.get(pod)
@@ -196,6 +211,7 @@ class LocalActuator:
         return {pod: p.pid for pod, p in self.procs.items()}
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
+        self.shutting_down = True  # what exits now is not replaced
         await asyncio.gather(*(self.stop(p, grace_s) for p in list(self.procs)),
                              return_exceptions=True)
         for t in list(self._watchers):

@@ -8,7 +8,9 @@ Rules (docs/architecture.md, recovery step 1):
 * no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving);
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
-* a report of kind exception / digest_mismatch / recovery_failed -> ``exception``;
+* a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; of kind
+  ``stalled`` (the member's own watchdog: no step boundary and no collective for its stall
+  timeout, e.g. a training thread stuck in user code while heartbeats go on) -> ``hang``;
 * a ``peer_error`` report makes every member of the current generation whose heartbeat is
   older than ``suspect_timeout`` ``lost`` at once;
 * absent member: while members keep reporting that they wait in the gradient all-reduce
@@ -79,6 +81,7 @@ class Waiting:
     generation: int
     since: float                  # monotonic: the first report of the run
     last: float                   # monotonic: the latest
+    step: int = -1                # the member's last committed step while it waits
 
 
 class HealthMonitor(Service):
@@ -286,6 +289,14 @@ class HealthMonitor(Service):
             await self._declare(r.pod, FaultKind.exception,
                                 last_seen=v.last_seen if v else r.ts, since=r.ts,
                                 reason=f"{r.report.value}: {r.error}"[:2000])
+        elif r.report == ReportKind.stalled:
+            if r.pod in self.faulted or not self._is_member(r.pod):
+                self._ignore(env.subject, "stall report of a pod that is not a watched member",
+                             pod=r.pod)
+                return
+            v = self.pods.get(r.pod)
+            await self._declare(r.pod, FaultKind.hang, last_seen=v.last_seen if v else r.ts,
+                                since=r.ts, reason=f"reported by its own watchdog: {r.error}"[:2000])
         elif r.report == ReportKind.peer_error:
             await self._suspect(r, env)
         else:
@@ -312,8 +323,11 @@ class HealthMonitor(Service):
                       suspects=[v.pod for v in suspects])
         if plan.rank_of(r.pod) is not None and r.pod not in self.faulted:
             w = self.waiting.get(r.pod)
-            if w is None or w.generation != r.generation or now - w.last > self.fault_timeout:
-                self.waiting[r.pod] = Waiting(r.generation, now, now)
+            # one run = one wait: a report for another step (the member committed in between,
+            # however short the gap) starts a new run
+            if w is None or w.generation != r.generation or w.step != r.step or \
+                    now - w.last > self.fault_timeout:
+                self.waiting[r.pod] = Waiting(r.generation, now, now, r.step)
             else:
                 w.last = now
         for v in suspects:

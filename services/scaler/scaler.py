@@ -287,8 +287,10 @@ class Scaler(Service):
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
         if ev.event != LifecycleEvent.exited:
             return
-        self.pods.pop(ev.pod, None)
-        if ev.exit_code == 0:
+        seen = self.pods.pop(ev.pod, None)
+        if ev.exit_code == 0 or (seen is not None and seen.state == AgentState.done):
+            # (a non-zero exit after the pod said it was done is its script's failure after
+            # the loop, not a fault: nothing to plan, as the health monitor decides too)
             self.done.add(ev.pod)
         else:
             self.dead.add(ev.pod)  # the health monitor's fault triggers the plan

@@ -1,0 +1,183 @@
+"""Last-resort checkpoints of the committed state (issue 20), with torch.distributed.checkpoint.
+
+Recovery never reads a checkpoint: replacements take the state from their peers' memory.
+These are for the case where no holder survives (the whole job lost at once, every replica
+of the state gone) and for starting a new job from an old one (``ceaseless up --resume``).
+
+* ``Checkpointer.after_commit(step, state)`` (rank 0, after a committed step): every
+  ``every`` steps, a host copy of the committed state (``TrainState.snapshot``, the copy
+  shadow spares start from) is taken on the training thread and written by a background
+  thread with ``torch.distributed.checkpoint`` (one ``FileSystemWriter`` checkpoint per step:
+  the flat buffers as tensors, the picklable skeleton as bytes), into ``.step-N.tmp`` and
+  renamed to ``step-N`` once complete, with a ``manifest.json``. A half-written checkpoint is
+  never a ``step-N`` directory, so it is never used. The newest ``keep`` are kept. A save
+  still running when the next one is due is not queued: that one is skipped (logged).
+* ``latest(directory)``: the newest complete checkpoint; ``load(path, state)`` restores it
+  into a ``TrainState`` and returns its step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common import logs
+
+log = logs.get("agent")
+
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _quiet() -> Any:
+    """DCP warns that it runs without a process group: that is the intent here."""
+    w = warnings.catch_warnings()
+    w.__enter__()
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+    return w
+
+
+def write(path: Path, flat: Any, step: int) -> Path:
+    """Write ``flat`` (a FlatState of step ``step``) as checkpoint directory ``path``,
+    atomically (a temporary directory renamed when complete). Returns ``path``."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    blob = pickle.dumps(flat.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+    sd = {"buffers": {f"b{i}": b.cpu() for i, b in enumerate(flat.buffers)},
+          "skeleton": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+    w = _quiet()
+    try:
+        _dcp().save(sd, checkpoint_id=str(tmp), no_dist=True)
+    finally:
+        w.__exit__(None, None, None)
+    (tmp / "manifest.json").write_text(json.dumps(
+        {"format": FORMAT, "step": step, "buffers": len(flat.buffers), "time": time.time(),
+         "nbytes": flat.nbytes}))
+    os.replace(tmp, path)  # atomic on one filesystem: complete, or not there
+    return path
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (None: none)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    found = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p / "manifest.json").exists():
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None
+
+
+def read(path: str | Path) -> tuple[Any, int]:
+    """The FlatState stored in checkpoint ``path`` and its step."""
+    from .state import FlatState
+
+    path = Path(path)
+    man = json.loads((path / "manifest.json").read_text())
+    if man.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {man.get('format')} (this code reads "
+                         f"{FORMAT})")
+    dcp = _dcp()
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd: dict[str, Any] = {"buffers": {}, "skeleton": None}
+    for key, meta in md.state_dict_metadata.items():
+        size = tuple(meta.size)
+        t = torch.empty(size, dtype=meta.properties.dtype)
+        if key == "skeleton":
+            sd["skeleton"] = t
+        elif key.startswith("buffers."):
+            sd["buffers"][key.split(".", 1)[1]] = t
+    w = _quiet()
+    try:
+        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    finally:
+        w.__exit__(None, None, None)
+    skeleton = pickle.loads(sd["skeleton"].numpy().tobytes())
+    buffers = [sd["buffers"][f"b{i}"] for i in range(man["buffers"])]
+    return FlatState(skeleton=skeleton, buffers=buffers), int(man["step"])
+
+
+def load(path: str | Path, state: Any) -> int:
+    """Restore checkpoint ``path`` into a ``TrainState``; returns its step."""
+    flat, step = read(path)
+    return state.restore(flat, default_step=step)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, every: int, keep: int = 3) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError(f"checkpoints: every >= 1 and keep >= 1 (got {every}, {keep})")
+        self.dir = Path(directory)
+        self.every, self.keep = every, keep
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.saved: list[int] = []      # steps written, in order
+        self.skipped: list[int] = []    # steps not written: the previous save still ran
+        self.error: str | None = None
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every == 0
+
+    def after_commit(self, step: int, state: Any) -> bool:
+        """Step ``step`` is committed: start its checkpoint if one is due. True if started."""
+        if not self.due(step):
+            return False
+        return self.save(step, state)
+
+    def save(self, step: int, state: Any) -> bool:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self.skipped.append(step)
+                log.warning("checkpoint skipped: the previous one is still being written",
+                            step=step)
+                return False
+            flat = state.snapshot()  # host copy now: the training thread changes the state next
+            self._thread = threading.Thread(target=self._write, args=(step, flat),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+            return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the save in progress (e.g. before exiting); True when none runs."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+    def _write(self, step: int, flat: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = write(self.dir / f"step-{step:08d}", flat, step)
+            self.saved.append(step)
+            self._prune()
+            log.info("checkpoint written", step=step, path=str(path),
+                     seconds=round(time.perf_counter() - t0, 3), nbytes=flat.nbytes)
+        except Exception as e:  # a full disk must not stop training: say so and go on
+            self.error = f"{type(e).__name__}: {e}"[:500]
+            log.warning("checkpoint failed", step=step, error=self.error)
+
+    def _prune(self) -> None:
+        done = sorted((int(m.group(1)), p) for p in self.dir.iterdir()
+                      if (m := _NAME.match(p.name)))
+        for _, p in done[:-self.keep]:
+            shutil.rmtree(p, ignore_errors=True)

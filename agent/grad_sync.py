@@ -1,0 +1,139 @@
+"""Gradient sync overlapped with the backward (issue 23): DDP's bucketed all-reduce, abortable.
+
+The parameters are cut into buckets once, in reverse registration order (about the order
+their gradients become ready, as DDP does), each at most ``bucket_bytes`` per dtype and
+device. During the backward of this rank's *last* micro-batch, a hook on each parameter
+(``register_post_accumulate_grad_hook``) notes its gradient final; when every parameter of a
+bucket is, and every bucket before it was posted, the bucket's gradients are copied into one
+flat buffer and its all-reduce is posted, while the backward goes on with the layers below.
+Buckets are posted strictly in index order (as DDP's reducer does): collectives are matched
+by order across ranks, and a rank with no micro-batch at all posts them all in ``finish``. Earlier micro-batches accumulate
+without communication. ``finish`` (in ``Session.step``) posts what is left (buckets of
+parameters that got no gradient, a rank with no micro-batch at all, the loss), waits for
+everything with the caller's abort event and timeouts, and writes the sums into ``.grad``.
+
+Why a copy per bucket and not the gradients in place: an all-reduce that fails or is
+abandoned leaves its buffer undefined, and a step resumed in the next generation
+(``prejoin.py``) must all-reduce the rank's own gradients again, untouched. Buckets are a
+function of the parameters only, so every run of a job (with faults or without) sums the
+same elements in the same buckets: results stay bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .collectives import DEFAULT_BUCKET_BYTES, AbortableGroup, PendingAllreduce, buckets, flatten
+
+
+class GradSync:
+    def __init__(self, params: Sequence[torch.nn.Parameter],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.params = list(params)
+        order = list(reversed(range(len(self.params))))
+        rev = [self.params[i] for i in order]
+        self.buckets: list[list[int]] = [[order[j] for j in b] for b in buckets(rev, bucket_bytes)]
+        # parameters with no elements are in no bucket (nothing to sum)
+        self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._lock = threading.Lock()  # hooks may run on autograd's device threads
+        self._group: AbortableGroup | None = None
+        self._op_timeout_s: float | None = None
+        self._missing: list[int] = []
+        self._next = 0  # the next bucket to post (in order)
+        self._posted: dict[int, tuple[PendingAllreduce, Tensor]] = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self.params) if i in self._bucket_of]
+        self.overlapped = 0  # buckets posted during the backward (for tests and traces)
+        self.spoiled = False  # a backward ran after the last one had posted buckets
+        self._error: BaseException | None = None  # why a bucket could not be posted
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.disarm()
+
+    # ------------------------------------------------------------------ the backward
+    def arm(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
+        """The next backward is this rank's last of the step: post buckets as they fill."""
+        with self._lock:
+            self._group, self._op_timeout_s = group, op_timeout_s
+            self._missing = [len(b) for b in self.buckets]
+            self._posted, self._next, self._error = {}, 0, None
+
+    def disarm(self) -> None:
+        """Forget what was posted (a discarded step; its group is aborted or closed)."""
+        with self._lock:
+            self._group, self._posted, self._missing, self._next = None, {}, [], 0
+            self._error = None
+
+    def _hook(self, i: int) -> Callable[[Tensor], None]:
+        def hook(_: Tensor) -> None:
+            with self._lock:
+                if self._group is None:
+                    return
+                b = self._bucket_of[i]
+                self._missing[b] -= 1
+                if self._missing[b] < 0:
+                    self.spoiled = True  # a second backward after the buckets went out
+                while self._next < len(self.buckets) and self._missing[self._next] <= 0:
+                    self._post(self._next)
+                    self._next += 1
+                    self.overlapped += 1
+        return hook
+
+    def _post(self, b: int) -> None:
+        g = self._group
+        if g is None or not g.usable or b in self._posted:
+            return
+        grads = [self._grad(i) for i in self.buckets[b]]
+        flat = flatten(grads)  # a copy: the gradients stay this rank's own (module doc)
+        try:
+            self._posted[b] = (g.allreduce_start([flat], self._op_timeout_s), flat)
+        except Exception as e:  # raised by finish() on the training thread
+            self._error = self._error or e
+
+    def _grad(self, i: int) -> Tensor:
+        p = self.params[i]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    # ------------------------------------------------------------------ the step
+    def finish(self, group: AbortableGroup, extra: Sequence[Tensor], abort: threading.Event | None,
+               op_timeout_s: float | None = None, **wait: Any) -> None:
+        """All-reduce every bucket (those posted during the backward on ``group``, the rest
+        now) and ``extra`` (e.g. the loss), wait (``wait``: ``slice_s``, ``timeout_s``,
+        ``extend`` as ``AbortableGroup.wait_all``), and write the sums into the gradients and
+        ``extra``. Raises Aborted / PeerError like ``allreduce_``; the gradients then stay
+        this rank's own."""
+        with self._lock:
+            if self._group is not group:  # posted on another generation's group, or none
+                self._posted, self._next, self._error = {}, 0, None
+            self._group, self._op_timeout_s = group, op_timeout_s
+            for b in range(self._next, len(self.buckets)):
+                self._post(b)
+            posted, self._group = self._posted, None
+            self._posted, self._missing, self._next = {}, [], 0
+        group._check(abort)
+        if len(posted) != len(self.buckets):
+            group._check(None)  # a bucket could not be posted: the group broke, or
+            err, self._error = self._error, None
+            raise err or RuntimeError("gradient buckets could not be posted")
+        pending = [posted[b][0] for b in range(len(self.buckets))]
+        if extra:
+            pending.append(group.allreduce_start(list(extra), op_timeout_s))
+        group.wait_all([w for p in pending for w in p.works], abort, "all-reduce", **wait)
+        for p in pending:
+            p.write_back()
+        for b, idx in enumerate(self.buckets):
+            flat, off = posted[b][1], 0
+            for i in idx:
+                g = self.params[i].grad
+                n = g.numel()
+                g.copy_(flat[off:off + n].view_as(g))
+                off += n

@@ -1,0 +1,86 @@
+"""Last-resort checkpoints (agent/checkpoint.py): torch.distributed.checkpoint on disk,
+atomic, pruned, exact."""
+
+from __future__ import annotations
+
+import torch
+
+from agent import checkpoint as ck
+from agent.train_state import TrainState
+
+
+def _state(seed: int, steps: int) -> TrainState:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    for _ in range(steps):
+        m(torch.randn(8, 5)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    st = TrainState()
+    st.register(model=m, optimizer=opt, scheduler=sched)
+    st.last_committed, st.loss, st.lr_factor = steps - 1, 0.25, 0.5
+    return st
+
+
+def test_a_checkpoint_restores_the_state_exactly(tmp_path):
+    src = _state(0, 3)
+    c = ck.Checkpointer(tmp_path, every=3)
+    assert not c.after_commit(1, src) and c.after_commit(2, src) and c.wait(30)
+    assert c.saved == [2] and c.error is None
+    path = ck.latest(tmp_path)
+    assert path is not None and path.name == "step-00000002"
+    dst = _state(1, 1)  # other weights, other optimizer state
+    assert dst.param_sha256() != src.param_sha256()
+    assert ck.load(path, dst) == 2
+    assert dst.param_sha256() == src.param_sha256()
+    assert (dst.last_committed, dst.loss, dst.lr_factor) == (2, 0.25, 0.5)
+    a, b = src.objs["optimizer"].state_dict(), dst.objs["optimizer"].state_dict()
+    for k in a["state"]:
+        for n, t in a["state"][k].items():
+            assert torch.equal(t, b["state"][k][n]), (k, n)
+    assert src.objs["scheduler"].state_dict() == dst.objs["scheduler"].state_dict()
+
+
+def test_only_complete_checkpoints_count_and_old_ones_go(tmp_path):
+    st = _state(0, 1)
+    c = ck.Checkpointer(tmp_path, every=1, keep=2)
+    for s in range(4):
+        st.last_committed = s
+        assert c.after_commit(s, st)
+        assert c.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    # a save that died half-way: a temporary directory, never a step-N one; ignored
+    (tmp_path / ".step-00000009.tmp-123").mkdir()
+    (tmp_path / "step-00000010").mkdir()  # no manifest: not complete
+    assert ck.latest(tmp_path).name == "step-00000003"
+    assert ck.latest(tmp_path / "missing") is None
+
+
+def test_a_save_due_while_one_runs_is_skipped_not_queued(tmp_path, monkeypatch):
+    import threading
+
+    gate = threading.Event()
+    real = ck.write
+
+    def slow(*a, **kw):
+        gate.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ck, "write", slow)
+    st = _state(0, 1)
+    c = ck.Checkpointer(tmp_path, every=1)
+    assert c.after_commit(0, st)
+    assert not c.after_commit(1, st)
+    gate.set()
+    assert c.wait(30) and c.saved == [0] and c.skipped == [1]
+
+
+def test_a_failed_save_is_reported_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    c = ck.Checkpointer(blocker, every=1)
+    assert c.after_commit(0, _state(0, 1)) and c.wait(30)
+    assert c.saved == [] and c.error is not None

@@ -1,0 +1,109 @@
+"""The overlapped gradient sync (agent/grad_sync.py) over a real two-rank gloo group (two
+threads of this process, an in-memory store)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agent.collectives import AbortableGroup, Aborted, make_group
+from agent.grad_sync import GradSync
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+torch.manual_seed(0)
+_BASE = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                            torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def _model() -> torch.nn.Module:
+    """The same model in every thread (copied: the global RNG is shared by the threads)."""
+    return copy.deepcopy(_BASE)
+
+
+def _batch(rank: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + k)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _grads(micro: list[int], rank: int) -> list[torch.Tensor]:
+    m = _model()
+    for k in micro:
+        x, y = _batch(rank, k)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+
+
+def _run_ranks(fn, world: int = 2) -> list:
+    store = dist.HashStore()
+    out: list = [None] * world
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            g = AbortableGroup(make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo"))
+            out[r] = fn(r, g)
+            g.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("micro", [([0, 1], [2]), ([0, 1, 2], [])])
+def test_buckets_posted_during_the_last_backward_give_the_sum(micro):
+    """Rank 0 computes several micro-batches, rank 1 one or none (it posts every bucket in
+    finish): the result is the sum of both ranks' gradients, exactly, and rank 0 posted
+    buckets during its last backward (several small buckets)."""
+    expect = [a + b for a, b in zip(_grads(micro[0], 0), _grads(micro[1], 1))]
+
+    def fn(r: int, g: AbortableGroup):
+        m = _model()
+        sync = GradSync(list(m.parameters()), bucket_bytes=2048)
+        assert len(sync.buckets) >= 3
+        for i, k in enumerate(micro[r]):
+            if i == len(micro[r]) - 1:
+                sync.arm(g)
+            x, y = _batch(r, k)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        loss = torch.tensor([float(r + 1)], dtype=torch.float64)
+        sync.finish(g, [loss], None, timeout_s=20)
+        return [p.grad for p in m.parameters()], float(loss), sync.overlapped
+
+    (g0, l0, o0), (g1, l1, o1) = _run_ranks(fn)
+    assert l0 == l1 == 3.0
+    for a, b, e in zip(g0, g1, expect):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, e, rtol=0, atol=1e-6)
+    assert o0 == len(GradSync(list(_model().parameters()), 2048).buckets)  # all during backward
+    assert o1 == (0 if not micro[1] else o0)
+
+
+def test_an_aborted_sync_leaves_the_gradients_as_they_were():
+    """Abort before the wait (a newer plan): Aborted, and every gradient is still this rank's
+    own (the buckets were copies), so the step can be all-reduced again elsewhere."""
+    def fn(r: int, g: AbortableGroup):
+        m = _model()
+        sync = GradSync(list(m.parameters()), bucket_bytes=2048)
+        sync.arm(g)
+        x, y = _batch(r, 0)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        mine = [p.grad.clone() for p in m.parameters()]
+        abort = threading.Event()
+        abort.set()
+        with pytest.raises(Aborted):
+            sync.finish(g, [], abort, timeout_s=20)
+        return all(torch.equal(p.grad, c) for p, c in zip(m.parameters(), mine))
+
+    assert _run_ranks(fn) == [True, True]

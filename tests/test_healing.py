@@ -1,0 +1,129 @@
+"""Healing (issue 20): replacement pods keep a job at its size through faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from harness import STEPS, Cluster
+from services.actuator.replace import ReplacementBudget, should_replace
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def test_the_budget_refuses_a_crash_loop_and_recovers():
+    b = ReplacementBudget(limit=2, window_s=10.0)
+    assert b.take(0.0) is None and b.take(1.0) is None
+    refused = b.take(2.0)
+    assert refused is not None and "crash loop" in refused and "limit 2" in refused
+    assert b.take(9.9) is not None     # still two within the last 10 s
+    assert b.take(10.0) is None        # the first one left the window
+    with pytest.raises(ValueError):
+        ReplacementBudget(limit=1, window_s=0)
+
+
+def test_what_gets_replaced():
+    assert should_replace(-9, False) and should_replace(1, False) and should_replace(75, False)
+    assert not should_replace(0, False)      # done, or released by a planned shrink
+    assert not should_replace(-9, True)      # `up` is shutting the job down
+
+
+async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_path, reference):
+    """3 workers + 1 spare, replacement pods on: SIGKILL of w1 (the spare takes rank 1 and a
+    replacement spare starts), then SIGSTOP of w2 once the replacement follows the job (it
+    takes rank 2). The world size never drops and the result is bitwise the fault-free run."""
+    ref = reference(3)
+    async with Cluster(tmp_path / "heal", 3, 1, STEPS, replace=True,
+                       extra=["--fault-timeout", "1.5"]) as c:
+        await c.wait_spares(1)
+        await c.wait_rank_step(1, 10)
+        t_kill = time.monotonic()
+        os.kill(c.member(1).pid, signal.SIGKILL)
+        # the replacement: a new spare that holds the job's state (it follows rank 0)
+        first_spare = {p for p, h in c.hb.items() if h.role.value == "spare"}
+        await c.wait_for(lambda: any(h.role.value == "spare" and p not in first_spare
+                                     and h.step >= 0 for p, h in c.hb.items()),
+                         90, "a replacement spare following the job")
+        t_ready = time.monotonic() - t_kill
+        await c.wait_rank_step(2, 30)
+        os.kill(c.member(2).pid, signal.SIGSTOP)
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0
+    assert s["param_sha256"] == ref["param_sha256"]
+    kinds = sorted(i["kind"] for i in s["incidents"])
+    assert len(kinds) == 2 and "crash" in kinds, s["incidents"]
+    assert all(p.world_size == 3 for p in c.plans), [p.world_size for p in c.plans]
+    out = (tmp_path / "heal" / "up.out").read_text()
+    assert out.count("replacement started as a spare") >= 2, out[-3000:]
+    print(f"replacement spare following the job {t_ready:.2f}s after the kill")
+
+
+async def test_without_a_spare_the_job_grows_back_to_its_size(tmp_path):
+    """3 workers, no spare: SIGKILL of w1 shrinks the job to 2; the replacement pod joins
+    and the scaler grows the job back to 3 at a step boundary (after its snooze)."""
+    async with Cluster(tmp_path / "grow", 3, 0, 120, replace=True,
+                       extra=["--scale-up-snooze", "2", "--dtype", "float64"]) as c:
+        await c.wait_rank_step(1, 10)
+        t_kill = time.monotonic()
+        os.kill(c.member(1).pid, signal.SIGKILL)
+        await c.wait_for(lambda: c.plans and c.plans[-1].world_size == 2, 60, "the shrink")
+        await c.wait_for(lambda: c.plans[-1].world_size == 3, 90, "back at 3 replicas")
+        back = time.monotonic() - t_kill
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert s["final_step"] == 119 and s["lost_steps"] == 0 and s["param_sha256_consistent"]
+    assert back < 30, back
+    print(f"back at full size {back:.2f}s after the kill")
+
+
+def _example(steps: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), *args]
+
+
+HANG_TIMEOUTS = ["--stall-timeout", "2.5", "--fault-timeout", "1.5"]
+
+
+async def test_a_training_thread_hang_is_found_by_its_own_watchdog(tmp_path, monkeypatch):
+    """A member whose training thread hangs in user code while its heartbeats go on: its
+    own stall watchdog reports it within the stall timeout (+1 s; before its peer's
+    collective times out, 3 s), the spare takes its rank, and the result is bitwise the
+    fault-free run. (Rank 1: a hung rank 0 never confirms its last step to the spare, which
+    then takes the state from the other members; with no other member that is the
+    last-resort checkpoint's case.)"""
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    steps = 24
+    async with Cluster(tmp_path / "ref", 2, 0, steps,
+                       extra=[*HANG_TIMEOUTS, "--", *_example(steps)]) as c:
+        assert await c.finish() == 0, c.output()
+        ref = c.summary()
+    async with Cluster(tmp_path / "hang", 2, 1, steps, extra=[
+            *HANG_TIMEOUTS, "--", *_example(steps, "--hang-at-step", "10", "--hang-rank", "1",
+                                            "--sleep", "0.02")]) as c:
+        await c.wait_spares(1)
+        h = await c.wait_rank_step(1, 10)
+        t_hang = time.monotonic()
+        assert h.step == 10  # it hangs after committing step 10
+        await c.wait_for(lambda: len(c.plans) >= 2, 30, "the plan that replaces rank 0")
+        took = time.monotonic() - t_hang
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w1", "hang")], s["incidents"]
+    assert "own watchdog" in (tmp_path / "hang" / "up.out").read_text()
+    assert took <= 2.5 + 1.0, took
+    assert s["final_step"] == steps - 1 and s["param_sha256"] == ref["param_sha256"]
+
+
+async def test_rank0_work_within_the_stall_timeout_is_no_alarm(tmp_path, monkeypatch):
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    steps = 12
+    async with Cluster(tmp_path / "slow", 2, 0, steps, extra=[
+            *HANG_TIMEOUTS, "--", *_example(steps, "--rank0-after-step", "1.5",
+                                            "--rank0-every", "4")]) as c:
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert s["incidents"] == [] and s["final_step"] == steps - 1
