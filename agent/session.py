@@ -126,6 +126,24 @@ def _test_absent_step(cfg: AgentConfig | None) -> int | None:
     return int(step) if pod == cfg.pod and step.isdigit() else None
 
 
+def _checkpoint_env() -> tuple[Any, str | None]:
+    """``CEASELESS_CHECKPOINT_DIR`` (+ ``_EVERY``, default 200 steps, ``_KEEP``, default 3):
+    rank 0 writes last-resort checkpoints there; ``CEASELESS_RESUME_FROM``: a checkpoint
+    (or a directory of them: the newest) every pod starts from."""
+    env = os.environ.get
+    ckpt = None
+    if env("CEASELESS_CHECKPOINT_DIR"):
+        from .checkpoint import Checkpointer
+
+        try:
+            every = int(env("CEASELESS_CHECKPOINT_EVERY") or 200)
+            keep = int(env("CEASELESS_CHECKPOINT_KEEP") or 3)
+        except ValueError as e:
+            raise ValueError(f"CEASELESS_CHECKPOINT_EVERY / _KEEP: {e}") from None
+        ckpt = Checkpointer(env("CEASELESS_CHECKPOINT_DIR"), every, keep)
+    return ckpt, env("CEASELESS_RESUME_FROM") or None
+
+
 def _seed(seed: int, step: int, k: int | str) -> None:
     """Seed torch (CPU and every CUDA device), numpy's global generator and ``random`` from
     (seed, step, k): ``k`` a micro-batch index (its samples' randomness, whichever rank
@@ -187,6 +205,8 @@ class Session:
         # plan is bounded by the recovery timeout
         self._failed_attempt = False
         self._absent_at = _test_absent_step(config)
+        # last-resort checkpoints (agent/checkpoint.py), from the environment in both modes
+        self._ckpt, self._resume_from = _checkpoint_env()
         self._backend_override = config.backend if config is not None else None
         if config is not None:  # the override, else gloo until a registered model says
             from .collectives import choose_backend
@@ -364,6 +384,7 @@ class Session:
             raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
         self.total = total
         self._start_at(start)
+        self._resume_checkpoint()
         if not self.distributed:
             yield from self._local_steps(total)
             return
@@ -403,6 +424,23 @@ class Session:
                     return
         self._finish()
 
+    def _resume_checkpoint(self) -> None:
+        """``CEASELESS_RESUME_FROM`` (``ceaseless up --resume``): every pod loads the
+        checkpoint before its first plan; in the job's first generation rank 0's state is the
+        one the members start from, as at step 0. Once: a recovery never reads it."""
+        path, self._resume_from = self._resume_from, None
+        if path is None or self.last_committed >= 0:
+            return
+        from . import checkpoint
+
+        p = Path(path)
+        found = p if (p / "manifest.json").exists() else checkpoint.latest(p)
+        if found is None:
+            raise FileNotFoundError(f"CEASELESS_RESUME_FROM={path}: no complete checkpoint "
+                                    "there (a step-N directory with a manifest.json)")
+        step = checkpoint.load(found, self.state)
+        log.info("resumed from a checkpoint", path=str(found), step=step)
+
     def _start_at(self, start: int | None) -> None:
         if start is None:
             return
@@ -424,6 +462,7 @@ class Session:
         if not self._entered:
             raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
         self._start_at(start)
+        self._resume_checkpoint()
         if not self.distributed:
             return True
         if self._joined is None:
@@ -470,6 +509,7 @@ class Session:
             yield s
             if self.last_committed != s:
                 raise RuntimeError("call s.step() exactly once per step")
+        self._final_checkpoint()
         self._write_result()
 
     def batches(self, dataset: Any, micro_batch_size: int) -> Iterator[Any]:
@@ -839,6 +879,8 @@ class Session:
         self.last_committed = s
         self.loss = loss
         self.stats.losses[s] = loss
+        if self._ckpt is not None and self.rank == 0:
+            self._ckpt.after_commit(s, self.state)
         self.stats.commits.append((s, now))
         self._last_commit_time = now
         if self.runtime is not None:
@@ -1187,8 +1229,20 @@ class Session:
         os._exit(FALLBACK_EXIT_CODE)
 
     # ------------------------------------------------------------------ end of job
+    def _final_checkpoint(self) -> None:
+        """At the end of the job (rank 0): the final state too, then wait for the writes."""
+        c = self._ckpt
+        if c is None or self.rank != 0:
+            return
+        if self.last_committed >= 0 and self.last_committed not in c.saved:
+            c.wait(300)
+            c.save(self.last_committed, self.state)
+        if not c.wait(300):
+            log.warning("a checkpoint was still being written at exit", dir=str(c.dir))
+
     def _finish(self) -> None:
         self._finished = True
+        self._final_checkpoint()
         self._leader.end(final=True)
         rt = self.runtime
         rt.update(now=True, state=AgentState.done)

@@ -54,6 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
                      replace=not args.no_replace, max_replacements=args.max_replacements,
+                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                     checkpoint_keep=args.checkpoint_keep, resume=args.resume,
                      live=not args.quiet, model=args.model, dtype=args.dtype, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
                      save_params=args.save_params, start_timeout=args.start_timeout,
@@ -336,6 +338,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--no-replace", action="store_true",
                     help="do not start a fresh spare in place of a failed pod (by default "
                          "every failed pod is replaced, so the job heals back to its size)")
+    up.add_argument("--checkpoint-dir", metavar="DIR",
+                    help="last-resort checkpoints of the committed state (rank 0, in the "
+                         "background, torch.distributed.checkpoint); recovery never needs them")
+    up.add_argument("--checkpoint-every", type=int, default=200, metavar="STEPS")
+    up.add_argument("--checkpoint-keep", type=int, default=3, metavar="N")
+    up.add_argument("--resume", metavar="DIR",
+                    help="start from a checkpoint (a step-N directory, or a --checkpoint-dir: "
+                         "its newest complete one)")
     up.add_argument("--max-replacements", type=int, default=None, metavar="N",
                     help="crash-loop guard: at most N replacements in 5 minutes "
                          "(default: 2 x (workers + spares))")

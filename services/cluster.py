@@ -64,6 +64,10 @@ class UpOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
     gpus_per_pod: int | None = None  # None: one per pod if the machine has enough, else shared
     replace: bool = True     # start a fresh spare in place of every failed pod
+    checkpoint_dir: str | None = None  # last-resort checkpoints (agent/checkpoint.py)
+    checkpoint_every: int = 200
+    checkpoint_keep: int = 3
+    resume: str | None = None  # a checkpoint (or a directory of them) the job starts from
     max_replacements: int | None = None  # per 5 minutes; None: 2 x (workers + spares)
 
 
@@ -238,6 +242,20 @@ async def run(opts: UpOptions) -> int:
            # the agents' own stall watchdog acts at the monitor's stall timeout
            "CEASELESS_STALL_TIMEOUT": str(opts.stall_timeout),
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
+    if opts.checkpoint_dir:
+        env.update(CEASELESS_CHECKPOINT_DIR=str(Path(opts.checkpoint_dir).resolve()),
+                   CEASELESS_CHECKPOINT_EVERY=str(opts.checkpoint_every),
+                   CEASELESS_CHECKPOINT_KEEP=str(opts.checkpoint_keep))
+    if opts.resume:
+        from agent import checkpoint
+
+        src = Path(opts.resume).resolve()
+        found = src if (src / "manifest.json").exists() else checkpoint.latest(src)
+        if found is None:
+            raise SystemExit(f"ceaseless up: --resume {opts.resume}: no complete checkpoint "
+                             "there (a step-N directory with a manifest.json)")
+        print(f"  resume:  {found}", file=out, flush=True)
+        env["CEASELESS_RESUME_FROM"] = str(found)
     if opts.save_params:
         env["CEASELESS_SAVE_PARAMS"] = "1"
     if tls is not None:

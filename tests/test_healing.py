@@ -127,3 +127,32 @@ async def test_rank0_work_within_the_stall_timeout_is_no_alarm(tmp_path, monkeyp
         assert await c.finish() == 0, c.output()
         s = c.summary()
     assert s["incidents"] == [] and s["final_step"] == steps - 1
+
+
+async def test_every_pod_killed_at_once_resumes_from_the_last_checkpoint(tmp_path, reference):
+    """Last resort: checkpoints every 10 steps; SIGKILL of every pod at once (no holder of
+    the state survives: the job ends, state lost). A new `ceaseless up --resume` starts from
+    the newest complete checkpoint, recomputes the steps after it, and ends bitwise equal to
+    the fault-free run."""
+    ref = reference(2)
+    ckdir = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckdir), "--checkpoint-every", "10"]
+    async with Cluster(tmp_path / "lost", 2, 0, STEPS, extra=flags) as c:
+        await c.wait_rank_step(0, 25)
+        for h in list(c.hb.values()):
+            os.kill(h.pid, signal.SIGKILL)
+        code = await c.finish()
+    assert code in (1, 2), c.output()  # every pod gone / training state lost
+    from agent import checkpoint
+
+    last = checkpoint.latest(ckdir)
+    assert last is not None and last.name in ("step-00000019", "step-00000029"), last
+    async with Cluster(tmp_path / "resumed", 2, 0, STEPS,
+                       extra=[*flags, "--resume", str(ckdir)]) as c:
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert s["final_step"] == STEPS - 1
+    assert s["param_sha256"] == ref["param_sha256"]
+    log = (tmp_path / "resumed" / "logs" / "w0.log").read_text()
+    assert "resumed from a checkpoint" in log
+    assert checkpoint.latest(ckdir).name == f"step-{STEPS - 1:08d}"  # the final one
