@@ -71,6 +71,20 @@ class GradSync:
             self._group, self._posted, self._missing, self._next = None, {}, [], 0
             self._error = None
 
+    def flush(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
+        """The micro-batch loop is over: post every bucket not posted yet (parameters that got
+        no gradient; a rank with no micro-batch: all of them), in order. So every rank has
+        posted all its buckets before anything the script reduces after the loop
+        (``s.all_reduce``), whatever its share: collectives stay in the same order everywhere."""
+        with self._lock:
+            if self._group is not group:
+                self._group, self._op_timeout_s = group, op_timeout_s
+                self._missing = [len(b) for b in self.buckets]
+                self._posted, self._next, self._error = {}, 0, None
+            while self._next < len(self.buckets):
+                self._post(self._next)
+                self._next += 1
+
     def _hook(self, i: int) -> Callable[[Tensor], None]:
         def hook(_: Tensor) -> None:
             with self._lock:

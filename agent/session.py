@@ -552,6 +552,9 @@ class Session:
             self._micro = (k, k == last, 0)  # (index, last of this rank, backwards so far)
             yield k
         self._micro = None
+        sync = self._grad_sync()
+        if sync is not None and not (abort is not None and abort.is_set()):
+            sync.flush(self.group, self._solo_aware()["op_timeout_s"])
 
     def _check_batch(self, m: int, M: int) -> None:
         """Once per generation: the plan's batch arithmetic (``ceaseless up``'s flags, which

@@ -42,7 +42,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "init": "process-group creation: NATS-backed store vs TCPStore, per generation",
         "elastic": "capacity/priority events: join and release times, pause of the others",
         "goodput": "fixed-length run with a fault every K seconds: useful time / wall time",
-        "liveness": "rank-0 SIGKILLs with a spare under CPU load, repeated: hangs, bitwise"}
+        "liveness": "rank-0 SIGKILLs with a spare under CPU load, repeated: hangs, bitwise",
+        "healing": "replacement pods (refill, grow back) and last-resort checkpoints' cost"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -62,4 +63,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "elastic", "bench.elastic")
     _module(bsub, "goodput", "bench.goodput")
     _module(bsub, "liveness", "bench.liveness")
+    _module(bsub, "healing", "bench.healing")
     return p

@@ -68,6 +68,7 @@ class UpOptions:
     checkpoint_every: int = 200
     checkpoint_keep: int = 3
     resume: str | None = None  # a checkpoint (or a directory of them) the job starts from
+    auto_resume: int = 2     # restarts from the newest checkpoint after a total loss
     max_replacements: int | None = None  # per 5 minutes; None: 2 x (workers + spares)
 
 
@@ -371,6 +372,45 @@ async def run(opts: UpOptions) -> int:
               f"{(summary.get('param_sha256') or '')[:16]}…, incidents "
               f"{len(summary['incidents'])}, lost steps {summary['lost_steps']}", file=out)
     print(f"  summary: {run_dir / 'summary.json'}", file=out, flush=True)
+    if _total_loss(code, exits) and opts.checkpoint_dir and opts.auto_resume > 0:
+        return await _resume_after_loss(opts, run_dir, summary, out, code)
+    return code
+
+
+def _total_loss(code: int, exits: dict[str, int]) -> bool:
+    """Every holder of the state is gone: the broker said so (2), or every pod was killed
+    (by a signal: not a script that keeps failing, which a restart would not mend)."""
+    return code == 2 or (code == 1 and bool(exits) and all(c < 0 for c in exits.values()))
+
+
+async def _resume_after_loss(opts: UpOptions, run_dir: Path, first: dict[str, Any],
+                             out: Any, code: int) -> int:
+    """The last resort (issue 20): no pod holds the committed state any more, so the job
+    starts again, in ``run_dir/restart-N``, from the newest complete checkpoint (the steps
+    after it are recomputed; data positions follow from the step). The run dir's summary
+    becomes the restarted job's, with the loss recorded in it."""
+    from agent import checkpoint
+
+    found = checkpoint.latest(opts.checkpoint_dir)
+    if found is None:
+        print("ceaseless up: no complete checkpoint to resume from", file=out, flush=True)
+        return code
+    n = len(list(run_dir.glob("restart-*"))) + 1
+    sub = run_dir / f"restart-{n}"
+    print(f"ceaseless up: every holder of the state is gone; restarting from {found} "
+          f"({opts.auto_resume - 1} more restart(s) allowed) in {sub}", file=out, flush=True)
+    import dataclasses
+
+    code = await run(dataclasses.replace(opts, run_dir=str(sub), resume=str(found),
+                                         auto_resume=opts.auto_resume - 1))
+    try:
+        merged = json.loads((sub / "summary.json").read_text())
+    except (OSError, ValueError):
+        return code
+    merged["restarts"] = [{"run_dir": str(sub), "from_checkpoint": str(found),
+                           "lost_incidents": first.get("incidents", [])},
+                          *merged.get("restarts", [])]
+    (run_dir / "summary.json").write_text(json.dumps(merged, indent=1))
     return code
 
 

@@ -99,13 +99,14 @@ class Cluster:
                     pass
 
     def pids(self) -> list[tuple[str, int]]:
-        p = self.run_dir / "pids.txt"
-        if not p.exists():
-            return []
+        """Every child `up` recorded, in this run dir and in its restarts (restart-N/)."""
         out = []
-        for line in p.read_text().splitlines():
-            name, pid = line.split()
-            out.append((name, int(pid)))
+        for p in [self.run_dir / "pids.txt", *sorted(self.run_dir.glob("restart-*/pids.txt"))]:
+            if not p.exists():
+                continue
+            for line in p.read_text().splitlines():
+                name, pid = line.split()
+                out.append((name, int(pid)))
         return out
 
     def output(self) -> str:

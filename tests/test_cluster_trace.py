@@ -163,7 +163,9 @@ async def test_one_crash_one_trace(tmp_path):
                     else [tm.SPAN_DETECT, tm.SPAN_PLAN, *tm.PHASES].index(p))
     assert [n for n in names if n != "(wait)"] == expect, names
     in_spans = sum(seg.duration_ms for seg in path if seg.span is not None)
-    assert abs(in_spans - downtime) <= 0.10 * downtime, (in_spans, downtime, names)
+    # (a few ms of scheduling between spans are gaps too: 59 ms downtimes were seen with
+    # 7.8 ms of them on a loaded CI machine)
+    assert abs(in_spans - downtime) <= max(0.10 * downtime, 15.0), (in_spans, downtime, names)
     # summary.json counts the same way (from the fault's evidence to the last Recovery).
     down_s = summary["incidents"][0]["downtime"]
     assert down_s is not None

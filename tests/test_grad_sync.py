@@ -107,3 +107,30 @@ def test_an_aborted_sync_leaves_the_gradients_as_they_were():
         return all(torch.equal(p.grad, c) for p, c in zip(m.parameters(), mine))
 
     assert _run_ranks(fn) == [True, True]
+
+
+def test_a_metric_reduced_after_the_loop_stays_in_order_on_a_rank_without_micro_batches():
+    """Rank 1 computes no micro-batch; both reduce a metric after the micro-batch loop.
+    ``flush`` (the end of the loop) posts every bucket first on both ranks, so the metric's
+    all-reduce meets its counterpart and the gradients are the sum."""
+    expect = _grads([0, 1], 0)
+
+    def fn(r: int, g: AbortableGroup):
+        m = _model()
+        sync = GradSync(list(m.parameters()), bucket_bytes=2048)
+        micro = [0, 1] if r == 0 else []
+        for i, k in enumerate(micro):
+            if i == len(micro) - 1:
+                sync.arm(g)
+            x, y = _batch(r, k)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        sync.flush(g)
+        metric = torch.tensor([10.0 * (r + 1)])
+        g.allreduce_([metric], None, timeout_s=20)
+        sync.finish(g, [], None, timeout_s=20)
+        return [p.grad for p in m.parameters()], float(metric)
+
+    (g0, m0), (g1, m1) = _run_ranks(fn)
+    assert m0 == m1 == 30.0
+    for a, b, e in zip(g0, g1, expect):
+        assert torch.equal(a, b) and torch.allclose(a, e, rtol=0, atol=1e-6)

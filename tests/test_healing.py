@@ -32,15 +32,19 @@ def test_what_gets_replaced():
     assert not should_replace(-9, True)      # `up` is shutting the job down
 
 
-async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_path, reference):
+async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_path):
     """3 workers + 1 spare, replacement pods on: SIGKILL of w1 (the spare takes rank 1 and a
     replacement spare starts), then SIGSTOP of w2 once the replacement follows the job (it
     takes rank 2). The world size never drops and the result is bitwise the fault-free run."""
-    ref = reference(3)
-    async with Cluster(tmp_path / "heal", 3, 1, STEPS, replace=True,
-                       extra=["--fault-timeout", "1.5"]) as c:
+    steps = 60
+    async with Cluster(tmp_path / "ref", 3, 0, steps, extra=["--", *_example(steps)]) as c:
+        assert await c.finish() == 0, c.output()
+        ref = c.summary()
+    # slower steps (same numerics): the replacement must start and follow before the end
+    async with Cluster(tmp_path / "heal", 3, 1, steps, replace=True, extra=[
+            "--fault-timeout", "1.5", "--", *_example(steps, "--sleep", "0.1")]) as c:
         await c.wait_spares(1)
-        await c.wait_rank_step(1, 10)
+        await c.wait_rank_step(1, 8)
         t_kill = time.monotonic()
         os.kill(c.member(1).pid, signal.SIGKILL)
         # the replacement: a new spare that holds the job's state (it follows rank 0)
@@ -49,11 +53,11 @@ async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_pa
                                      and h.step >= 0 for p, h in c.hb.items()),
                          90, "a replacement spare following the job")
         t_ready = time.monotonic() - t_kill
-        await c.wait_rank_step(2, 30)
-        os.kill(c.member(2).pid, signal.SIGSTOP)
+        h = c.member(2)
+        os.kill(h.pid, signal.SIGSTOP)
         assert await c.finish() == 0, c.output()
         s = c.summary()
-    assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
     assert s["param_sha256"] == ref["param_sha256"]
     kinds = sorted(i["kind"] for i in s["incidents"])
     assert len(kinds) == 2 and "crash" in kinds, s["incidents"]
@@ -156,3 +160,22 @@ async def test_every_pod_killed_at_once_resumes_from_the_last_checkpoint(tmp_pat
     log = (tmp_path / "resumed" / "logs" / "w0.log").read_text()
     assert "resumed from a checkpoint" in log
     assert checkpoint.latest(ckdir).name == f"step-{STEPS - 1:08d}"  # the final one
+
+
+async def test_a_total_loss_restarts_from_the_checkpoint_by_itself(tmp_path, reference):
+    """The same total loss with replacement pods on and nothing done by hand: the broker
+    finds no holder (the replacements hold nothing), `up` restarts the job from the newest
+    checkpoint in restart-1/, and the run ends bitwise equal to the fault-free one."""
+    ref = reference(2)
+    ckdir = tmp_path / "ckpt"
+    async with Cluster(tmp_path / "auto", 2, 0, STEPS, replace=True, extra=[
+            "--checkpoint-dir", str(ckdir), "--checkpoint-every", "10"]) as c:
+        await c.wait_rank_step(0, 25)
+        for h in list(c.hb.values()):
+            os.kill(h.pid, signal.SIGKILL)
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert s["final_step"] == STEPS - 1 and s["param_sha256"] == ref["param_sha256"]
+    assert len(s["restarts"]) == 1 and "step-000000" in s["restarts"][0]["from_checkpoint"]
+    out = (tmp_path / "auto" / "up.out").read_text()
+    assert "restarting from" in out
