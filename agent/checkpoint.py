@@ -5,7 +5,8 @@ These are for the case where no holder survives (the whole job lost at once, eve
 of the state gone) and for starting a new job from an old one (``ceaseless up --resume``).
 
 * ``Checkpointer.after_commit(step, state)`` (rank 0, after a committed step): every
-  ``every`` steps, a host copy of the committed state (``TrainState.snapshot``, the copy
+  ``every`` steps (or ``interval_s`` seconds after the last one, whichever comes first;
+  ``ceaseless up`` asks for one more when it is stopped), a host copy of the committed state (``TrainState.snapshot``, the copy
   shadow spares start from) is taken on the training thread and written by a background
   thread with ``torch.distributed.checkpoint`` (one ``FileSystemWriter`` checkpoint per step:
   the flat buffers as tensors, the picklable skeleton as bytes), into ``.step-N.tmp`` and
@@ -122,11 +123,14 @@ def load(path: str | Path, state: Any) -> int:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, every: int, keep: int = 3) -> None:
-        if every < 1 or keep < 1:
-            raise ValueError(f"checkpoints: every >= 1 and keep >= 1 (got {every}, {keep})")
+    def __init__(self, directory: str | Path, every: int, keep: int = 3,
+                 interval_s: float | None = None) -> None:
+        if every < 1 or keep < 1 or (interval_s is not None and not interval_s > 0):
+            raise ValueError(f"checkpoints: every >= 1, keep >= 1, interval > 0 (got {every}, "
+                             f"{keep}, {interval_s})")
         self.dir = Path(directory)
-        self.every, self.keep = every, keep
+        self.every, self.keep, self.interval_s = every, keep, interval_s
+        self._last = time.monotonic()  # the interval counts from the start
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.saved: list[int] = []      # steps written, in order
@@ -134,7 +138,8 @@ class Checkpointer:
         self.error: str | None = None
 
     def due(self, step: int) -> bool:
-        return (step + 1) % self.every == 0
+        return (step + 1) % self.every == 0 or (
+            self.interval_s is not None and time.monotonic() - self._last >= self.interval_s)
 
     def after_commit(self, step: int, state: Any) -> bool:
         """Step ``step`` is committed: start its checkpoint if one is due. True if started."""
@@ -150,6 +155,7 @@ class Checkpointer:
                             step=step)
                 return False
             flat = state.snapshot()  # host copy now: the training thread changes the state next
+            self._last = time.monotonic()
             self._thread = threading.Thread(target=self._write, args=(step, flat),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()

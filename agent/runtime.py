@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -27,6 +28,7 @@ from .config import AgentConfig
 log = logs.get("agent")
 DONE_KEY = "done"
 SOLO_KEY = "solo"
+CHECKPOINT_REQUEST_KEY = "checkpoint_request"
 
 
 class Runtime:
@@ -66,6 +68,7 @@ class Runtime:
         # join): the stall watchdog (_report_if_stalled) measures from here
         self.progress_at = time.monotonic()
         self._stall_reported = False
+        self.checkpoint_request: str | None = None  # the last one `up` made (KV)
         # rank 0: spares that asked to follow this generation (agent/shadow.py)
         self.shadow_requests: dict[str, str] = {}  # pod -> request id
         self._shadow_watch: asyncio.Task | None = None
@@ -114,9 +117,10 @@ class Runtime:
         await self._load_plan()
         hb_task = asyncio.create_task(self._heartbeats())
         done_task = asyncio.create_task(self._watch_done())
+        ckpt_task = asyncio.create_task(self._watch_checkpoint_request())
         self._ready.set()
         await self._stopping.wait()
-        await cancel_all([hb_task, done_task])
+        await cancel_all([hb_task, done_task, ckpt_task])
         try:
             await self._send_heartbeat()  # the final state (done / leaving)
         except Exception:
@@ -296,6 +300,25 @@ class Runtime:
                 return
             except Exception:
                 await asyncio.sleep(0.5)
+
+    async def _watch_checkpoint_request(self) -> None:
+        """``ceaseless up`` asks for a checkpoint (KV ``checkpoint_request``) before it stops
+        the job; rank 0 writes one at its next step boundary (Session)."""
+        if not os.environ.get("CEASELESS_CHECKPOINT_DIR"):
+            return
+        while True:
+            try:
+                w = await self.kv.watch(CHECKPOINT_REQUEST_KEY)
+                async for entry in w:
+                    if entry is not None and entry.value:
+                        with self.cond:
+                            self.checkpoint_request = entry.value.decode()[:200]
+                            self.cond.notify_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # reconnecting: watch again
+                log.debug("checkpoint request watch failed", error=str(e)[:200])
+                await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ outbound
     async def _heartbeats(self) -> None:

@@ -138,9 +138,11 @@ def _checkpoint_env() -> tuple[Any, str | None]:
         try:
             every = int(env("CEASELESS_CHECKPOINT_EVERY") or 200)
             keep = int(env("CEASELESS_CHECKPOINT_KEEP") or 3)
+            minutes = float(env("CEASELESS_CHECKPOINT_MINUTES") or 0)
         except ValueError as e:
-            raise ValueError(f"CEASELESS_CHECKPOINT_EVERY / _KEEP: {e}") from None
-        ckpt = Checkpointer(env("CEASELESS_CHECKPOINT_DIR"), every, keep)
+            raise ValueError(f"CEASELESS_CHECKPOINT_EVERY / _KEEP / _MINUTES: {e}") from None
+        ckpt = Checkpointer(env("CEASELESS_CHECKPOINT_DIR"), every, keep,
+                            interval_s=minutes * 60 if minutes > 0 else None)
     return ckpt, env("CEASELESS_RESUME_FROM") or None
 
 
@@ -207,6 +209,7 @@ class Session:
         self._absent_at = _test_absent_step(config)
         # last-resort checkpoints (agent/checkpoint.py), from the environment in both modes
         self._ckpt, self._resume_from = _checkpoint_env()
+        self._ckpt_handled: str | None = None   # the last checkpoint request answered
         self._backend_override = config.backend if config is not None else None
         if config is not None:  # the override, else gloo until a registered model says
             from .collectives import choose_backend
@@ -413,6 +416,7 @@ class Session:
             self.runtime.end_step()
             if self._leader.generation and self.last_committed == s:
                 self._leader.confirm(s)
+            self._requested_checkpoint()
             if self.last_committed != s:
                 if not self._interrupted:
                     raise RuntimeError("call s.step() exactly once per step")
@@ -1232,6 +1236,22 @@ class Session:
         os._exit(FALLBACK_EXIT_CODE)
 
     # ------------------------------------------------------------------ end of job
+    def _requested_checkpoint(self) -> None:
+        """Rank 0, at a step boundary: `ceaseless up` asked for a checkpoint (it is being
+        stopped): write the committed state now and wait for it."""
+        rt, c = self.runtime, self._ckpt
+        req = rt.checkpoint_request if rt is not None else None
+        if c is None or req is None or req == self._ckpt_handled:
+            return
+        self._ckpt_handled = req
+        if self.rank != 0 or self.last_committed < 0:
+            return
+        c.wait(300)
+        if self.last_committed not in c.saved:
+            c.save(self.last_committed, self.state)
+        c.wait(300)
+        log.info("checkpoint written on request", step=self.last_committed, request=req)
+
     def _final_checkpoint(self) -> None:
         """At the end of the job (rank 0): the final state too, then wait for the writes."""
         c = self._ckpt

@@ -56,7 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      replace=not args.no_replace, max_replacements=args.max_replacements,
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      checkpoint_keep=args.checkpoint_keep, resume=args.resume,
-                     auto_resume=args.auto_resume,
+                     auto_resume=args.auto_resume, checkpoint_minutes=args.checkpoint_minutes,
                      live=not args.quiet, model=args.model, dtype=args.dtype, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
                      save_params=args.save_params, start_timeout=args.start_timeout,
@@ -344,6 +344,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          "background, torch.distributed.checkpoint); recovery never needs them")
     up.add_argument("--checkpoint-every", type=int, default=200, metavar="STEPS")
     up.add_argument("--checkpoint-keep", type=int, default=3, metavar="N")
+    up.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="M",
+                    help="also checkpoint when M minutes passed since the last one (0: off); "
+                         "stopping `up` (Ctrl-C, SIGTERM) asks for a final one either way")
     up.add_argument("--auto-resume", type=int, default=2, metavar="N",
                     help="with --checkpoint-dir: when every holder of the state is gone, "
                          "restart the job from the newest checkpoint, at most N times (0: off)")

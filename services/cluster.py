@@ -67,6 +67,7 @@ class UpOptions:
     checkpoint_dir: str | None = None  # last-resort checkpoints (agent/checkpoint.py)
     checkpoint_every: int = 200
     checkpoint_keep: int = 3
+    checkpoint_minutes: float = 0.0  # also every this many minutes (0: by steps only)
     resume: str | None = None  # a checkpoint (or a directory of them) the job starts from
     auto_resume: int = 2     # restarts from the newest checkpoint after a total loss
     max_replacements: int | None = None  # per 5 minutes; None: 2 x (workers + spares)
@@ -246,7 +247,8 @@ async def run(opts: UpOptions) -> int:
     if opts.checkpoint_dir:
         env.update(CEASELESS_CHECKPOINT_DIR=str(Path(opts.checkpoint_dir).resolve()),
                    CEASELESS_CHECKPOINT_EVERY=str(opts.checkpoint_every),
-                   CEASELESS_CHECKPOINT_KEEP=str(opts.checkpoint_keep))
+                   CEASELESS_CHECKPOINT_KEEP=str(opts.checkpoint_keep),
+                   CEASELESS_CHECKPOINT_MINUTES=str(opts.checkpoint_minutes))
     if opts.resume:
         from agent import checkpoint
 
@@ -354,6 +356,8 @@ async def run(opts: UpOptions) -> int:
         if interrupted:
             code, reason = 130, "interrupted"
     finally:
+        if interrupted and opts.checkpoint_dir:
+            await _checkpoint_before_stopping(bus, Path(opts.checkpoint_dir), out, info)
         # Spares leave by themselves when the job is done; give them a moment.
         deadline = time.monotonic() + (3.0 if code == 0 else 0.0)
         while act.running() and time.monotonic() < deadline:
@@ -375,6 +379,34 @@ async def run(opts: UpOptions) -> int:
     if _total_loss(code, exits) and opts.checkpoint_dir and opts.auto_resume > 0:
         return await _resume_after_loss(opts, run_dir, summary, out, code)
     return code
+
+
+async def _checkpoint_before_stopping(bus: Bus, ckdir: Path, out: Any, info: Any,
+                                      wait_s: float = 30.0) -> None:
+    """Stopped (SIGINT/SIGTERM): ask rank 0 for a checkpoint at its next step boundary and
+    wait for it, bounded (a stuck job must still stop)."""
+    from agent import checkpoint
+
+    t0 = time.time()
+    try:
+        kv = await bus.kv()
+        await kv.put("checkpoint_request", f"stop-{t0:.3f}".encode())
+    except Exception as e:
+        print(f"  could not ask for a final checkpoint: {e}", file=out, flush=True)
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        p = checkpoint.latest(ckdir)
+        if p is not None:
+            try:
+                if json.loads((p / "manifest.json").read_text())["time"] >= t0:
+                    print(f"[{time.time() - info.started:7.2f}s] final checkpoint {p}",
+                          file=out, flush=True)
+                    return
+            except (OSError, ValueError, KeyError):
+                pass
+        await asyncio.sleep(0.2)
+    print(f"  no final checkpoint within {wait_s:g}s; stopping anyway", file=out, flush=True)
 
 
 def _total_loss(code: int, exits: dict[str, int]) -> bool:

@@ -84,3 +84,15 @@ def test_a_failed_save_is_reported_and_training_goes_on(tmp_path):
     c = ck.Checkpointer(blocker, every=1)
     assert c.after_commit(0, _state(0, 1)) and c.wait(30)
     assert c.saved == [] and c.error is not None
+
+
+def test_a_time_interval_makes_a_checkpoint_due_between_step_multiples(tmp_path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(ck.time, "monotonic", lambda: now[0])
+    c = ck.Checkpointer(tmp_path, every=1000, interval_s=60.0)
+    assert not c.due(5)
+    now[0] += 61
+    assert c.due(6)
+    assert c.after_commit(6, _state(0, 1)) and c.wait(30)
+    assert not c.due(7)  # the interval counts from the last save
+    assert c.due(999)    # and the step multiple still applies

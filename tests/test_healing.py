@@ -179,3 +179,31 @@ async def test_a_total_loss_restarts_from_the_checkpoint_by_itself(tmp_path, ref
     assert len(s["restarts"]) == 1 and "step-000000" in s["restarts"][0]["from_checkpoint"]
     out = (tmp_path / "auto" / "up.out").read_text()
     assert "restarting from" in out
+
+
+async def test_stopping_the_job_writes_a_final_checkpoint_to_resume_from(tmp_path):
+    """SIGTERM to `ceaseless up` (a user's Ctrl-C, a scheduler's stop): rank 0 writes a
+    checkpoint at its next step boundary before the pods are stopped (none would be due for
+    1000 steps); `--resume` from it ends bitwise equal to the uninterrupted run."""
+    steps = 40
+    async with Cluster(tmp_path / "ref", 2, 0, steps, extra=["--", *_example(steps)]) as c:
+        assert await c.finish() == 0, c.output()
+        ref = c.summary()
+    ckdir = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckdir), "--checkpoint-every", "1000"]
+    async with Cluster(tmp_path / "stopped", 2, 0, steps, extra=[
+            *flags, "--", *_example(steps, "--sleep", "0.05")]) as c:
+        await c.wait_rank_step(0, 10)
+        c.proc.send_signal(signal.SIGTERM)
+        assert await c.finish() == 130, c.output()
+    out = (tmp_path / "stopped" / "up.out").read_text()
+    assert "final checkpoint" in out, out[-2000:]
+    from agent import checkpoint
+
+    last = checkpoint.latest(ckdir)
+    assert last is not None and 10 <= int(last.name.split("-")[1]) < steps - 1, last
+    async with Cluster(tmp_path / "resumed", 2, 0, steps, extra=[
+            *flags, "--resume", str(ckdir), "--", *_example(steps)]) as c:
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    assert s["final_step"] == steps - 1 and s["param_sha256"] == ref["param_sha256"]
