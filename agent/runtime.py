@@ -274,7 +274,8 @@ class Runtime:
 
     async def _on_inject(self, inj: Inject, env: Envelope) -> None:
         if inj.action == InjectAction.resume or (
-                inj.action != InjectAction.exception and inj.at_step is None):
+                inj.action not in (InjectAction.exception, InjectAction.stall)
+                and inj.at_step is None):
             return  # the supervisor executes kill / hang / resume (signals)
         if inj.pod is not None and inj.pod != self.cfg.pod:
             return

@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -927,6 +928,10 @@ class Session:
             if inj.action == InjectAction.hang:
                 log.warning("injected hang: stopping this process (SIGSTOP)", step=s)
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if inj.action == InjectAction.stall:
+                # the training thread blocks for good; heartbeats go on (the runtime's thread)
+                log.warning("injected stall: the training thread blocks from here", step=s)
+                threading.Event().wait()
             if inj.action == InjectAction.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
         self._pending_inject = keep

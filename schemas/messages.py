@@ -83,6 +83,9 @@ class InjectAction(str, Enum):
     hang = "hang"
     resume = "resume"
     exception = "exception"
+    # the agent's training thread blocks for good while its heartbeats go on (a deadlock in
+    # user code); its stall watchdog must find it. Added 2026-12-04 (issue 20).
+    stall = "stall"
 
 
 class CapacityChange(str, Enum):

@@ -4,15 +4,16 @@
 
 1. A fault-free reference run of the same example, world size and steps.
 2. The chaos run (``ceaseless up`` via services/launcher.py's ``Cluster``), where a schedule
-   drawn from ``--seed`` injects, one after the other, worker SIGKILLs, hangs (SIGSTOP), spare
+   drawn from ``--seed`` injects, one after the other, worker SIGKILLs, hangs (SIGSTOP),
+   training-thread stalls (``inject stall``: heartbeats go on, the pod's watchdog reports it), spare
    kills, rank-0 kills, SIGKILLs of each control-plane service, nats-server SIGKILLs (the
    launcher restarts it on the same port and store), a second fault during recovery (the
    promoted spare dies while it enters the new generation) and a worker fault while a service
    is down; with ``--elastic`` also capacity add/remove and priority release on the bus.
    Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
    fast this machine is), each once the job is healthy again (every member of the latest plan
-   training, enough spares; the chaos tool asks the actuator for new spares as faults use
-   them up). Each fault must be *survived*: a new plan without the victim and every member
+   training, enough spares; ``ceaseless up`` replaces every failed pod by itself, and only
+   elastic scale-ups make the chaos tool ask the actuator for more). Each fault must be *survived*: a new plan without the victim and every member
    past the step the fault interrupted (worker faults), or the service back and training on
    (control-plane faults), within a bounded time.
 3. The verdict: the chaos run's final parameters must equal the reference's bitwise when the
@@ -41,13 +42,14 @@ from typing import Any
 SERVICES = ("health_monitor", "scaler", "state_broker")
 # Worker faults need a spare each (two for a fault during recovery): then the world size
 # never changes and the result must be bitwise the reference's.
-KINDS = ("kill", "hang", "kill_rank0", "spare_kill", "kill_health_monitor", "kill_scaler",
-         "kill_state_broker", "nats_restart", "during_recovery", "kill_with_service")
+KINDS = ("kill", "hang", "stall", "kill_rank0", "spare_kill", "kill_health_monitor",
+         "kill_scaler", "kill_state_broker", "nats_restart", "during_recovery",
+         "kill_with_service")
 ELASTIC_KINDS = ("capacity_add", "capacity_remove", "priority")
-WEIGHTS = {"kill": 3, "hang": 2, "kill_rank0": 1, "spare_kill": 1, "kill_health_monitor": 1,
+WEIGHTS = {"kill": 3, "hang": 2, "stall": 1, "kill_rank0": 1, "spare_kill": 1, "kill_health_monitor": 1,
            "kill_scaler": 1, "kill_state_broker": 1, "nats_restart": 1, "during_recovery": 1,
            "kill_with_service": 1, "capacity_add": 1, "capacity_remove": 1, "priority": 1}
-SPARES_NEEDED = {"kill": 1, "hang": 1, "kill_rank0": 1, "during_recovery": 2,
+SPARES_NEEDED = {"kill": 1, "hang": 1, "stall": 1, "kill_rank0": 1, "during_recovery": 2,
                  "kill_with_service": 1, "spare_kill": 1, "capacity_add": 1}
 # Steps per second of the tiny example on a 2-core machine, by world size (to size a run
 # from --duration; the schedule itself is in steps, so a slower machine only runs longer).
@@ -150,6 +152,7 @@ class Chaos:
     def __init__(self, c: Any, opts: ChaosOptions, steps: int) -> None:
         self.c, self.opts, self.steps = c, opts, steps
         self.stopped: list[int] = []          # SIGSTOPped pids: SIGKILLed at the end
+        self.victims: set[str] = set()        # pods this tool killed, stopped or stalled
         self.requested: dict[str, float] = {}  # spares asked of the actuator, not yet seen
         self._top_lock = asyncio.Lock()
         self.decisions: list[Any] = []
@@ -192,9 +195,13 @@ class Chaos:
     def spares(self) -> list[Any]:
         plan = self.plan()
         members = {m.pod for m in plan.members} if plan else set()
+        # a ready spare holds the job's state (it follows rank 0: step >= 0 once the job
+        # committed one); a pod killed a moment ago still looks fresh: it is excluded
+        committed = max((h.step for p, h in self.c.hb.items() if p in members), default=-1)
         return [h for h in self.c.hb.values()
                 if h.role.value == "spare" and h.pod not in members and self.fresh(h)
-                and h.state.value == "waiting"]
+                and h.state.value == "waiting" and h.pod not in self.victims
+                and (h.step >= 0 or committed < 0)]
 
     def step(self) -> int:
         plan = self.plan()
@@ -255,6 +262,9 @@ class Chaos:
 
     async def _top_up(self) -> None:
         from schemas.messages import ActuatorAction, ActuatorCommand, ActuatorReply, Role
+
+        if not self.opts.elastic:
+            return  # `up` replaces every failed pod by itself; only scale-ups use spares up
 
         have = {h.pod for h in self.spares()}
         now = time.monotonic()
@@ -358,12 +368,18 @@ class Chaos:
         out.at_step = step
         t0 = time.monotonic()
         out.t = time.time()
-        if kind in ("kill", "hang", "kill_rank0", "kill_with_service"):
+        if kind in ("kill", "hang", "stall", "kill_rank0", "kill_with_service"):
             rank, h = self._victim(ev, rank0=kind == "kill_rank0")
+            self.victims.add(h.pod)
             out.target = f"rank {rank} ({h.pod})"
             if kind == "hang":
                 _signal(h.pid, signal.SIGSTOP, h.pod)
                 self.stopped.append(h.pid)
+            elif kind == "stall":  # the training thread blocks; its heartbeats go on
+                from schemas.messages import Inject, InjectAction
+
+                await self.c.bus.publish(self.c.bus.subjects.inject,
+                                         Inject(action=InjectAction.stall, pod=h.pod))
             else:
                 _signal(h.pid, signal.SIGKILL, h.pod)
             if kind == "kill_with_service":
@@ -378,6 +394,7 @@ class Chaos:
             await self._recovered(out, gen, {h.pod}, step, t0)
         elif kind == "during_recovery":
             rank, h = self._victim(ev)
+            self.victims.add(h.pod)
             _signal(h.pid, signal.SIGKILL, h.pod)
             out.injected = True
             await self.wait(lambda: (p := self.plan()).generation > gen or self.finished(), 60,
@@ -390,6 +407,7 @@ class Chaos:
                     (x := self.c.hb.get(promoted)) is not None
                     and x.generation >= new.generation), 30, "the promoted spare adopting it")
                 p = self.c.hb[promoted]
+                self.victims.add(promoted)
                 if p.pid and not self.finished():
                     _signal(p.pid, signal.SIGKILL, promoted)
                     victims.add(promoted)
@@ -402,6 +420,7 @@ class Chaos:
             if not sp:
                 raise ChaosFailure("no spare to kill")
             h = sp[int(ev.u * len(sp)) % len(sp)]
+            self.victims.add(h.pod)
             _signal(h.pid, signal.SIGKILL, h.pod)
             out.injected, out.target = True, h.pod
             self.say(f"#{ev.index} {kind}: {h.pod} at step {step}")
@@ -532,8 +551,12 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
     outcomes: list[Outcome] = []
     failures: list[str] = []
     t = time.monotonic()
+    # Replacement pods keep the spare pool full (a generous budget: chaos kills on purpose);
+    # a stalled training thread is reported by its own watchdog at the stall timeout.
     async with Cluster(run_dir, opts.workers, opts.spares, steps, timeout=run_timeout,
-                       extra=["--model", opts.model, "--dtype", opts.example_dtype]) as c:
+                       replace=True,
+                       extra=["--model", opts.model, "--dtype", opts.example_dtype,
+                              "--max-replacements", "1000", "--stall-timeout", "8"]) as c:
         ch = Chaos(c, opts, steps)
         try:
             await ch.attach()

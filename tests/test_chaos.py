@@ -97,7 +97,8 @@ def test_chaos_90s_passes(tmp_path):
     assert rep["lost_steps"] == 0
     assert rep["check"] == "bitwise parameters"
     assert rep["param_sha256"] == rep["reference_sha256"]
-    worker_faults = {"kill", "hang", "kill_rank0", "during_recovery", "kill_with_service"}
+    worker_faults = {"kill", "hang", "stall", "kill_rank0", "during_recovery",
+                     "kill_with_service"}
     assert rep["incidents"] >= sum(v[0] for k, v in rep["by_kind"].items() if k in worker_faults)
     assert rep["downtime_p50"] is not None
     assert "faults survived" in text and "downtime" in text and "lost steps" in text

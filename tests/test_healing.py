@@ -141,7 +141,7 @@ async def test_every_pod_killed_at_once_resumes_from_the_last_checkpoint(tmp_pat
     ref = reference(2)
     ckdir = tmp_path / "ckpt"
     flags = ["--checkpoint-dir", str(ckdir), "--checkpoint-every", "10"]
-    async with Cluster(tmp_path / "lost", 2, 0, STEPS, extra=flags) as c:
+    async with Cluster(tmp_path / "lost", 2, 0, STEPS, extra=[*flags, "--auto-resume", "0"]) as c:
         await c.wait_rank_step(0, 25)
         for h in list(c.hb.values()):
             os.kill(h.pid, signal.SIGKILL)

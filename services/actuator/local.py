@@ -88,8 +88,8 @@ class LocalActuator:
         # The supervisor executes kill (SIGKILL), hang (SIGSTOP: the whole process stops,
         # heartbeats included, as a stuck node would) and resume (SIGCONT). Exceptions, and
         # anything scheduled at a step, are executed by the agent itself.
-        if inj.action == InjectAction.exception:
-            return
+        if inj.action in (InjectAction.exception, InjectAction.stall):
+            return  # executed by the agent itself
         if not self.allow_inject:
             log.warning("injection refused: the job does not enable injection",
                         action=inj.action.value)
