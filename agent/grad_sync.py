@@ -48,7 +48,8 @@ class GradSync:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(self.params) if i in self._bucket_of]
         self.overlapped = 0  # buckets posted during the backward (for tests and traces)
-        self.spoiled = False  # a backward ran after the last one had posted buckets
+        self.spoiled = False  # a gradient changed after its bucket may have been posted
+        self._seen: set[int] = set()  # parameters final in the armed backward
         self._error: BaseException | None = None  # why a bucket could not be posted
 
     def close(self) -> None:
@@ -58,24 +59,29 @@ class GradSync:
         self.disarm()
 
     # ------------------------------------------------------------------ the backward
+    @property
+    def armed(self) -> bool:
+        return self._group is not None
+
     def arm(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
         """The next backward is this rank's last of the step: post buckets as they fill."""
         with self._lock:
             self._group, self._op_timeout_s = group, op_timeout_s
             self._missing = [len(b) for b in self.buckets]
             self._posted, self._next, self._error = {}, 0, None
+            self._seen, self.spoiled = set(), False
 
     def disarm(self) -> None:
         """Forget what was posted (a discarded step; its group is aborted or closed)."""
         with self._lock:
             self._group, self._posted, self._missing, self._next = None, {}, [], 0
-            self._error = None
+            self._error, self._seen, self.spoiled = None, set(), False
 
     def flush(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
-        """The micro-batch loop is over: post every bucket not posted yet (parameters that got
-        no gradient; a rank with no micro-batch: all of them), in order. So every rank has
-        posted all its buckets before anything the script reduces after the loop
-        (``s.all_reduce``), whatever its share: collectives stay in the same order everywhere."""
+        """Before a collective of the script's own (``s.all_reduce``) after this rank's last
+        backward: post every bucket not posted yet (parameters that got no gradient; a rank
+        with no micro-batch: all of them), in order. So every rank has posted all its buckets
+        before the script's collective, whatever its share: the order is the same everywhere."""
         with self._lock:
             if self._group is not group:
                 self._group, self._op_timeout_s = group, op_timeout_s
@@ -90,10 +96,14 @@ class GradSync:
             with self._lock:
                 if self._group is None:
                     return
+                if i in self._seen:
+                    # accumulated again after it may have been sent (reentrant activation
+                    # checkpointing with shared weights, a second backward): finish() refuses
+                    self.spoiled = True
+                    return
+                self._seen.add(i)
                 b = self._bucket_of[i]
                 self._missing[b] -= 1
-                if self._missing[b] < 0:
-                    self.spoiled = True  # a second backward after the buckets went out
                 while self._next < len(self.buckets) and self._missing[self._next] <= 0:
                     self._post(self._next)
                     self._next += 1
@@ -125,6 +135,12 @@ class GradSync:
         ``extend`` as ``AbortableGroup.wait_all``), and write the sums into the gradients and
         ``extra``. Raises Aborted / PeerError like ``allreduce_``; the gradients then stay
         this rank's own."""
+        if self.spoiled:
+            self.disarm()
+            raise RuntimeError(
+                "a gradient was accumulated again after its bucket was sent (a second "
+                "backward after this rank's last micro-batch, or reentrant activation "
+                "checkpointing with shared weights): set CEASELESS_OVERLAP=0 for this script")
         with self._lock:
             if self._group is not group:  # posted on another generation's group, or none
                 self._posted, self._next, self._error = {}, 0, None

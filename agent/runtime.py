@@ -69,6 +69,7 @@ class Runtime:
         self.progress_at = time.monotonic()
         self._stall_reported = False
         self.checkpoint_request: str | None = None  # the last one `up` made (KV)
+        self._committed_in_generation = False
         # rank 0: spares that asked to follow this generation (agent/shadow.py)
         self.shadow_requests: dict[str, str] = {}  # pod -> request id
         self._shadow_watch: asyncio.Task | None = None
@@ -260,6 +261,18 @@ class Runtime:
         self.progress_at = time.monotonic()
         self._stall_reported = False
 
+    def progress(self) -> None:
+        """Training thread: a sign of life between boundaries (a micro-batch, a backward)."""
+        with self.cond:
+            self._progress()
+
+    def note_commit(self) -> None:
+        """Training thread: a step committed in the joined generation (the watchdog spares a
+        generation's first step: compilation, warm-up)."""
+        with self.cond:
+            self._committed_in_generation = True
+            self._progress()
+
     async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
         with self.cond:
             self.transfers.setdefault(t.generation, (t, env.ctx))
@@ -354,11 +367,15 @@ class Runtime:
         limit = self.cfg.stall_timeout or self.cfg.collective_timeout
         hb = self.hb
         if (limit <= 0 or self._stall_reported or hb.get("rank") is None
-                or hb.get("state") != AgentState.training or self.collective_since is not None):
+                or hb.get("state") != AgentState.training or self.collective_since is not None
+                or not self._committed_in_generation):
             return
+        st = hb.get("step_time")
+        if st:
+            limit = max(limit, 3 * st)  # a job whose steps are slow is not stalled by them
         solo = hb.get("solo_until")
-        if solo is not None and time.time() < solo:
-            return
+        if solo is not None and time.time() < solo + self.cfg.collective_timeout:
+            return  # declared work alone, as the monitor allows it
         idle = time.monotonic() - self.progress_at
         if idle < limit:
             return
@@ -512,6 +529,7 @@ class Runtime:
         with self.cond:
             self.joined_generation = generation
             self._world_size = world_size
+            self._committed_in_generation = False
             self._progress()
             self.abort.clear()
             if self.plan is not None and self.plan.generation > generation \

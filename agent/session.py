@@ -179,7 +179,7 @@ class Session:
         self.skipped = False                    # the last step's update was skipped (fp16 inf/nan)
         self._sync: Any = None                  # GradSync (overlapped gradient all-reduce)
         self._batch_checked = 0                 # the generation whose batch was checked
-        self._micro: tuple[int, bool, int] | None = None  # the micro-batch being computed
+        self._backwards_left: int | None = None  # this step's backwards still to come
         self.total: int | None = None
         self.group: Any = None
         self.runtime: Any = None
@@ -547,19 +547,21 @@ class Session:
         abort = self.runtime.abort if self.distributed and self.runtime is not None else None
         self._check_batch(m, M)
         ks = micro_batch_range(M, self.world_size, self.rank)
-        last = ks[-1] if len(ks) else None
+        if self._backwards_left is None and self.last_committed < s:
+            # the step's gradient loop (not an evaluation loop after s.step())
+            self._backwards_left = len(ks)
+            sync = self._grad_sync()
+            if sync is not None and not ks:  # nothing to compute: the buckets are final
+                sync.arm(self.group, self._solo_aware()["op_timeout_s"])
         for k in ks:
             if abort is not None and abort.is_set():
                 # A newer plan: this step will be discarded anyway (s.step() sees the same
                 # flag), so stop computing it now instead of finishing every micro-batch.
                 return
             _seed(self.seed, s, k)
-            self._micro = (k, k == last, 0)  # (index, last of this rank, backwards so far)
+            if self.runtime is not None:
+                self.runtime.progress()  # the stall watchdog: a micro-batch is progress
             yield k
-        self._micro = None
-        sync = self._grad_sync()
-        if sync is not None and not (abort is not None and abort.is_set()):
-            sync.flush(self.group, self._solo_aware()["op_timeout_s"])
 
     def _check_batch(self, m: int, M: int) -> None:
         """Once per generation: the plan's batch arithmetic (``ceaseless up``'s flags, which
@@ -597,17 +599,21 @@ class Session:
         scale = self._micro_batch_size / self.global_batch_size
         scaled = loss * scale
         sync = self._grad_sync()
-        if sync is not None and self._micro is not None:
-            k, last, n = self._micro
-            if n:
+        if sync is not None and self._backwards_left is not None:
+            # Counted, not told by the batch loop's position (a prefetching wrapper reads
+            # one ahead): the gradients are final after this rank's last backward.
+            if self._backwards_left <= 0:
                 raise RuntimeError(
-                    "s.backward() called twice for one micro-batch: with the gradient sync "
-                    "overlapped with the backward (CEASELESS_OVERLAP=1, the default) call it "
-                    "once per micro-batch (add the losses first), or set CEASELESS_OVERLAP=0")
-            self._micro = (k, last, 1)
-            if last:  # the gradients are final after this one: post buckets as they fill
+                    "s.backward() called more often than this rank has micro-batches: with "
+                    "the gradient sync overlapped with the backward (CEASELESS_OVERLAP=1, the "
+                    "default) call it once per micro-batch (add the losses first), or set "
+                    "CEASELESS_OVERLAP=0")
+            self._backwards_left -= 1
+            if self._backwards_left == 0:  # post buckets as they fill during this one
                 sync.arm(self.group, self._solo_aware()["op_timeout_s"])
         self.state.scale_loss(scaled).backward()  # fp16: times the GradScaler's scale
+        if self.runtime is not None:
+            self.runtime.progress()
         d = scaled.detach().reshape(1).to(torch.float64)
         self._loss_acc = d if self._loss_acc is None else self._loss_acc + d
 
@@ -732,6 +738,10 @@ class Session:
 
         rt = self.runtime
         work = tensor.detach().clone()
+        sync = self._grad_sync()
+        if sync is not None and sync.armed:
+            # the gradient buckets first, on every rank, whatever its share (same order)
+            sync.flush(self.group, self._solo_aware()["op_timeout_s"])
         try:
             self.group.allreduce_([work], rt.abort, slice_s=self.cfg.collective_slice,
                                   timeout_s=self.cfg.collective_timeout, **self._solo_aware())
@@ -769,12 +779,14 @@ class Session:
             return
         g = self.generation
         until = time.time() + limit
+        rt.progress()
         rt.update(now=True, solo_until=until)
         rt.put_solo(g, until)
         log.info("working alone", generation=g, step=self.last_committed, max_s=limit)
         try:
             yield
         finally:
+            rt.progress()  # back: the stall watchdog counts from here, not from before
             rt.update(now=True, solo_until=None)
             rt.put_solo(g, until, ended=time.time())
 
@@ -842,7 +854,7 @@ class Session:
     def _zero_grad(self) -> None:
         self.state.zero_grad()
         self._loss_acc = None
-        self._micro = None
+        self._backwards_left = None
         if self._sync is not None:
             self._sync.disarm()
 
@@ -889,6 +901,8 @@ class Session:
         self.stats.losses[s] = loss
         if self._ckpt is not None and self.rank == 0:
             self._ckpt.after_commit(s, self.state)
+        if self.runtime is not None:
+            self.runtime.note_commit()
         self.stats.commits.append((s, now))
         self._last_commit_time = now
         if self.runtime is not None:
@@ -1251,29 +1265,30 @@ class Session:
         self._ckpt_handled = req
         if self.rank != 0 or self.last_committed < 0:
             return
-        c.wait(300)
-        if self.last_committed not in c.saved:
-            c.save(self.last_committed, self.state)
-        c.wait(300)
-        log.info("checkpoint written on request", step=self.last_committed, request=req)
+        # `up` waits for a manifest newer than its request: start the write and go on (a
+        # training-thread wait would look absent to the peers); a save still running will
+        # finish after the request and do as well
+        started = self.last_committed in c.saved or c.save(self.last_committed, self.state)
+        log.info("checkpoint on request", step=self.last_committed, request=req,
+                 started=bool(started))
 
     def _final_checkpoint(self) -> None:
         """At the end of the job (rank 0): the final state too, then wait for the writes."""
         c = self._ckpt
         if c is None or self.rank != 0:
             return
+        c.wait(300)  # a periodic save of this very step may still be running
         if self.last_committed >= 0 and self.last_committed not in c.saved:
-            c.wait(300)
             c.save(self.last_committed, self.state)
         if not c.wait(300):
             log.warning("a checkpoint was still being written at exit", dir=str(c.dir))
 
     def _finish(self) -> None:
         self._finished = True
-        self._final_checkpoint()
-        self._leader.end(final=True)
+        self._leader.end(final=True)  # END to the spares first: they leave as the job ends
         rt = self.runtime
-        rt.update(now=True, state=AgentState.done)
+        rt.update(now=True, state=AgentState.done)  # (a long final write is no stall)
+        self._final_checkpoint()
         rt.put_done(self.last_committed, self.generation)
         self._write_result()
 

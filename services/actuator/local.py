@@ -47,6 +47,7 @@ class LocalActuator:
         self.replace = replace
         self.budget = budget or ReplacementBudget()
         self.shutting_down = False
+        self.stopped: set[str] = set()  # pods this actuator asked to stop: not replaced
         self.replacements: list[tuple[str, str]] = []  # (failed pod, its replacement)
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.roles: dict[str, Role] = {}
@@ -172,7 +173,8 @@ class LocalActuator:
         for cb in self.on_exit:
             cb(pod, code)
         fallback = code == FALLBACK_EXIT_CODE and self.restart_fallback and pod not in self.killed
-        if (self.replace or fallback) and should_replace(code, self.shutting_down):
+        if (self.replace or fallback) and pod not in self.stopped \
+                and should_replace(code, self.shutting_down):
             refused = self.budget.take(time.monotonic())
             if refused is not None:
                 log.warning("pod not replaced", pod=pod, exit_code=code, reason=refused)
@@ -185,6 +187,7 @@ class LocalActuator:
         proc = self.procs.get(pod)
         if proc is None:
             return False
+        self.stopped.add(pod)  # released on purpose (a scale-down): no replacement
         _signal(proc, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), grace_s)
