@@ -70,6 +70,8 @@ def write(path: Path, flat: Any, step: int) -> Path:
     (tmp / "manifest.json").write_text(json.dumps(
         {"format": FORMAT, "step": step, "buffers": len(flat.buffers), "time": time.time(),
          "nbytes": flat.nbytes}))
+    if path.exists():  # the same step written before (a job resumed from an older one):
+        shutil.rmtree(path)  # training is deterministic, so it is the same state; replace it
     os.replace(tmp, path)  # atomic on one filesystem: complete, or not there
     return path
 

@@ -96,3 +96,14 @@ def test_a_time_interval_makes_a_checkpoint_due_between_step_multiples(tmp_path,
     assert c.after_commit(6, _state(0, 1)) and c.wait(30)
     assert not c.due(7)  # the interval counts from the last save
     assert c.due(999)    # and the step multiple still applies
+
+
+def test_a_step_written_again_replaces_the_old_one(tmp_path):
+    st = _state(0, 2)
+    c = ck.Checkpointer(tmp_path, every=1)
+    assert c.after_commit(3, st) and c.wait(30)
+    assert c.save(3, _state(1, 2)) and c.wait(30)  # a job resumed from an older checkpoint
+    assert c.error is None and c.saved == [3, 3]
+    dst = _state(2, 1)
+    ck.load(ck.latest(tmp_path), dst)
+    assert dst.param_sha256() == _state(1, 2).param_sha256()
