@@ -303,6 +303,7 @@ AGENT_CHILD = textwrap.dedent("""
     s = Session(4)
     s.cfg = SimpleNamespace(pod="w0", job="j")
     s.runtime = SimpleNamespace(publish=lambda *a, **k: None, update=lambda **k: None,
+                                note_commit=lambda: None,
                                 bus=SimpleNamespace(subjects=SimpleNamespace(recovery="r")))
     for step in range(3):
         s._commit(step, 1.0, 0.0)
