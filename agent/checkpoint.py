@@ -19,6 +19,7 @@ of the state gone) and for starting a new job from an old one (``ceaseless up --
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -28,7 +29,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -46,12 +47,12 @@ def _dcp() -> Any:
     return dcp
 
 
-def _quiet() -> Any:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
     """DCP warns that it runs without a process group: that is the intent here."""
-    w = warnings.catch_warnings()
-    w.__enter__()
-    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
-    return w
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+        yield
 
 
 def write(path: Path, flat: Any, step: int) -> Path:
@@ -62,11 +63,8 @@ def write(path: Path, flat: Any, step: int) -> Path:
     blob = pickle.dumps(flat.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
     sd = {"buffers": {f"b{i}": b.cpu() for i, b in enumerate(flat.buffers)},
           "skeleton": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
-    w = _quiet()
-    try:
+    with _quiet():
         _dcp().save(sd, checkpoint_id=str(tmp), no_dist=True)
-    finally:
-        w.__exit__(None, None, None)
     (tmp / "manifest.json").write_text(json.dumps(
         {"format": FORMAT, "step": step, "buffers": len(flat.buffers), "time": time.time(),
          "nbytes": flat.nbytes}))
@@ -89,12 +87,23 @@ def latest(directory: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def resolve(path: str | Path) -> Path | None:
+    """``path`` itself if it is a complete checkpoint, else the newest one under it."""
+    p = Path(path)
+    return p if (p / "manifest.json").exists() else latest(p)
+
+
+def manifest(path: str | Path) -> dict[str, Any]:
+    """A complete checkpoint's manifest: format, step, buffers, time (written), nbytes."""
+    return json.loads((Path(path) / "manifest.json").read_text())
+
+
 def read(path: str | Path) -> tuple[Any, int]:
     """The FlatState stored in checkpoint ``path`` and its step."""
     from .state import FlatState
 
     path = Path(path)
-    man = json.loads((path / "manifest.json").read_text())
+    man = manifest(path)
     if man.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {man.get('format')} (this code reads "
                          f"{FORMAT})")
@@ -108,11 +117,8 @@ def read(path: str | Path) -> tuple[Any, int]:
             sd["skeleton"] = t
         elif key.startswith("buffers."):
             sd["buffers"][key.split(".", 1)[1]] = t
-    w = _quiet()
-    try:
+    with _quiet():
         dcp.load(sd, checkpoint_id=str(path), no_dist=True)
-    finally:
-        w.__exit__(None, None, None)
     skeleton = pickle.loads(sd["skeleton"].numpy().tobytes())
     buffers = [sd["buffers"][f"b{i}"] for i in range(man["buffers"])]
     return FlatState(skeleton=skeleton, buffers=buffers), int(man["step"])

@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .collectives import DEFAULT_BUCKET_BYTES, AbortableGroup, PendingAllreduce, buckets, flatten
+from .collectives import (DEFAULT_BUCKET_BYTES, AbortableGroup, PendingAllreduce, buckets,
+                          flatten, unflatten_)
 
 
 class GradSync:
@@ -40,17 +41,21 @@ class GradSync:
         # parameters with no elements are in no bucket (nothing to sum)
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
+        # Per step (``_reset``): the group posted on (None: not armed), buckets' parameters
+        # still to come, the next bucket to post (in order), what was posted, parameters
+        # final in the armed backward, whether one changed after its bucket may have gone
+        # (``spoiled``), why a bucket could not be posted.
         self._group: AbortableGroup | None = None
         self._op_timeout_s: float | None = None
         self._missing: list[int] = []
-        self._next = 0  # the next bucket to post (in order)
+        self._next = 0
         self._posted: dict[int, tuple[PendingAllreduce, Tensor]] = {}
+        self._seen: set[int] = set()
+        self.spoiled = False
+        self._error: BaseException | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(self.params) if i in self._bucket_of]
         self.overlapped = 0  # buckets posted during the backward (for tests and traces)
-        self.spoiled = False  # a gradient changed after its bucket may have been posted
-        self._seen: set[int] = set()  # parameters final in the armed backward
-        self._error: BaseException | None = None  # why a bucket could not be posted
 
     def close(self) -> None:
         for h in self._handles:
@@ -66,16 +71,19 @@ class GradSync:
     def arm(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
         """The next backward is this rank's last of the step: post buckets as they fill."""
         with self._lock:
-            self._group, self._op_timeout_s = group, op_timeout_s
-            self._missing = [len(b) for b in self.buckets]
-            self._posted, self._next, self._error = {}, 0, None
-            self._seen, self.spoiled = set(), False
+            self._reset(group, op_timeout_s)
 
     def disarm(self) -> None:
         """Forget what was posted (a discarded step; its group is aborted or closed)."""
         with self._lock:
-            self._group, self._posted, self._missing, self._next = None, {}, [], 0
-            self._error, self._seen, self.spoiled = None, set(), False
+            self._reset(None)
+
+    def _reset(self, group: AbortableGroup | None, op_timeout_s: float | None = None) -> None:
+        """(Under the lock.) Nothing posted yet, for ``group`` (None: not armed)."""
+        self._group, self._op_timeout_s = group, op_timeout_s
+        self._missing = [len(b) for b in self.buckets] if group is not None else []
+        self._posted, self._next, self._error = {}, 0, None
+        self._seen, self.spoiled = set(), False
 
     def flush(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
         """Before a collective of the script's own (``s.all_reduce``) after this rank's last
@@ -84,9 +92,7 @@ class GradSync:
         before the script's collective, whatever its share: the order is the same everywhere."""
         with self._lock:
             if self._group is not group:
-                self._group, self._op_timeout_s = group, op_timeout_s
-                self._missing = [len(b) for b in self.buckets]
-                self._posted, self._next, self._error = {}, 0, None
+                self._reset(group, op_timeout_s)
             while self._next < len(self.buckets):
                 self._post(self._next)
                 self._next += 1
@@ -143,16 +149,16 @@ class GradSync:
                 "checkpointing with shared weights): set CEASELESS_OVERLAP=0 for this script")
         with self._lock:
             if self._group is not group:  # posted on another generation's group, or none
-                self._posted, self._next, self._error = {}, 0, None
-            self._group, self._op_timeout_s = group, op_timeout_s
-            for b in range(self._next, len(self.buckets)):
-                self._post(b)
-            posted, self._group = self._posted, None
-            self._posted, self._missing, self._next = {}, [], 0
+                self._reset(group, op_timeout_s)
+            self._op_timeout_s = op_timeout_s
+            while self._next < len(self.buckets):
+                self._post(self._next)
+                self._next += 1
+            posted, err = self._posted, self._error
+            self._reset(None)
         group._check(abort)
         if len(posted) != len(self.buckets):
             group._check(None)  # a bucket could not be posted: the group broke, or
-            err, self._error = self._error, None
             raise err or RuntimeError("gradient buckets could not be posted")
         pending = [posted[b][0] for b in range(len(self.buckets))]
         if extra:
@@ -161,9 +167,4 @@ class GradSync:
         for p in pending:
             p.write_back()
         for b, idx in enumerate(self.buckets):
-            flat, off = posted[b][1], 0
-            for i in idx:
-                g = self.params[i].grad
-                n = g.numel()
-                g.copy_(flat[off:off + n].view_as(g))
-                off += n
+            unflatten_(posted[b][1], [self.params[i].grad for i in idx])

@@ -438,8 +438,7 @@ class Session:
             return
         from . import checkpoint
 
-        p = Path(path)
-        found = p if (p / "manifest.json").exists() else checkpoint.latest(p)
+        found = checkpoint.resolve(path)
         if found is None:
             raise FileNotFoundError(f"CEASELESS_RESUME_FROM={path}: no complete checkpoint "
                                     "there (a step-N directory with a manifest.json)")

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
-import re
 import signal
 import statistics
 import sys
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import cmdline, emit, fmt, machine, machine_line, summary
+from bench.common import cmdline, config, emit, fmt, machine, machine_line, summary
 
 SECTION = "## Healing"
 
@@ -117,20 +117,20 @@ def _restore_seconds(log: Path) -> float:
     """From the pod's start ("backend" record) to "resumed from a checkpoint"."""
     t: dict[str, float] = {}
     for line in log.read_text().splitlines():
-        for ev in ("backend", "resumed from a checkpoint"):
-            if f'"event": "{ev}"' in line and ev not in t:
-                m = re.search(r'"timestamp": "([^"]+)"', line)
-                if m:
-                    import datetime as dt
-
-                    t[ev] = dt.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the script's own prints
+        ev = rec.get("event")
+        if ev in ("backend", "resumed from a checkpoint") and ev not in t:
+            t[ev] = dt.datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
     return t["resumed from a checkpoint"] - t["backend"]
 
 
 async def _main(a: argparse.Namespace) -> dict[str, Any]:
     base = Path(a.run_dir or tempfile.mkdtemp(prefix="ceaseless-healing-"))
     res: dict[str, Any] = {"machine": machine(), "command": cmdline("healing"),
-                           "config": {k: v for k, v in vars(a).items() if not callable(v)},
+                           "config": config(a),
                            "refill": [], "grow": [], "ckpt": []}
     for i in range(a.repeats):
         res["refill"].append(await _refill(base, a, i))

@@ -252,8 +252,7 @@ async def run(opts: UpOptions) -> int:
     if opts.resume:
         from agent import checkpoint
 
-        src = Path(opts.resume).resolve()
-        found = src if (src / "manifest.json").exists() else checkpoint.latest(src)
+        found = checkpoint.resolve(Path(opts.resume).resolve())
         if found is None:
             raise SystemExit(f"ceaseless up: --resume {opts.resume}: no complete checkpoint "
                              "there (a step-N directory with a manifest.json)")
@@ -399,7 +398,7 @@ async def _checkpoint_before_stopping(bus: Bus, ckdir: Path, out: Any, info: Any
         p = checkpoint.latest(ckdir)
         if p is not None:
             try:
-                if json.loads((p / "manifest.json").read_text())["time"] >= t0:
+                if checkpoint.manifest(p)["time"] >= t0:
                     print(f"[{time.time() - info.started:7.2f}s] final checkpoint {p}",
                           file=out, flush=True)
                     return

@@ -255,7 +255,7 @@ class HealthMonitor(Service):
                          exit_code=ev.exit_code)
             return
         v = self.pods.get(ev.pod)
-        if v is not None and v.hb is not None and v.hb.state == AgentState.done:
+        if v is not None and v.heartbeated and v.state == AgentState.done:
             # It finished training (or left, job done) before it exited: whatever failed after
             # that (the script's own code after the loop) is the script's to report (`up`
             # says so); a recovery would have nothing to recover.
@@ -282,7 +282,7 @@ class HealthMonitor(Service):
                              report=r.report.value)
                 return
             v = self.pods.get(r.pod)
-            if v is not None and v.hb is not None and v.hb.state == AgentState.done:
+            if v is not None and v.heartbeated and v.state == AgentState.done:
                 self._ignore(env.subject, "exception after the pod was done: not a fault",
                              level="warning", pod=r.pod, error=r.error[:200])
                 return
