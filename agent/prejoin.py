@@ -11,19 +11,38 @@ plan. If nobody needs state (the promoted spare followed the job, ``agent/shadow
 the restore step is the one this pod holds, the training thread finishes its micro-batches
 and all-reduces them in the new group: the survivors lose nothing. Otherwise the prejoin
 sets the abort flag and recovery goes the ordinary way (with the group already built).
+
+All of resuming in place lives here: whether a plan qualifies (``can_resume``, asked by
+``membership.plan_arrival``), the background join (``Prejoin``), and the training thread's
+side at the end of its step (``resume_in_place``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
-from schemas.messages import AgentState, Plan, Role
+from schemas.messages import AgentState, Heartbeat, Plan, Role
 from services.common import logs
 
 from .collectives import Aborted, _park, make_group_abortable
 
 log = logs.get("agent")
+
+
+def can_resume(cfg: Any, plan: Plan, hb: Heartbeat, joined_generation: int, world_size: int,
+               step: int | None, in_collective: bool, aborted: bool) -> bool:
+    """A fault plan arriving while step ``step`` is computed may be resumed in place: it
+    keeps this pod's rank and the world size, the step has not reached its collective, and
+    steps are short enough that the replacement's wait stays well inside the collective
+    timeout (no median step time yet: no resume)."""
+    if not cfg.resume_in_place or plan.apply_step is not None or step is None \
+            or in_collective or aborted or hb.rank is None \
+            or plan.rank_of(cfg.pod) != hb.rank or hb.generation != joined_generation \
+            or hb.step != step - 1 or plan.world_size != world_size:
+        return False
+    return hb.step_time is not None and hb.step_time <= cfg.collective_timeout / 4
 
 
 class Prejoin:
@@ -44,12 +63,10 @@ class Prejoin:
 
     def _run(self) -> None:
         rt, cfg, g = self._rt, self._rt.cfg, self.generation
-        from .store import NatsStore
-
         try:
             rt.update(now=True, generation=g, rank=self.rank, role=Role.worker, step=self.step,
                       digest=self._digest, state=AgentState.recovering)
-            store = NatsStore(rt.store_kv, rt.loop, prefix=f"g{g}.", timeout=cfg.store_timeout)
+            store = rt.store(f"g{g}.")
             self.pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
                                            timeout_s=cfg.collective_timeout, backend=cfg.backend,
                                            slice_s=cfg.collective_slice)
@@ -61,15 +78,14 @@ class Prejoin:
                 self._park()
         try:
             if self.error is None:
-                got = rt.wait(lambda: g in rt.transfers or g in rt.lost or rt.abort.is_set(),
-                              cfg.recovery_timeout)
-                t = rt.transfers.get(g)
+                got = rt.wait_transfer(g, cfg.recovery_timeout)
+                t = got.transfer if got is not None else None
                 if t is None:
                     self.why = "no transfer plan" if not got else "aborted or state lost"
-                elif t[0].restore_step != self.step:
-                    self.why = f"the job restores step {t[0].restore_step}, not {self.step}"
-                elif t[0].sources:
-                    self.why = f"rank(s) {sorted(t[0].sources)} need the state first"
+                elif t.restore_step != self.step:
+                    self.why = f"the job restores step {t.restore_step}, not {self.step}"
+                elif t.sources:
+                    self.why = f"rank(s) {sorted(t.sources)} need the state first"
                 else:
                     self.resumable = True
             else:
@@ -78,8 +94,7 @@ class Prejoin:
             if not self.resumable:
                 rt.interrupt()  # stop the step: recover the ordinary way
             self.done.set()
-            with rt.cond:
-                rt.cond.notify_all()
+            rt.notify()
 
     def drop(self) -> None:
         """Nobody will use this group: park it (now or once built), never destroy it (the
@@ -109,3 +124,37 @@ class Prejoin:
             self.why = f"no transfer plan in {timeout:.0f}s"
             return False
         return self.resumable
+
+
+def resume_in_place(m: Any, s: int, pre: Prejoin) -> bool:
+    """Training thread, at the collective of step ``s``: a fault plan arrived while the
+    step was computed and kept our rank (``pre``); enter its generation keeping the
+    gradients. False: the step is discarded (``m.discard``; recovery then goes on the
+    ordinary way, or the pod is already in the new generation and repeats the step)."""
+    from .collectives import Aborted, PeerError
+    from .handoff import enter
+    from .membership import Phase
+
+    rt, cfg = m.rt, m.cfg
+    rank, world = m.rank, m.world_size
+    m.timeline.incident = None  # this incident starts here (as the step does)
+    inc = m.timeline.open("resumed in place", notice=min(pre.plan_at, time.time()),
+                          resumed=True)
+    ok = pre.wait(cfg.recovery_timeout)
+    plan = rt.plan
+    if not ok or plan is None or plan.generation != pre.generation or rt.abort.is_set():
+        rt.interrupt()
+        inc.resumed = False
+        return m.discard(f"not resumed in place: {pre.why or 'a newer plan'}")
+    try:
+        enter(m, plan, rt.plan_ctx, first=False, keep_grads=True)
+    except (Aborted, PeerError, TimeoutError, RuntimeError) as e:
+        log.warning("resuming in place failed", generation=plan.generation,
+                    error=f"{type(e).__name__}: {str(e)[:300]}")
+        m.close_group()
+        # like a failed attempt at entering: the wait for a newer plan is bounded
+        return m.discard("resuming in place failed", Phase.FAILED)
+    if (m.state.last_committed, m.rank, m.world_size) != (s - 1, rank, world):
+        return m.discard("state changed while resuming", Phase.REDO)  # in, but stale
+    log.info("step resumed in the new generation", step=s, generation=plan.generation)
+    return True

@@ -10,6 +10,8 @@ ordinary transfer when promoted. See docs/architecture.md, "Shadow spares".
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -36,14 +38,17 @@ def why_not(cfg: AgentConfig, state: TrainState) -> str | None:
     return state.replayable()  # the spare must replay what the script does
 
 
-def _store(rt: Any, cfg: AgentConfig, generation: int, pod: str, rid: str,
+def _store(rt: Any, generation: int, pod: str, rid: str,
            timeout: float | None = None) -> Callable[[], Any]:
     from .shadow import store_prefix
-    from .store import NatsStore
 
     prefix = store_prefix(generation, pod, rid)
-    return lambda: NatsStore(rt.store_kv, rt.loop, prefix=prefix,
-                             timeout=timeout or cfg.store_timeout)
+    return lambda: rt.store(prefix, timeout)
+
+
+def _request_key(generation: int, pod: str = "") -> str:
+    """The store key a spare writes to ask rank 0 of ``generation`` to stream to it."""
+    return f"shreq{generation}.{pod}"
 
 
 class ShadowLeader:
@@ -54,6 +59,11 @@ class ShadowLeader:
         self._out: dict[str, Any] = {}      # spare pod -> ShadowSender
         self._served: dict[str, str] = {}   # spare pod -> the request it answered
         self.generation = 0                 # the generation spares may follow (0: none)
+        # spare pod -> request id, written by the runtime's thread (the store watch)
+        self._lock = threading.Lock()
+        self._requests: dict[str, str] = {}
+        self._watching: int | None = None
+        self._unwatch: Callable[[], None] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -63,11 +73,28 @@ class ShadowLeader:
         """Stream the committed state, then every committed step, to each spare that asks
         (the plan's spares at once, from ``held``; later ones at a step boundary)."""
         g = self.generation = plan.generation
-        self._rt.watch_shadow_requests(g)
+        self._watch(g)
         for pod in plan.spares:
-            rid = self._rt.shadow_request(g, pod)
+            rid = self._rt.store_get(_request_key(g, pod))
             if rid is not None:
-                self._serve(pod, rid, held)
+                self._serve(pod, rid.decode(), held)
+
+    def _watch(self, generation: int | None) -> None:
+        """Collect the spares asking to follow ``generation`` (None: stop)."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        with self._lock:
+            self._requests, self._watching = {}, generation
+        if generation is None:
+            return
+
+        def on_put(pod: str, rid: bytes) -> None:
+            with self._lock:
+                if self._watching == generation:  # not a late one of an older watch
+                    self._requests = {**self._requests, pod: rid.decode()}
+
+        self._unwatch = self._rt.watch_store(_request_key(generation), on_put)
 
     def _serve(self, pod: str, rid: str, held: Any) -> None:
         from .shadow import ShadowSender
@@ -77,7 +104,7 @@ class ShadowLeader:
             old.close()
         self._served[pod] = rid
         self._out[pod] = ShadowSender(
-            pod, _store(self._rt, self._cfg, self.generation, pod, rid), held,
+            pod, _store(self._rt, self.generation, pod, rid), held,
             self._state.last_committed, timeout_s=self._cfg.collective_timeout,
             slice_s=self._cfg.collective_slice)
 
@@ -96,7 +123,7 @@ class ShadowLeader:
         self._out, self._served = {}, {}
         if self.generation:
             self.generation = 0
-            self._rt.watch_shadow_requests(None)
+            self._watch(None)
 
     def offer(self, s: int, grads: list[torch.Tensor], f: float, skip: bool = False) -> None:
         """Step ``s`` committed with these reduced gradients and learning-rate factor
@@ -119,7 +146,8 @@ class ShadowLeader:
             c = Confirm(step=s, check=state_word(self._state.modules()))
             for out in self._out.values():
                 out.offer(c)
-        reqs = self._rt.shadow_requests
+        with self._lock:
+            reqs = self._requests
         new = sorted(p for p, rid in reqs.items() if self._served.get(p) != rid)
         if new:
             held = self._state.snapshot()
@@ -153,17 +181,13 @@ class ShadowFollower:
 
         rt = self._rt
         self._at = self._state.last_committed
-        rid = rt.request_shadow(plan.generation, self._cfg.pod)
-        if rid is None:
+        rid = f"{os.getpid()}-{time.time_ns()}"  # unique per ask: a restarted spare asks anew
+        if not rt.store_put(_request_key(plan.generation, self._cfg.pod), rid.encode()):
+            log.warning("could not ask to follow the job")
             return
-
-        def notify() -> None:
-            with rt.cond:
-                rt.cond.notify_all()
-
         self._in = ShadowReceiver(
-            _store(rt, self._cfg, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
-            self._state.params() + self._state.buffers(), notify,
+            _store(rt, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
+            self._state.params() + self._state.buffers(), rt.notify,
             timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice)
 
     def settle(self, wait_s: float = SETTLE_S) -> None:

@@ -1,0 +1,131 @@
+"""Entering a generation: rendezvous, then the state handoff the broker plans.
+
+``enter`` builds the new process group (ranks from the plan, the store on NATS; a group
+already built by ``prejoin.py`` is taken over), waits for the broker's transfer plan, and
+moves the committed state: a recipient receives it from its sources (striped, checksummed,
+``agent/state.py``), a source sends it, everyone else checks that it holds the restore
+step. A spare that followed the job applies its stream while the peers connect instead.
+Rank 0 then starts streaming to the plan's spares (``shadow_roles.ShadowLeader``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from schemas.messages import AgentState, Plan, Role
+from services.common import logs
+
+from .shadow_roles import why_not
+
+if TYPE_CHECKING:
+    from .membership import Membership
+
+log = logs.get("agent")
+
+
+def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
+          keep_grads: bool = False) -> None:
+    """Enter ``plan``'s generation (raises on failure: the caller counts attempts)."""
+    from .collectives import Aborted, AbortableGroup, make_group_abortable
+    from .membership import JobStateLost
+    from .state import recv_state, send_state
+
+    rt, cfg, state, tl = m.rt, m.cfg, m.state, m.timeline
+    g = plan.generation
+    if tl.incident is None and first and g > 1:
+        # A spare promoted into a running job: its part starts when the plan arrived
+        # (nothing to abort; its rendezvous includes noticing the plan).
+        tl.open("promoted", notice=min(rt.plan_at or time.time(), time.time()), promoted=True)
+        tl.incident.last_commit = None
+    inc = tl.incident
+    if inc is not None:
+        inc.t_plan, inc.generation, inc.incident, inc.plan_ctx = (
+            inc.notice if inc.promoted or inc.planned else time.time(), g, plan.incident,
+            plan_ctx)
+    rt.join(g, plan.world_size)
+    m.close_group()
+    rank = plan.rank_of(cfg.pod)
+    m.joined(plan, rank)
+
+    def report() -> None:  # the broker takes this step and digest for the generation
+        rt.update(now=True, generation=g, rank=rank, role=Role.worker,
+                  step=state.last_committed, digest=state.digest(), state=AgentState.recovering)
+
+    # rendezvous: ranks come from the plan; the store lives on NATS
+    snap: list[Any] = []
+    meanwhile: Callable[[], None] | None = None
+    pre = rt.take_prejoin(g)
+    if pre is not None:
+        pass  # the runtime reported the generation and is building the group (prejoin.py)
+    elif m.follower.following:
+        # A spare that followed the job: apply what already arrived (cheaper than a
+        # transfer) while the peers connect, then report the step it holds.
+        def meanwhile() -> None:
+            m.follower.settle()
+            m.follower.stop()
+            report()
+    else:
+        report()
+        # A member holding committed state (or anyone at generation 1, where rank 0 is
+        # the source) is likely a source: copy the state while the peers connect.
+        if state.last_committed >= 0 or g == 1:
+            meanwhile = lambda: snap.append(state.snapshot())  # noqa: E731
+    if pre is not None and (pre.rank, pre.world_size) == (rank, plan.world_size):
+        pg = pre.wait_group(rt.abort, cfg.collective_slice)
+    else:
+        if pre is not None:
+            pre.drop()
+        pg = make_group_abortable(rt.store(f"g{g}."), rank, plan.world_size, rt.abort,
+                                  timeout_s=cfg.collective_timeout, backend=cfg.backend,
+                                  slice_s=cfg.collective_slice, meanwhile=meanwhile)
+    m.group = AbortableGroup(pg)
+    if inc is not None:
+        inc.t_group = time.time()
+    # state_sync: the broker names sources and recipients
+    got = rt.wait_transfer(g, cfg.recovery_timeout)
+    if got is None:
+        raise TimeoutError(f"no transfer plan for generation {g} in {cfg.recovery_timeout}s")
+    if got.kind == "abort":
+        raise Aborted(f"plan {rt.plan.generation} superseded {g} during rendezvous")
+    if got.kind == "lost":
+        raise JobStateLost(got.lost.reason)
+    transfer = got.transfer
+    received = sent = 0
+    held = None  # the committed state this rank holds as a FlatState, if it has one
+    if rank in transfer.sources:
+        st = held = recv_state(m.group, rank, transfer.sources[rank], rt.abort)
+        state.restore(st, transfer.restore_step)
+        received = st.nbytes
+        if state.last_committed != transfer.restore_step:
+            raise RuntimeError(f"received state of step {state.last_committed}, "
+                               f"expected {transfer.restore_step}")
+    else:
+        if state.last_committed != transfer.restore_step:
+            raise RuntimeError(f"transfer plan restores step {transfer.restore_step} but this "
+                               f"rank holds step {state.last_committed} and receives nothing")
+        mine = {r: srcs for r, srcs in transfer.sources.items() if rank in srcs}
+        if snap:
+            held = snap[0]
+        if mine:
+            st = held = held or state.snapshot()
+            sent = send_state(m.group, st, rank, mine, rt.abort) or 0
+    if not keep_grads:
+        state.zero_grad()
+    m.restored(plan, transfer.restore_step)
+    if inc is not None:
+        inc.t_sync = time.time()
+        inc.restore_step = transfer.restore_step
+        inc.bytes_received, inc.bytes_sent = received, sent
+        inc.role = "recipient" if received else ("source" if sent else "survivor")
+    if rank == 0 and why_not(cfg, state) is None:  # spares may ask later
+        if plan.spares and held is None:
+            held = state.snapshot()
+        m.leader.lead(plan, held)
+    # data_resume: the loader position is a pure function of the step
+    if inc is not None:
+        inc.t_data = time.time()
+    rt.update(now=True, step=state.last_committed, digest=state.digest(),
+              state=AgentState.training)
+    log.info("joined generation", generation=g, rank=rank, world_size=plan.world_size,
+             restore_step=transfer.restore_step, received=received, sent=sent)

@@ -1,0 +1,160 @@
+"""The pod's timeline: commits, step times, goodput, and the report of each recovery.
+
+An ``Incident`` is opened when this pod notices a fault (or a plan moves it) and closed by
+the first commit after it: that commit publishes a ``Recovery`` (its phases: abort,
+rendezvous, state_sync, data_resume, first_step), the ``recover`` span with one child span
+per phase, and the downtime metric. Nothing here decides anything; it only measures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+
+from schemas.messages import Recovery
+from services.common import logs
+
+log = logs.get("agent")
+tracer = trace.get_tracer("ceaseless.agent")
+
+
+@dataclass
+class Incident:
+    """Timestamps of one in-process recovery, for the recovery report and its spans."""
+
+    notice: float                      # when this rank noticed (abort flag, peer error)
+    last_commit: float | None
+    reason: str
+    generation: int = 0
+    incident: str | None = None
+    plan_ctx: Any = None
+    t_plan: float = 0.0
+    t_group: float = 0.0
+    t_sync: float = 0.0
+    t_data: float = 0.0
+    restore_step: int = -1
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    role: str = "survivor"
+    attempts: int = 1
+    promoted: bool = False             # a spare entering: nothing to abort, no abort span
+    planned: bool = False              # an elastic transition at a step boundary: no abort
+    resumed: bool = False              # the step in flight was finished, not discarded
+
+
+@dataclass
+class Timeline:
+    """This pod's commits and its open incident (training thread only)."""
+
+    step_times: deque = field(default_factory=lambda: deque(maxlen=50))
+    losses: dict[int, float] = field(default_factory=dict)
+    # (step, wall time) of every commit, in order: benchmarks measure gaps from it
+    commits: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    incident: Incident | None = None
+    last_commit_time: float | None = None
+    first_commit_time: float | None = None
+    useful_s: float = 0.0                  # wall time in steps no incident interrupted
+
+    def open(self, reason: str, notice: float | None = None, **kw: Any) -> Incident:
+        """The open incident, or a new one noticed at ``notice`` (default: now)."""
+        if self.incident is None:
+            self.incident = Incident(notice=time.time() if notice is None else notice,
+                                     last_commit=self.last_commit_time, reason=reason, **kw)
+        return self.incident
+
+    def commit(self, s: int, loss: float, now: float) -> None:
+        if self.last_commit_time is not None and self.incident is None:
+            self.step_times.append(now - self.last_commit_time)
+            self.useful_s += now - self.last_commit_time  # a step with no incident in it
+        if self.first_commit_time is None:
+            self.first_commit_time = now
+        self.losses[s] = loss
+        self.commits.append((s, now))
+        self.last_commit_time = now
+
+    def median_step(self) -> float | None:
+        st = self.step_times
+        return sorted(st)[len(st) // 2] if st else None
+
+    def record_metrics(self, now: float) -> None:
+        try:
+            from services.common import telemetry
+
+            inst = telemetry.instruments()
+            med = self.median_step()
+            if med:
+                inst.record_steps_per_second(1.0 / max(1e-9, med))
+            wall = now - (self.first_commit_time or now)
+            if wall > 0:
+                inst.record_goodput(min(1.0, self.useful_s / wall))
+        except Exception:  # metrics are an aid, never a reason to stop training
+            pass
+
+    def close(self, rt: Any, cfg: Any, rank: int | None, world_size: int | None,
+              first_step_end: float) -> None:
+        """The first commit after the incident: publish its report, spans and metric."""
+        inc, self.incident = self.incident, None
+        if inc is None or rt is None or not inc.t_plan:
+            return
+        phases = {
+            # resumed: nothing was aborted; the step in flight was finished meanwhile
+            ("finish_step" if inc.resumed else "abort"): max(0.0, inc.t_plan - inc.notice),
+            "rendezvous": max(0.0, inc.t_group - inc.t_plan),
+            "state_sync": max(0.0, inc.t_sync - inc.t_group),
+            "data_resume": max(0.0, inc.t_data - inc.t_sync),
+            "first_step": max(0.0, first_step_end - inc.t_data),
+        }
+        downtime = (first_step_end - inc.last_commit) if inc.last_commit else None
+        msg = Recovery(incident=inc.incident or f"gen-{inc.generation}", generation=inc.generation,
+                       pod=cfg.pod, rank=rank, phases=phases,
+                       restore_step=inc.restore_step, lost_steps=0,
+                       bytes_received=inc.bytes_received, downtime=downtime,
+                       ts=first_step_end)
+        rt.publish(rt.bus.subjects.recovery, msg, ctx=inc.plan_ctx)
+        recover = _trace(inc, phases, first_step_end, cfg, rank, world_size)
+        if downtime is not None:
+            try:
+                from services.common import telemetry
+
+                telemetry.instruments().record_recovery(downtime, 0, role=inc.role)
+            except Exception:
+                pass
+        with trace.use_span(recover, end_on_exit=False):  # the log line carries its trace id
+            log.info("recovered", **{k: round(v, 4) for k, v in phases.items()},
+                     downtime=downtime and round(downtime, 4), generation=inc.generation,
+                     incident=inc.incident)
+
+
+def _trace(inc: Incident, phases: dict[str, float], end: float, cfg: Any, rank: int | None,
+           world_size: int | None) -> Any:
+    ns = lambda t: int(t * 1e9)  # noqa: E731
+    attrs = {"ceaseless.job": cfg.job, "ceaseless.pod": cfg.pod,
+             "ceaseless.rank": rank, "ceaseless.generation": inc.generation,
+             "ceaseless.world_size": world_size,
+             "ceaseless.incident": inc.incident or "",
+             "ceaseless.restore_step": inc.restore_step, "ceaseless.lost_steps": 0,
+             "ceaseless.role": inc.role}
+    parent = tracer.start_span("recover", context=inc.plan_ctx, start_time=ns(inc.notice),
+                               attributes=attrs)
+    pctx = trace.set_span_in_context(parent)
+    t = inc.notice
+    if inc.planned:
+        parent.set_attribute("ceaseless.planned", True)
+    for name, dur in phases.items():
+        if name == "abort" and (inc.promoted or inc.planned):
+            t += dur
+            continue
+        span = tracer.start_span(name, context=pctx, start_time=ns(t), attributes=attrs)
+        if name == "state_sync":
+            span.set_attribute("ceaseless.bytes", inc.bytes_received + inc.bytes_sent)
+            if dur > 0:
+                span.set_attribute("ceaseless.throughput_mbps",
+                                   (inc.bytes_received + inc.bytes_sent) / dur / 1e6)
+        t += dur
+        span.end(end_time=ns(t))
+    parent.end(end_time=ns(end))
+    return parent

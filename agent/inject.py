@@ -1,0 +1,67 @@
+"""Fault injection inside the training process (tests, demos, ``ceaseless inject``).
+
+``exception`` and ``stall`` (and any action with ``at_step``) arrive from the bus through
+the runtime and run here, on the training thread, before the gradient sync of their step;
+``kill``/``hang`` without a step are signals the supervisor sends. Only in jobs started
+with injection allowed (``ceaseless up --allow-inject``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from schemas.messages import InjectAction
+from services.common import logs
+
+log = logs.get("agent")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an injected ``exception`` (tests and demos)."""
+
+
+class Injector:
+    def __init__(self, cfg: Any) -> None:
+        self._pending: list = []
+        self.absent_at = _test_absent_step(cfg)
+
+    def before_sync(self, rt: Any, s: int) -> None:
+        """Run the injections due at step ``s`` (raise, stop, block or die)."""
+        self._pending.extend(rt.take_injections())
+        keep = []
+        for inj in self._pending:
+            if inj.at_step is not None and inj.at_step > s:
+                keep.append(inj)
+                continue
+            if inj.action == InjectAction.exception:
+                self._pending = keep
+                raise InjectedFault(f"injected exception at step {s}")
+            if inj.action == InjectAction.hang:
+                log.warning("injected hang: stopping this process (SIGSTOP)", step=s)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if inj.action == InjectAction.stall:
+                # the training thread blocks for good; heartbeats go on (the runtime's thread)
+                log.warning("injected stall: the training thread blocks from here", step=s)
+                threading.Event().wait()
+            if inj.action == InjectAction.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+        self._pending = keep
+
+    def absent(self, s: int) -> bool:
+        """Test hook (``CEASELESS_TEST_ABSENT=<pod>:<step>``): stay out of step ``s``'s
+        collective while alive, as issue 24's member did (once)."""
+        if self.absent_at != s:
+            return False
+        self.absent_at = None
+        return True
+
+
+def _test_absent_step(cfg: Any) -> int | None:
+    spec = os.environ.get("CEASELESS_TEST_ABSENT", "")
+    if cfg is None or not cfg.allow_inject or ":" not in spec:
+        return None
+    pod, _, step = spec.rpartition(":")
+    return int(step) if pod == cfg.pod and step.isdigit() else None

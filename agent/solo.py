@@ -1,0 +1,58 @@
+"""Work on one member alone for longer than the collective timeout (``with s.solo():``).
+
+The member declares a bound (heartbeat ``solo_until`` and KV ``solo.g<G>``); its peers'
+collectives extend their wait while the bound holds (re-checked every collective timeout,
+never past the bound), and the monitor does not call it absent until bound + collective
+timeout. A block that overruns its bound is a hang like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+from services.common import logs
+
+log = logs.get("agent")
+
+
+@contextlib.contextmanager
+def block(rt: Any, generation: int, step: int, limit: float) -> Iterator[None]:
+    """Declare this member alone for at most ``limit`` seconds while the block runs."""
+    until = time.time() + limit
+    rt.progress()
+    rt.update(now=True, solo_until=until)
+    rt.put_solo(generation, until)
+    log.info("working alone", generation=generation, step=step, max_s=limit)
+    try:
+        yield
+    finally:
+        rt.progress()  # back: the stall watchdog counts from here, not from before
+        rt.update(now=True, solo_until=None)
+        rt.put_solo(generation, until, ended=time.time())
+
+
+def collective_args(rt: Any, generation: int, collective_timeout: float,
+                    solo_max: float) -> dict[str, Any]:
+    """Arguments of a member's all-reduce: its wait extends while a peer works alone, and
+    the backend's own timeout outlasts the longest solo."""
+    ct = collective_timeout
+    noted: list[str] = []
+
+    def extend() -> float | None:
+        info = rt.solo_of(generation)
+        if not info:
+            return None
+        now_w, now_m = time.time(), time.monotonic()
+        bound = (info["ended"] or info["until"]) + ct
+        nxt = bound if info["ended"] else min(now_w + ct, bound)
+        if nxt <= now_w:
+            return None
+        if not noted:
+            noted.append(info["pod"])
+            log.info("waiting for a peer that works alone", peer=info["pod"],
+                     until=round(info["until"], 3), ended=info["ended"])
+        return now_m + (nxt - now_w)
+
+    return {"extend": extend, "op_timeout_s": ct + solo_max}

@@ -1,0 +1,223 @@
+"""One step's gradient work, between the script's backward passes and the commit.
+
+The micro-batch accounting (the loss scaled by m / B, backwards counted so that the
+overlapped sync arms on this rank's last one), the gradient all-reduce of a member
+(overlapped ``GradSync`` or one fused call; abortable; a fault plan may resume it in the
+new group, ``prejoin.py``), then what a script does before ``optimizer.step()`` (fp16
+unscale and skip, global-norm clip, the user's hook) and the update. The commit itself is
+the session's. In one process the all-reduce is skipped and the rest is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from schemas.messages import ReportKind
+from services.common import logs
+
+from .membership import Phase
+from .train_state import TrainState
+
+log = logs.get("agent")
+Hook = Callable[[list[torch.nn.Parameter]], None]
+
+
+class Stepper:
+    def __init__(self, global_batch_size: int, state: TrainState, cfg: Any = None,
+                 rt: Any = None, m: Any = None, injector: Any = None) -> None:
+        self.B, self.state, self.cfg, self.rt, self.m = global_batch_size, state, cfg, rt, m
+        self.inject = injector
+        self.grad_norm: float | None = None
+        self.skipped = False
+        self.micro_batch_size: int | None = None
+        self._backwards_left: int | None = None  # this step's backwards still to come
+        self._loss_acc: torch.Tensor | None = None
+        self._sync: Any = None                   # GradSync (overlapped gradient all-reduce)
+
+    # ------------------------------------------------------------------ micro-batches
+    def micro_batches(self, m: int, ks: range, gradient_loop: bool) -> None:
+        """This rank computes micro-batches ``ks`` of ``m`` samples; ``gradient_loop``: the
+        step's own loop (not an evaluation loop after ``s.step()``)."""
+        self.micro_batch_size = m
+        if gradient_loop and self._backwards_left is None:
+            self._backwards_left = len(ks)
+            sync = self._grad_sync()
+            if sync is not None and not ks:  # nothing to compute: the buckets are final
+                sync.arm(self.m.group, self.collective_args()["op_timeout_s"])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.micro_batch_size is None:
+            raise RuntimeError("call s.backward() on losses of micro-batches from s.batches()")
+        rt = self.rt
+        if rt is not None and rt.abort.is_set():
+            return  # a newer plan: s.step() discards this step, skip the backward's compute
+        scaled = loss * (self.micro_batch_size / self.B)
+        sync = self._grad_sync()
+        if sync is not None and self._backwards_left is not None:
+            # Counted, not told by the batch loop's position (a prefetching wrapper reads
+            # one ahead): the gradients are final after this rank's last backward.
+            if self._backwards_left <= 0:
+                raise RuntimeError(
+                    "s.backward() called more often than this rank has micro-batches: with "
+                    "the gradient sync overlapped with the backward (CEASELESS_OVERLAP=1, the "
+                    "default) call it once per micro-batch (add the losses first), or set "
+                    "CEASELESS_OVERLAP=0")
+            self._backwards_left -= 1
+            if self._backwards_left == 0:  # post buckets as they fill during this one
+                sync.arm(self.m.group, self.collective_args()["op_timeout_s"])
+        self.state.scale_loss(scaled).backward()  # fp16: times the GradScaler's scale
+        if rt is not None:
+            rt.progress()
+        d = scaled.detach().reshape(1).to(torch.float64)
+        self._loss_acc = d if self._loss_acc is None else self._loss_acc + d
+
+    # ------------------------------------------------------------------ the step
+    def step(self, s: int, max_grad_norm: float | None, grad_hook: Hook | None,
+             lr_factor: float, stream: bool) -> tuple[float, list | None] | None:
+        """Sync, unscale, clip, hook, update, zero-grad: (the step's global loss, the
+        gradients spares replay when ``stream``), or None when the step was discarded."""
+        params = self.state.params()
+        loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
+        if self.m is not None and not self._sync_gradients(s, params, loss_t):
+            return None
+        skip = self.state.unscale(params)  # fp16 GradScaler: unscaled; skip on inf/nan
+        self.skipped = skip
+        self._synced(params, max_grad_norm, grad_hook, skip)
+        # what spares replay: the gradients after the clip and the hook (which may replace
+        # them), taken before zero-grad drops them; only when a spare follows
+        sent = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params] \
+            if stream else None
+        self.state.update(lr_factor, skip)
+        self.zero_grad()
+        return float(loss_t.item()), sent
+
+    def _sync_gradients(self, s: int, params: list[torch.nn.Parameter],
+                        loss_t: torch.Tensor) -> bool:
+        """The gradient all-reduce of a member (with the loss); False: the step is discarded
+        (a newer plan, a peer error, or not resumed in the new generation)."""
+        from .collectives import Aborted, CollectiveTimeout, PeerError
+
+        m, rt, cfg = self.m, self.rt, self.cfg
+        self.inject.before_sync(rt, s)
+        if self.inject.absent(s):
+            # behave as issue 24's member did, alive but out of the collective
+            return self.discard("test hook: staying out of the collective")
+        pre = rt.claim_collective(m.generation)
+        if pre is not None:
+            from .prejoin import resume_in_place
+
+            if not resume_in_place(m, s, pre):
+                return self.discard(None)
+            rt.enter_collective()
+        if rt.abort.is_set():
+            rt.end_collective()
+            return self.discard("a newer plan arrived")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        sync = self._grad_sync()
+        args = self.collective_args()
+        try:
+            if sync is not None:
+                for p, g in zip(params, grads):
+                    if p.grad is None:
+                        p.grad = g
+                sync.finish(m.group, [loss_t], rt.abort, args["op_timeout_s"],
+                            slice_s=cfg.collective_slice, timeout_s=cfg.collective_timeout,
+                            extend=args["extend"])
+            else:
+                m.group.allreduce_(grads + [loss_t], rt.abort, slice_s=cfg.collective_slice,
+                                   timeout_s=cfg.collective_timeout, **args)
+        except Aborted:
+            return self.discard("aborted: a newer plan arrived")
+        except PeerError as e:
+            rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
+            # A timeout with every peer looking alive: the monitor's absent-member rule
+            # plans around whoever stayed out. Should no plan come, wait for one only as
+            # long as a failed attempt does, then leave: never for ever.
+            return self.discard(f"peer error: {str(e)[:200]}",
+                                Phase.FAILED if isinstance(e, CollectiveTimeout) else None)
+        finally:
+            rt.end_collective()
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = g
+        return True
+
+    def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,
+                grad_hook: Hook | None, skip: bool = False) -> None:
+        """What a script does between the gradient sync and the update, done for it (not on
+        a step the GradScaler skips: its gradients are not finite)."""
+        self.grad_norm = None
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive (got {max_grad_norm})")
+        if skip:
+            self.grad_norm = math.inf if max_grad_norm is not None else None
+            return
+        if max_grad_norm is not None:
+            with_grad = [p for p in params if p.grad is not None]
+            if with_grad:
+                self.grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_grad_norm))
+        if grad_hook is not None:
+            grad_hook(params)
+
+    # ------------------------------------------------------------------ the script's own
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> bool:
+        """``s.all_reduce`` of a member (the session checked the arguments)."""
+        from .collectives import Aborted, PeerError
+
+        rt, m, cfg = self.rt, self.m, self.cfg
+        work = tensor.detach().clone()
+        sync = self._grad_sync()
+        if sync is not None and sync.armed:
+            # the gradient buckets first, on every rank, whatever its share (same order)
+            sync.flush(m.group, self.collective_args()["op_timeout_s"])
+        try:
+            m.group.allreduce_([work], rt.abort, slice_s=cfg.collective_slice,
+                               timeout_s=cfg.collective_timeout, **self.collective_args())
+        except (Aborted, PeerError) as e:
+            log.info("user all-reduce interrupted", error=str(e)[:200])
+            rt.interrupt()  # no-op without a newer plan; the step is lost either way
+            return False
+        if op == "mean":
+            work /= m.world_size
+        with torch.no_grad():
+            tensor.copy_(work)
+        return True
+
+    def collective_args(self) -> dict[str, Any]:
+        from .solo import collective_args
+
+        return collective_args(self.rt, self.m.generation, self.cfg.collective_timeout,
+                               self.cfg.solo_max)
+
+    # ------------------------------------------------------------------ per-step state
+    def zero_grad(self) -> None:
+        self.state.zero_grad()
+        self._loss_acc = None
+        self._backwards_left = None
+        if self._sync is not None:
+            self._sync.disarm()
+
+    def discard(self, reason: str | None, phase: Phase | None = None) -> bool:
+        """The step is thrown away (None: membership already recorded why)."""
+        self.zero_grad()
+        if reason is not None:
+            self.m.discard(reason, phase or Phase.INTERRUPTED)
+        return False
+
+    def _grad_sync(self) -> Any:
+        """The overlapped gradient sync of this member (None: off, one process, or no
+        group); rebuilt when the registered parameters change."""
+        m = self.m
+        if m is None or not self.cfg.overlap or m.group is None or not m.is_member:
+            return None
+        params = self.state.params()
+        if self._sync is None or [id(p) for p in self._sync.params] != [id(p) for p in params]:
+            from .grad_sync import GradSync
+
+            if self._sync is not None:
+                self._sync.close()
+            self._sync = GradSync(params, m.group.bucket_bytes)
+        return self._sync
