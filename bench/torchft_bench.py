@@ -64,7 +64,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torchft import Manager, ProcessGroupGloo
 
-    from agent.order import order_for
+    from agent.data.order import order_for
     from examples.train_gpt import build_model, load_dataset, seq_len_of
     from schemas.batching import micro_batch_range, num_micro_batches
 
