@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from schemas import check_id
 from schemas.messages import Role
+from schemas.timeouts import DEFAULTS as TIMEOUTS
 
 FALLBACK_EXIT_CODE = 75  # "in-process recovery gave up / I was fenced: restart me as a spare"
 
@@ -28,15 +29,16 @@ class AgentConfig:
     creds_path: str | None = None
     run_dir: str | None = None
     allow_inject: bool = False
-    heartbeat_interval: float = 0.25
+    heartbeat_interval: float = TIMEOUTS["heartbeat_interval"]
     collective_slice: float = 0.05     # abort flag checked between slices of a wait
-    collective_timeout: float = 30.0   # a collective that takes longer is a peer error
+    # A collective that takes longer is a peer error.
+    collective_timeout: float = TIMEOUTS["collective_timeout"]
     # A gradient all-reduce waiting longer than this reports peer_error (every heartbeat
     # interval while it waits): the monitor then declares members whose heartbeats stopped
     # (a SIGSTOPped or frozen pod) at its suspect timeout instead of the fault timeout. 0: off.
     stuck_report_after: float = 0.5
     store_timeout: float = 30.0
-    recovery_timeout: float = 60.0     # one in-process attempt
+    recovery_timeout: float = TIMEOUTS["recovery_timeout"]  # one in-process attempt
     # A member whose training thread reaches no step boundary and no collective for this
     # long reports itself hung (runtime._report_if_stalled). 0: the collective timeout.
     stall_timeout: float = 0.0
@@ -62,8 +64,10 @@ class AgentConfig:
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
         check_id(self.pod, "pod id")
-        if not (0 < self.heartbeat_interval < 1.5):
-            raise ValueError("heartbeat_interval must be in (0, 1.5) s: below the fault timeout")
+        fault = TIMEOUTS["fault_timeout"]
+        if not (0 < self.heartbeat_interval < fault):
+            raise ValueError(f"heartbeat_interval must be in (0, {fault:g}) s: below the fault "
+                             "timeout")
         if not self.solo_max > 0:
             raise ValueError(f"solo_max must be positive (CEASELESS_SOLO_MAX, got {self.solo_max})")
         if not (0 < self.collective_slice < self.collective_timeout):
@@ -87,22 +91,22 @@ class AgentConfig:
         env = os.environ.get
         return cls(
             nats_url=url,
-            job=env("CEASELESS_JOB", "demo"),
+            job=env("CEASELESS_JOB", cls.job),
             pod=pod.replace(".", "-")[:64],
-            role=Role(env("CEASELESS_ROLE", "worker")),
+            role=Role(env("CEASELESS_ROLE", cls.role)),
             creds_path=env("CEASELESS_CREDS"),
             run_dir=env("CEASELESS_RUN_DIR"),
             allow_inject=_flag("CEASELESS_ALLOW_INJECT"),
-            heartbeat_interval=float(env("CEASELESS_HEARTBEAT_INTERVAL", "0.25")),
-            collective_timeout=float(env("CEASELESS_COLLECTIVE_TIMEOUT", "30")),
-            stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", "0.5")),
-            recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", "60")),
-            solo_max=float(env("CEASELESS_SOLO_MAX", "3600")),
-            stall_timeout=float(env("CEASELESS_STALL_TIMEOUT", "0")),
-            max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", "3")),
+            heartbeat_interval=float(env("CEASELESS_HEARTBEAT_INTERVAL", cls.heartbeat_interval)),
+            collective_timeout=float(env("CEASELESS_COLLECTIVE_TIMEOUT", cls.collective_timeout)),
+            stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", cls.stuck_report_after)),
+            recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", cls.recovery_timeout)),
+            solo_max=float(env("CEASELESS_SOLO_MAX", cls.solo_max)),
+            stall_timeout=float(env("CEASELESS_STALL_TIMEOUT", cls.stall_timeout)),
+            max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", cls.max_attempts)),
             backend=env("CEASELESS_BACKEND") or None,
-            exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", True),
-            shadow_spares=_flag("CEASELESS_SHADOW_SPARES", True),
-            resume_in_place=_flag("CEASELESS_RESUME_IN_PLACE", True),
-            overlap=_flag("CEASELESS_OVERLAP", True),
+            exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", cls.exit_on_release),
+            shadow_spares=_flag("CEASELESS_SHADOW_SPARES", cls.shadow_spares),
+            resume_in_place=_flag("CEASELESS_RESUME_IN_PLACE", cls.resume_in_place),
+            overlap=_flag("CEASELESS_OVERLAP", cls.overlap),
         )

@@ -45,7 +45,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from agent.order import order_for
+    from agent.data.order import order_for
     from examples.train_gpt import build_model, load_dataset, seq_len_of
     from schemas.batching import micro_batch_range, num_micro_batches
 

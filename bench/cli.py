@@ -1,7 +1,7 @@
 """`ceaseless bench ...`: the benchmarks, as CLI subcommands.
 
-``register(sub)`` adds ``bench`` to the top-level subparsers (picked up by services.cli when
-this module imports). Each benchmark adds one subcommand through a ``_<name>`` function here;
+``register(sub)`` adds ``bench`` to the top-level subparsers (services.cli registers it
+explicitly, with its other subcommands). Each benchmark adds one subcommand through a ``_<name>`` function here;
 the heavy imports happen only when a subcommand runs.
 """
 

@@ -44,9 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary
+from schemas.timeouts import DEFAULTS as TIMEOUTS
+from schemas.timeouts import VIEW_INTERVAL
 
 SECTION = "## Control plane"
-HB_INTERVAL = 0.25
+HB_INTERVAL = TIMEOUTS["heartbeat_interval"]  # the agent's default
 STEP_PERIOD = 0.5  # simulated step time: every member's step advances with wall time
 
 
@@ -55,10 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--silences", type=int, default=5, help="silenced agents per round")
-    p.add_argument("--fault-timeout", type=float, default=1.5)
+    p.add_argument("--fault-timeout", type=float, default=TIMEOUTS["fault_timeout"])
     p.add_argument("--settle-timeout", type=float, default=30.0,
                    help="seconds a round may take to get its plan to every agent")
-    p.add_argument("--view-interval", type=float, default=0.5,
+    p.add_argument("--view-interval", type=float, default=VIEW_INTERVAL,
                    help="the monitor's health-view interval (0: no view; the scaler and the "
                         "broker read every heartbeat themselves, as before the fan-in)")
     p.add_argument("--seed", type=int, default=0)

@@ -59,6 +59,8 @@ from typing import Any, Callable
 from bench.common import (REPO, cmdline, config, emit_with_plot, fmt, machine, machine_line,
                           summary)
 from bench.recovery import label
+from bench.torchft_bench import TORCHFT_TIMEOUT
+from schemas.timeouts import DEFAULTS as TIMEOUTS
 
 SECTION = "## Goodput"
 BIG_STEPS = 1_000_000  # a run never finishes: it is stopped at --duration
@@ -89,11 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(first); the JSON has both")
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--fault-timeout", type=float, default=1.5, help="Ceaseless heartbeat timeout")
+    p.add_argument("--fault-timeout", type=float, default=TIMEOUTS["fault_timeout"],
+                   help="Ceaseless heartbeat timeout")
     p.add_argument("--corpus-tokens", type=int, default=2_000_000,
                    help="synthetic corpus every system trains on (as `ceaseless up` generates)")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun, for ckptN")
-    p.add_argument("--torchft-timeout", type=float, default=10.0,
+    p.add_argument("--torchft-timeout", type=float, default=TORCHFT_TIMEOUT,
                    help="torchft: timeout of its collectives (ProcessGroupGloo and Manager), s")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds a system may take to reach the clock start")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from schemas.batching import micro_batch_range, num_micro_batches
-from agent.order import order_for
+from agent.data.order import order_for
 from examples.train_gpt import ALL_MODELS, build_model, load_dataset, seq_len_of
 
 

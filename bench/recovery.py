@@ -61,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import cmdline, config, emit_with_plot, fmt, machine, machine_line, summary
+from bench.torchft_bench import TORCHFT_TIMEOUT
+from schemas.timeouts import DEFAULTS as TIMEOUTS
 
 SECTION = "## Recovery"
 SCENARIOS = {"kill": ("SIGKILL of a worker", signal.SIGKILL, False),
@@ -75,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--fault-timeout", type=float, default=1.5)
+    p.add_argument("--fault-timeout", type=float, default=TIMEOUTS["fault_timeout"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--scenarios", default="kill,hang,kill0")
     p.add_argument("--seed", type=int, default=0)
@@ -91,9 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "generates for its runs)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun, for ckptN")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun, for ckptN")
-    p.add_argument("--torchft-timeout", type=float, default=10.0,
+    p.add_argument("--torchft-timeout", type=float, default=TORCHFT_TIMEOUT,
                    help="torchft: timeout of its collectives (ProcessGroupGloo and Manager), s; "
-                        "a survivor whose all-reduce peer died waits this long (default 10)")
+                        "a survivor whose all-reduce peer died waits this long "
+                        "(default %(default)g)")
     p.add_argument("--svg", help="write the plot here (default with --write-doc: "
                                  "docs/img/bench-recovery.svg)")
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
@@ -238,7 +241,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("need --repeats >= 1 and --steps >= 8")
     lo = min(5, a.steps // 3)
     # leave a quarter of the run after the fault: a fast model finishes a few steps within
-    # one 0.25 s heartbeat, and the fault step must be seen before the job ends
+    # one heartbeat interval, and the fault step must be seen before the job ends
     hi = max(lo, a.steps - max(6, a.steps // 4))
     skipped = {}
     if any(x.startswith("torchft") for x in systems):
@@ -419,9 +422,10 @@ def markdown(res: dict[str, Any]) -> str:
               "+ scheduler every N steps, every rank loads it on start. " if ckpt else "")
            + ("torchft: one process per replica group, `Manager` + `ProcessGroupGloo`, "
               "synchronous quorum, its lighthouse on 127.0.0.1 (min replicas = workers − 1), "
-              f"collective timeout {c.get('torchft_timeout', 10.0)} s; the killed replica is "
-              "not replaced unless the system says it is restarted (then a new process with "
-              "the same replica id starts right after the kill, as torchelastic would, and "
+              f"collective timeout {c.get('torchft_timeout', TORCHFT_TIMEOUT)} s; the killed "
+              "replica is not replaced unless the system says it is restarted (then a new "
+              "process with the same replica id starts right after the kill, as torchelastic "
+              "would, and "
               "heals from a survivor over torchft's checkpoint transport). " if tft else "")
            + f"{c['repeats']} repeats; in each, every system gets the same fault step and "
            "victim rank (seeded), systems interleaved with the order rotated per repeat; "

@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+# torchft's collective timeout (ProcessGroupGloo and Manager) in every benchmark that runs it
+TORCHFT_TIMEOUT = 10.0
 
 
 def available() -> str | None:
@@ -64,7 +66,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torchft import Manager, ProcessGroupGloo
 
-    from agent.order import order_for
+    from agent.data.order import order_for
     from examples.train_gpt import build_model, load_dataset, seq_len_of
     from schemas.batching import micro_batch_range, num_micro_batches
 
@@ -199,7 +201,8 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
                     "--micro-batch-size", str(a.micro_batch_size), "--min-replicas",
                     str(max(1, a.workers - 1)), "--lighthouse", f"http://127.0.0.1:{lh_port}",
                     "--store-port", str(free_port()), "--pg-timeout",
-                    str(getattr(a, "torchft_timeout", 10.0)), "--transport", replace or "http",
+                    str(getattr(a, "torchft_timeout", TORCHFT_TIMEOUT)),
+                    "--transport", replace or "http",
                     *extra]
 
         workers = [start(cmd(r), f"replica{r}") for r in range(a.workers)]
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--min-replicas", type=int, default=1)
     w.add_argument("--lighthouse", required=True)
     w.add_argument("--store-port", type=int, required=True)
-    w.add_argument("--pg-timeout", type=float, default=10.0)
+    w.add_argument("--pg-timeout", type=float, default=TORCHFT_TIMEOUT)
     w.add_argument("--transport", choices=("http", "pg"), default="http",
                    help="torchft's checkpoint transport for healing (default: http)")
     w.add_argument("--replacement", action="store_true",

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 DEFAULTS = {"heartbeat_interval": 0.25, "suspect_timeout": 0.5, "fault_timeout": 1.5,
             "stall_timeout": 10.0, "collective_timeout": 30.0, "recovery_timeout": 60.0}
+# Not part of the hierarchy: how often the health monitor publishes its health view of every
+# pod to the scaler and the state broker (services/common/heartbeats.py).
+VIEW_INTERVAL = 0.5
 _ORDER = [("heartbeat_interval", "<", "suspect_timeout"),
           ("suspect_timeout", "<", "fault_timeout"),
           ("fault_timeout", "<", "stall_timeout"),

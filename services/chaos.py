@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schemas.timeouts import DEFAULTS as TIMEOUTS
+
 SERVICES = ("health_monitor", "scaler", "state_broker")
 # Worker faults need a spare each (two for a fault during recovery): then the world size
 # never changes and the result must be bitwise the reference's.
@@ -56,7 +58,7 @@ SPARES_NEEDED = {"kill": 1, "hang": 1, "stall": 1, "kill_rank0": 1, "during_reco
 RATE = {1: 12.0, 2: 9.0, 3: 7.0, 4: 5.0}
 READY_TIMEOUT = 120.0     # the job healthy again (members training, spares registered)
 RECOVER_TIMEOUT = 90.0    # a fault handled: new plan, everyone past the interrupted step
-FRESH = 1.5               # a heartbeat younger than this is a live pod
+FRESH = TIMEOUTS["fault_timeout"]  # a heartbeat younger than this is a live pod
 
 
 @dataclass

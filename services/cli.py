@@ -311,11 +311,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--run-dir")
     up.add_argument("--global-batch-size", type=int, default=32)
     up.add_argument("--micro-batch-size", type=int, default=4)
-    up.add_argument("--min-replicas", type=int, help="(default: the policy's, else 1)")
-    up.add_argument("--max-replicas", type=int, help="(default: the policy's, else 64)")
+    from schemas.policy import ScalingPolicy
+
+    pol = {k: f.default for k, f in ScalingPolicy.model_fields.items()}
+    up.add_argument("--min-replicas", type=int,
+                    help=f"(default: the policy's, else {pol['min_replicas']})")
+    up.add_argument("--max-replicas", type=int,
+                    help=f"(default: the policy's, else {pol['max_replicas']})")
     up.add_argument("--policy", help="scaling policy file (TOML/YAML), see docs/elastic.md")
     up.add_argument("--scale-up-snooze", type=float,
-                    help="no scale-up within this many seconds of the last change (default 10)")
+                    help="no scale-up within this many seconds of the last change "
+                         f"(default {pol['scale_up_snooze_s']:g})")
     up.add_argument("--save-params", action="store_true",
                     help="each finishing member also writes its final parameters to "
                          "results/<pod>.pt (for comparisons across world sizes)")

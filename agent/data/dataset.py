@@ -200,7 +200,7 @@ class TokenDataset(torch.utils.data.Dataset):
                      cache_dir: str | os.PathLike | None = None) -> GlobalOrder:
         """The :class:`GlobalOrder` of this dataset, its permutations cached next to the data
         (or in the node cache when the data directory is read-only). ``agent.Session``
-        picks this hook up through ``agent.order.order_for``."""
+        picks this hook up through ``agent.data.order.order_for``."""
         if cache_dir is None:
             cache_dir = self.data_dir if os.access(self.data_dir, os.W_OK) else node_cache_dir() / "orders"
         return GlobalOrder(self.n_samples, global_batch_size, seed, cache_dir=cache_dir,

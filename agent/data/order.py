@@ -9,6 +9,11 @@ epoch drops a different ``n_samples - n_usable`` samples), obtained by sorting s
 keys of (seed, epoch, i): it depends on nothing but integers (not on numpy's RNG streams),
 so every machine and numpy version computes the same order. Each epoch's permutation is
 computed once per node and cached as ``.npy`` (``cache_dir``), then loaded by mmap.
+
+:func:`order_for` is the order ``agent.Session`` (and the benchmarks) use for any map-style
+dataset: the dataset's own ``global_order(B, seed)`` hook if it has one (e.g. the
+memory-mapped token dataset, whose permutations are cached next to the data), else a
+:class:`GlobalOrder` of ``len(dataset)`` samples.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -188,3 +194,12 @@ class GlobalOrder:
     def __repr__(self) -> str:
         return (f"GlobalOrder(n_samples={self.n_samples}, global_batch_size={self.global_batch_size}, "
                 f"seed={self.seed}, steps_per_epoch={self.steps_per_epoch})")
+
+
+def order_for(dataset: Any, global_batch_size: int, seed: int) -> Any:
+    """The global order of a map-style ``dataset``: its own ``global_order(B, seed)`` if it
+    has one, else ``GlobalOrder(len(dataset), B, seed)`` (permutations in memory only)."""
+    own = getattr(dataset, "global_order", None)
+    if callable(own):
+        return own(global_batch_size, seed)
+    return GlobalOrder(len(dataset), global_batch_size, seed)

@@ -24,6 +24,7 @@ import time
 from typing import Any, Awaitable, Callable, Iterable
 
 from schemas.messages import MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat, Seen, new_id
+from schemas.timeouts import VIEW_INTERVAL
 
 from .aio import cancel_all, wait_event
 from .bus import Bus, Envelope
@@ -34,7 +35,6 @@ OnHeartbeat = Callable[[Heartbeat, str, float], Awaitable[None]]
 OnBeats = Callable[[list[str], list[int], list[int], list[str], list[float]], None]
 # the monitor's watched pods (or those named): (last heartbeat, monotonic time received)
 Heard = Callable[[Iterable[str] | None], list[tuple[Heartbeat, float]]]
-VIEW_INTERVAL = 0.5
 COMPLETE_EVERY = 8  # a complete listing (full heartbeats) every 8 intervals
 _MAX_TRACKED = 16384
 

@@ -484,7 +484,7 @@ class Instruments:
     (job, reason, role) - never incident ids, steps or pods' ephemeral names."""
 
     recovery_downtime: Any   # Histogram, s: failure detection -> first step of g+1
-    lost_steps: Any          # Counter: committed steps recomputed (the design says 0)
+    lost_steps: Any          # Counter: committed steps recomputed (should be 0)
     goodput: Any             # Gauge, 1: productive training time / wall time
     steps_per_second: Any    # Gauge
     membership_size: Any     # Gauge: world size of the current generation

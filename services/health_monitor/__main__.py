@@ -7,7 +7,9 @@ import asyncio
 from schemas.timeouts import DEFAULTS as T
 from services.common.service import common_args, serve
 
-from .monitor import HealthMonitor
+from services.common.heartbeats import VIEW_INTERVAL
+
+from .monitor import CHECK_INTERVAL, HealthMonitor
 
 
 def parser():
@@ -24,11 +26,11 @@ def parser():
     p.add_argument("--suspect-timeout", type=float, default=T["suspect_timeout"],
                    help="after a peer_error report, members silent this long are lost at once "
                         "(default %(default)s)")
-    p.add_argument("--check-interval", type=float, default=0.05,
-                   help="seconds between liveness checks (default 0.05)")
-    p.add_argument("--view-interval", type=float, default=0.5,
+    p.add_argument("--check-interval", type=float, default=CHECK_INTERVAL,
+                   help="seconds between liveness checks (default %(default)s)")
+    p.add_argument("--view-interval", type=float, default=VIEW_INTERVAL,
                    help="seconds between full health views for the scaler and the state "
-                        "broker (default 0.5; 0: publish none, they read heartbeats)")
+                        "broker (default %(default)s; 0: publish none, they read heartbeats)")
     return p
 
 

@@ -54,6 +54,7 @@ tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
 EXCEPTION_REPORTS = (ReportKind.exception, ReportKind.digest_mismatch, ReportKind.recovery_failed)
 MAX_PODS = 16384  # bounds what spoofed pod ids can make it track
+CHECK_INTERVAL = 0.05  # seconds between liveness checks
 
 
 @dataclass
@@ -92,7 +93,7 @@ class HealthMonitor(Service):
                  stall_timeout: float = TIMEOUTS["stall_timeout"],
                  suspect_timeout: float = TIMEOUTS["suspect_timeout"],
                  collective_timeout: float = TIMEOUTS["collective_timeout"],
-                 check_interval: float = 0.05,
+                 check_interval: float = CHECK_INTERVAL,
                  view_interval: float | None = VIEW_INTERVAL) -> None:
         check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
                        stall_timeout=stall_timeout, collective_timeout=collective_timeout)

@@ -6,11 +6,11 @@ import asyncio
 
 from services.common.service import common_args, serve
 
-from schemas.policy import load_policy
+from schemas.policy import ScalingPolicy, load_policy
 from schemas.timeouts import DEFAULTS
 
 from .policy import PolicyConfig
-from .scaler import Scaler
+from .scaler import FENCE_TIMEOUT, LEASE_TTL, START_TIMEOUT, Scaler
 
 POLICY_FLAGS = ("min_replicas", "max_replicas", "replica_increment_step", "scale_up_snooze_s",
                 "scaling_timeout_s", "graceful_shutdown_timeout_s", "transition_lead_s",
@@ -28,35 +28,47 @@ def policy_from_args(args):
     return load_policy(args.policy, **over)
 
 
+def _policy_default(name: str) -> str:
+    """The scaling policy's default of ``name``, for a flag's help (one source: ScalingPolicy)."""
+    return f"(default {ScalingPolicy.model_fields[name].default:g})"
+
+
 def parser():
     p = common_args("Ceaseless scaler: the single writer of membership plans")
     p.add_argument("--workers", type=int, default=2,
                    help="desired initial replicas (default 2)")
     g = p.add_argument_group("scaling policy (flags override --policy / $CEASELESS_POLICY)")
     g.add_argument("--policy", help="TOML (or YAML) policy file, see schemas/policy.py")
-    g.add_argument("--min-replicas", type=int, help="(default 1)")
-    g.add_argument("--max-replicas", type=int, help="(default 64)")
-    g.add_argument("--replica-increment-step", type=int, help="(default 1)")
+    g.add_argument("--min-replicas", type=int, help=_policy_default("min_replicas"))
+    g.add_argument("--max-replicas", type=int, help=_policy_default("max_replicas"))
+    g.add_argument("--replica-increment-step", type=int,
+                   help=_policy_default("replica_increment_step"))
     g.add_argument("--replica-discrete-values", help="allowed replica counts, e.g. 2,4,8")
     g.add_argument("--scale-up-snooze", type=float, dest="scale_up_snooze_s",
-                   help="no scale-up within this many seconds of the last change (default 10)")
+                   help="no scale-up within this many seconds of the last change "
+                        + _policy_default("scale_up_snooze_s"))
     g.add_argument("--scaling-timeout", type=float, dest="scaling_timeout_s",
-                   help="a joiner not training by then is dropped (default 60)")
+                   help="a joiner not training by then is dropped "
+                        + _policy_default("scaling_timeout_s"))
     g.add_argument("--graceful-shutdown-timeout", type=float,
                    dest="graceful_shutdown_timeout_s",
-                   help="a leaving replica still running by then is stopped (default 30)")
+                   help="a leaving replica still running by then is stopped "
+                        + _policy_default("graceful_shutdown_timeout_s"))
     g.add_argument("--transition-lead", type=float, dest="transition_lead_s",
-                   help="schedule planned changes this far ahead of the members (default 0.05)")
-    g.add_argument("--lr-warmup-steps", type=int, help="lr_factor ramp length (default 0)")
+                   help="schedule planned changes this far ahead of the members "
+                        + _policy_default("transition_lead_s"))
+    g.add_argument("--lr-warmup-steps", type=int,
+                   help="lr_factor ramp length " + _policy_default("lr_warmup_steps"))
     p.add_argument("--global-batch-size", type=int, default=64, help="samples per step")
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
-    p.add_argument("--lease-ttl", type=float, default=3.0, help="scaler lease TTL in seconds")
-    p.add_argument("--start-timeout", type=float, default=30.0,
+    p.add_argument("--lease-ttl", type=float, default=LEASE_TTL,
+                   help="scaler lease TTL in seconds")
+    p.add_argument("--start-timeout", type=float, default=START_TIMEOUT,
                    help="seconds to wait for --workers workers before starting with "
-                        ">= --min-replicas (default 30)")
+                        ">= --min-replicas (default %(default)g)")
     p.add_argument("--fault-timeout", type=float, default=DEFAULTS["fault_timeout"],
                    help="a pod is alive if it heartbeated within this many seconds")
-    p.add_argument("--fence-timeout", type=float, default=0.5,
+    p.add_argument("--fence-timeout", type=float, default=FENCE_TIMEOUT,
                    help="timeout of the actuator kill request (best effort)")
     p.add_argument("--scaler-id", default=None, help="lease holder id (default: random)")
     return p

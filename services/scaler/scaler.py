@@ -50,6 +50,9 @@ tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
 MAX_TRACKED = 16384
 ELASTIC_PERIOD_S = 0.25  # the elastic pass when nothing kicked it (it scans every pod)
+LEASE_TTL = 3.0       # the scaler lease's TTL (s)
+START_TIMEOUT = 30.0  # wait this long for the desired workers, then start with >= min_replicas
+FENCE_TIMEOUT = 0.5   # the actuator kill request (best effort)
 
 
 @dataclass
@@ -80,9 +83,9 @@ class Scaler(Service):
 
     def __init__(self, bus: Bus, *, workers: int = 2, min_replicas: int = 1,
                  max_replicas: int = 64, global_batch_size: int = 64, micro_batch_size: int = 8,
-                 lease_ttl: float = 3.0, start_timeout: float = 30.0,
+                 lease_ttl: float = LEASE_TTL, start_timeout: float = START_TIMEOUT,
                  fault_timeout: float = DEFAULTS["fault_timeout"],
-                 fence_timeout: float = 0.5, tick_interval: float = 0.05,
+                 fence_timeout: float = FENCE_TIMEOUT, tick_interval: float = 0.05,
                  scaler_id: str | None = None, policy: ScalingPolicy | None = None,
                  actuator_timeout: float = 5.0) -> None:
         super().__init__(bus)

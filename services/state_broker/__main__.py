@@ -6,17 +6,17 @@ import asyncio
 
 from services.common.service import common_args, serve
 
-from .broker import StateBroker
+from .broker import MEMBER_WAIT, STATE_WAIT, StateBroker
 
 
 def parser():
     p = common_args("Ceaseless state broker: committed state per pod -> transfer plans")
-    p.add_argument("--member-wait", type=float, default=10.0,
+    p.add_argument("--member-wait", type=float, default=MEMBER_WAIT,
                    help="seconds to wait for every member's heartbeat of a new generation "
-                        "(default 10)")
-    p.add_argument("--state-wait", type=float, default=30.0,
+                        "(default %(default)g)")
+    p.add_argument("--state-wait", type=float, default=STATE_WAIT,
                    help="seconds to keep waiting for a live member that holds newer committed "
-                        "state than every member that reported (default 30)")
+                        "state than every member that reported (default %(default)g)")
     return p
 
 

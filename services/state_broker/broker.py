@@ -43,6 +43,8 @@ from services.common.service import Service, cancel_all, wait_event
 tracer = trace.get_tracer("ceaseless")
 MAX_PODS = 16384
 MAX_SOURCES = 8  # sources one recipient stripes over
+MEMBER_WAIT = 10.0  # every member's heartbeat of a new generation is waited for this long
+STATE_WAIT = 30.0   # ... and a live member with newer committed state this long
 
 
 @dataclass
@@ -103,8 +105,8 @@ class StateBroker(Service):
     name = "state_broker"
     description = "committed state per pod -> transfer plans"
 
-    def __init__(self, bus: Bus, *, member_wait: float = 10.0, state_wait: float = 30.0,
-                 live_s: float = 2.0) -> None:
+    def __init__(self, bus: Bus, *, member_wait: float = MEMBER_WAIT,
+                 state_wait: float = STATE_WAIT, live_s: float = 2.0) -> None:
         if not (0 < member_wait <= state_wait):
             raise ValueError("member_wait must be positive and at most state_wait")
         super().__init__(bus)
