@@ -293,7 +293,7 @@ class Session:
                             "IterableDataset cannot be repositioned. Use s.micro_batches(m) "
                             "and draw the samples yourself")
         if id(dataset) not in self._orders:
-            from .order import order_for  # TODO(merge tidy): .data.order
+            from .data.order import order_for
 
             self._orders[id(dataset)] = order_for(dataset, self.global_batch_size, self.seed)
         order = self._orders[id(dataset)]

@@ -299,9 +299,11 @@ AGENT_CHILD = textwrap.dedent("""
     from services.common import logs, telemetry
     telemetry.init("agent", run_dir=sys.argv[1], job="j", pod="w0")
     logs.configure("agent", stream=sys.stdout)
-    from agent.session import Session, _Incident
+    from agent.incident import Incident
+    from agent.session import Session
     s = Session(4)
     s.cfg = SimpleNamespace(pod="w0", job="j")
+    s.m = SimpleNamespace(rank=0, world_size=1, generation=2, group=None)  # a member
     s.runtime = SimpleNamespace(publish=lambda *a, **k: None, update=lambda **k: None,
                                 note_commit=lambda: None,
                                 bus=SimpleNamespace(subjects=SimpleNamespace(recovery="r")))
@@ -309,10 +311,10 @@ AGENT_CHILD = textwrap.dedent("""
         s._commit(step, 1.0, 0.0)
         time.sleep(0.02)
     t = time.time()
-    s._incident = _Incident(notice=t - 0.4, last_commit=t - 0.5, reason="test",
+    s.timeline.incident = Incident(notice=t - 0.4, last_commit=t - 0.5, reason="test",
                             t_plan=t - 0.3, t_group=t - 0.2, t_sync=t - 0.1, t_data=t - 0.05,
                             incident="inc-w1-g1", generation=2, restore_step=2)
-    s._t_first_commit -= 1.0      # a second of wall time with nothing committed
+    s.timeline.first_commit_time -= 1.0      # a second of wall time with nothing committed
     s._commit(3, 1.0, 0.0)        # the first step of generation 2: reports the recovery
     telemetry.shutdown()
 """)
