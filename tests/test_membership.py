@@ -1,0 +1,162 @@
+"""The agent's membership state machine in one process, against a real nats-server.
+
+No training processes and no services: the test plays the control plane (it publishes plans
+and transfer plans on the bus, writes KV ``done``) and drives one pod's ``Membership`` (a
+real ``Runtime`` with its NATS connection, a real gloo group of one) through its phases,
+as torchft's ``manager_test.py`` does for its manager. ``plan_arrival`` (what a plan arriving
+during a step means) is checked as the pure function it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from agent.config import AgentConfig
+from agent.incident import Timeline
+from agent.membership import Membership, Phase, StepView, Verdict, plan_arrival
+from agent.runtime import Runtime
+from agent.train_state import TrainState
+from schemas.messages import AgentState, Heartbeat, Member, Plan, Role, Transfer
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def plan(g: int, members: list[str], spares: tuple[str, ...] = (), apply_step: int | None = None,
+         **kw) -> Plan:
+    n = len(members)
+    return Plan(generation=g, members=[Member(pod=p, rank=r) for r, p in enumerate(members)],
+                world_size=n, global_batch_size=4 * n, micro_batch_size=4,
+                shares={r: 1 for r in range(n)}, spares=list(spares), apply_step=apply_step,
+                **kw)
+
+
+def pod(nats_server, name: str = "p0") -> tuple[Runtime, Membership]:
+    cfg = AgentConfig(nats_url=nats_server.url, job="test", pod=name,
+                      creds_path=str(nats_server.creds_path), collective_timeout=10.0,
+                      store_timeout=10.0, recovery_timeout=10.0, shadow_spares=False,
+                      exit_on_release=False)
+    state = TrainState()
+    state.register(model=torch.nn.Linear(3, 2))
+    rt = Runtime(cfg)
+    rt.start()
+    return rt, Membership(cfg, rt, state, Timeline())
+
+
+async def in_thread(fn, *a):
+    return await asyncio.wait_for(asyncio.to_thread(fn, *a), 30)
+
+
+async def until(pred, what: str, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_join_discard_recover_and_finish_as_a_spare(bus, nats_server):
+    rt, m = pod(nats_server)
+    s = bus.subjects
+    try:
+        assert m.phase is Phase.OUTSIDE and m.rank is None
+        joining = asyncio.ensure_future(in_thread(m.recover))
+        await bus.publish(s.plan, plan(1, ["p0"]))
+        # the broker's part: the pod reports generation 1, then gets its transfer plan
+        await until(lambda: rt.hb.generation == 1 and rt.hb.state == AgentState.recovering,
+                    "the pod to report generation 1")
+        await bus.publish(s.transfer, Transfer(generation=1, restore_step=-1, sources={}))
+        assert await joining is True
+        assert (m.phase, m.rank, m.world_size, m.generation) == (Phase.MEMBER, 0, 1, 1)
+        assert m.group is not None and rt.hb.state == AgentState.training
+
+        # a step is thrown away (a peer error): the pod recovers into the next plan
+        m.discard("test: a peer failed")
+        assert m.phase is Phase.INTERRUPTED and m.timeline.incident is not None
+        again = asyncio.ensure_future(in_thread(m.after_discard))
+        await bus.publish(s.plan, plan(2, ["p0"]))
+        await until(lambda: rt.hb.generation == 2, "the pod to report generation 2")
+        await bus.publish(s.transfer, Transfer(generation=2, restore_step=-1, sources={}))
+        assert await again is True
+        assert (m.phase, m.generation) == (Phase.MEMBER, 2)
+
+        # a planned plan that makes this pod a spare, entered at the step boundary
+        p3 = plan(3, ["p1"], spares=("p0",), apply_step=0)
+        await bus.publish(s.plan, p3)
+        await until(lambda: m.planned_transition(0) is not None, "the planned plan")
+        assert m.planned_transition(0).generation == 3
+        leaving = asyncio.ensure_future(in_thread(m.transition, p3))
+        await until(lambda: m.phase is Phase.SPARE, "the spare phase")
+        assert m.rank is None and rt.hb.role == Role.spare
+        kv = await bus.kv()
+        await kv.put("done", b'{"step": 5, "generation": 3, "pod": "p1"}')
+        assert await leaving is False
+        assert m.phase is Phase.FINISHED
+        await in_thread(m.leave)
+        assert rt.hb.state == AgentState.done
+    finally:
+        m.close_group()
+        rt.stop()
+
+
+async def test_a_plan_without_this_member_releases_it(bus, nats_server):
+    rt, m = pod(nats_server)
+    s = bus.subjects
+    try:
+        joining = asyncio.ensure_future(in_thread(m.recover))
+        await bus.publish(s.plan, plan(1, ["p0"]))
+        await until(lambda: rt.hb.generation == 1, "generation 1")
+        await bus.publish(s.transfer, Transfer(generation=1, restore_step=-1, sources={}))
+        assert await joining is True
+        m.discard("test: the group broke")
+        again = asyncio.ensure_future(in_thread(m.after_discard))
+        await bus.publish(s.plan, plan(2, ["p1"]))  # neither member nor spare, not fenced
+        assert await again is False
+        assert m.phase is Phase.RELEASED and m.rank is None
+    finally:
+        m.close_group()
+        rt.stop()
+
+
+def test_moves_outside_the_table_are_refused(nats_server):
+    rt, m = pod(nats_server)
+    try:
+        with pytest.raises(RuntimeError, match="not a valid move"):
+            m._to(Phase.MEMBER)  # outside -> member skips recovering
+        m.phase = Phase.FINISHED
+        with pytest.raises(RuntimeError, match="not a valid move"):
+            m._to(Phase.RECOVERING)
+    finally:
+        rt.stop()
+
+
+def _view(**kw) -> StepView:
+    hb = Heartbeat(pod="p0", role=Role.worker, generation=kw.pop("hb_generation", 1), rank=0,
+                   step=kw.pop("hb_step", 4), step_time=kw.pop("step_time", 0.1))
+    base = dict(joined_generation=1, step_in_flight=5, in_collective=False, aborted=False,
+                world_size=2, prejoining=False, hb=hb)
+    return StepView(**{**base, **kw})
+
+
+def test_plan_arrival():
+    cfg = AgentConfig(nats_url="nats://127.0.0.1:1", pod="p0")
+    fault = plan(2, ["p0", "p9"])          # keeps p0's rank and the world size
+    assert plan_arrival(fault, _view(), cfg) is Verdict.RESUME
+    assert plan_arrival(fault, _view(in_collective=True), cfg) is Verdict.ABORT
+    assert plan_arrival(fault, _view(prejoining=True), cfg) is Verdict.ABORT
+    assert plan_arrival(fault, _view(step_time=None), cfg) is Verdict.ABORT   # no median yet
+    assert plan_arrival(fault, _view(step_time=10.0), cfg) is Verdict.ABORT   # steps too long
+    assert plan_arrival(fault, _view(step_in_flight=None), cfg) is Verdict.ABORT
+    assert plan_arrival(plan(2, ["p9", "p0"]), _view(), cfg) is Verdict.ABORT  # rank moved
+    assert plan_arrival(plan(2, ["p0", "p9", "p8"]), _view(), cfg) is Verdict.ABORT
+    assert plan_arrival(plan(1, ["p0", "p9"]), _view(), cfg) is Verdict.NOTHING  # not newer
+    assert plan_arrival(fault, _view(joined_generation=0), cfg) is Verdict.NOTHING
+    # planned: at the boundary, unless this pod already started a step at or past it
+    assert plan_arrival(plan(2, ["p0"], apply_step=6), _view(), cfg) is Verdict.NOTHING
+    assert plan_arrival(plan(2, ["p0"], apply_step=5), _view(), cfg) is Verdict.ABORT
+    assert plan_arrival(plan(2, ["p0"], apply_step=3), _view(step_in_flight=None),
+                        cfg) is Verdict.NOTHING
+    off = AgentConfig(nats_url="nats://127.0.0.1:1", pod="p0", resume_in_place=False)
+    assert plan_arrival(fault, _view(), off) is Verdict.ABORT
