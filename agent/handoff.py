@@ -61,10 +61,12 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
     elif m.follower.following:
         # A spare that followed the job: apply what already arrived (cheaper than a
         # transfer) while the peers connect, then report the step it holds.
-        def meanwhile() -> None:
+        def settle() -> None:
             m.follower.settle()
             m.follower.stop()
             report()
+
+        meanwhile = settle
     else:
         report()
         # A member holding committed state (or anyone at generation 1, where rank 0 is
@@ -76,7 +78,7 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
     else:
         if pre is not None:
             pre.drop()
-        pg = make_group_abortable(rt.store(f"g{g}."), rank, plan.world_size, rt.abort,
+        pg = make_group_abortable(rt.stores.rendezvous(f"g{g}."), rank, plan.world_size, rt.abort,
                                   timeout_s=cfg.collective_timeout, backend=cfg.backend,
                                   slice_s=cfg.collective_slice, meanwhile=meanwhile)
     m.group = AbortableGroup(pg)

@@ -19,6 +19,23 @@ from services.common import logs
 log = logs.get("agent")
 
 
+def accepts(inj: Any, cfg: Any, rank: int | None) -> bool:
+    """An injection this pod runs itself (the supervisor executes kill / hang / resume
+    without a step: signals); refused, with a warning, unless the job allows injection."""
+    if inj.action == InjectAction.resume or (
+            inj.action not in (InjectAction.exception, InjectAction.stall)
+            and inj.at_step is None):
+        return False
+    if (inj.pod is not None and inj.pod != cfg.pod) or (inj.rank is not None and inj.rank != rank):
+        return False
+    if not cfg.allow_inject:
+        log.warning("injection refused: this job does not allow injection",
+                    action=inj.action.value)
+        return False
+    log.info("injection received", action=inj.action.value, at_step=inj.at_step)
+    return True
+
+
 class InjectedFault(RuntimeError):
     """Raised by an injected ``exception`` (tests and demos)."""
 

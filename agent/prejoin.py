@@ -66,7 +66,7 @@ class Prejoin:
         try:
             rt.update(now=True, generation=g, rank=self.rank, role=Role.worker, step=self.step,
                       digest=self._digest, state=AgentState.recovering)
-            store = rt.store(f"g{g}.")
+            store = rt.stores.rendezvous(f"g{g}.")
             self.pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
                                            timeout_s=cfg.collective_timeout, backend=cfg.backend,
                                            slice_s=cfg.collective_slice)

@@ -23,17 +23,18 @@ from typing import Any, Callable
 
 from opentelemetry import context as otel_context
 
-from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan, Report,
+from schemas.messages import (AgentState, Heartbeat, Inject, Plan, Report,
                               ReportKind, StateLost, Transfer, now)
 from services.common import logs
 from services.common.aio import cancel_all
 from services.common.bus import Bus, Credentials, Envelope, decode
 
+from .buckets import Bucket
 from .config import AgentConfig
+from .watchdog import Watchdog
 
 log = logs.get("agent")
 DONE_KEY = "done"
-SOLO_KEY = "solo"
 CHECKPOINT_REQUEST_KEY = "checkpoint_request"
 
 
@@ -55,8 +56,9 @@ class Runtime:
         self.abort = threading.Event()  # a newer plan than the joined generation exists
         self._loop: asyncio.AbstractEventLoop | None = None
         self.bus: Bus | None = None
-        self._store_kv: Any = None
         self._kv: Any = None
+        self.kv: Bucket | None = None      # the job's KV (done, solo), once started
+        self.stores: Bucket | None = None  # the store bucket: rendezvous, shadow requests
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping: asyncio.Event | None = None
@@ -80,13 +82,9 @@ class Runtime:
         # a newer generation being joined while the current step is computed (prejoin.py)
         self._prejoin: Any = None
         self._world_size = 0  # of the joined generation
-        self._stuck_reported = 0.0
-        # the training thread's last sign of progress (a step boundary, a collective, a
-        # join): the stall watchdog (_report_if_stalled) measures from here
-        self._progress_at = time.monotonic()
-        self._stall_reported = False
+        # the training thread's signs of progress (a step boundary, a collective, a join)
+        self._watchdog = Watchdog(cfg)
         self._checkpoint_request: str | None = None  # the last one `up` made (KV)
-        self._committed_in_generation = False
         # what we tell the control plane: replaced whole (frozen), sent by the heartbeat loop
         self._hb = Heartbeat(pod=cfg.pod, pid=_pid(), role=cfg.role, generation=0, rank=None,
                              step=-1, digest="", state=AgentState.starting)
@@ -155,7 +153,8 @@ class Runtime:
                                            f"agent-{self.cfg.pod}", creds)
         s = bus.subjects
         self._kv = await bus.kv()
-        self._store_kv = await bus.store_kv()
+        self.kv = Bucket(self._kv, self._loop, self.cfg.store_timeout)
+        self.stores = Bucket(await bus.store_kv(), self._loop, self.cfg.store_timeout)
         await bus.subscribe(s.plan, Plan, self._on_plan)
         await bus.subscribe(s.transfer, Transfer, self._on_transfer)
         await bus.subscribe(s.state_lost, StateLost, self._on_lost)
@@ -285,9 +284,8 @@ class Runtime:
             self._progress()
 
     def _progress(self) -> None:
-        """(Under ``cond``.) The training thread moved: a stall, if any, is over."""
-        self._progress_at = time.monotonic()
-        self._stall_reported = False
+        """(Under the lock.) The training thread moved: a stall, if any, is over."""
+        self._watchdog.progress()
 
     def progress(self) -> None:
         """Training thread: a sign of life between boundaries (a micro-batch, a backward)."""
@@ -298,8 +296,7 @@ class Runtime:
         """Training thread: a step committed in the joined generation (the watchdog spares a
         generation's first step: compilation, warm-up)."""
         with self._cond:
-            self._committed_in_generation = True
-            self._progress()
+            self._watchdog.committed()
 
     async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
         with self._cond:
@@ -314,22 +311,12 @@ class Runtime:
             self._cond.notify_all()
 
     async def _on_inject(self, inj: Inject, env: Envelope) -> None:
-        if inj.action == InjectAction.resume or (
-                inj.action not in (InjectAction.exception, InjectAction.stall)
-                and inj.at_step is None):
-            return  # the supervisor executes kill / hang / resume (signals)
-        if inj.pod is not None and inj.pod != self.cfg.pod:
-            return
-        if inj.rank is not None and inj.rank != self._hb.rank:
-            return
-        if not self.cfg.allow_inject:
-            log.warning("injection refused: this job does not allow injection",
-                        action=inj.action.value)
-            return
-        log.info("injection received", action=inj.action.value, at_step=inj.at_step)
-        with self._cond:
-            self._injections.append(inj)
-            self._cond.notify_all()
+        from .inject import accepts
+
+        if accepts(inj, self.cfg, self._hb.rank):
+            with self._cond:
+                self._injections.append(inj)
+                self._cond.notify_all()
 
     async def _watch_done(self) -> None:
         """Spares leave when the job finished: any member writes KV ``done`` at the end."""
@@ -374,46 +361,23 @@ class Runtime:
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     async def _report_if_stuck(self) -> None:
-        """The all-reduce has waited ``stuck_report_after``: say so (peer_error), so the
-        monitor looks for a member whose heartbeats stopped. Harmless when none has."""
+        """The all-reduce has waited long: say so (peer_error), so the monitor looks for a
+        member whose heartbeats stopped. Harmless when none has (``watchdog.py``)."""
         with self._cond:
-            since, after = self._collective_since, self.cfg.stuck_report_after
-        now = time.monotonic()
-        if since is None or after <= 0 or now - since < after:
-            return
-        if now - self._stuck_reported < self.cfg.heartbeat_interval * 0.9:
-            return
-        self._stuck_reported = now
-        await self.report(ReportKind.peer_error,
-                          f"all-reduce waiting for {now - since:.2f}s")
+            msg = self._watchdog.stuck(self._collective_since)
+        if msg is not None:
+            await self.report(ReportKind.peer_error, msg)
 
     async def _report_if_stalled(self) -> None:
-        """The stall watchdog: a member whose training thread reached no step boundary and
-        no collective for ``stall_timeout`` (and declared no ``solo``) reports itself, once
-        per stall (a hang of user code, a deadlock) while its heartbeats, from this thread,
-        go on. Waiting in a collective is not a stall of this member (the monitor's
-        absent-member rule finds whoever it waits for)."""
-        limit = self.cfg.stall_timeout or self.cfg.collective_timeout
+        """The stall watchdog (``watchdog.py``): a hang of user code, a deadlock."""
         with self._cond:
-            hb = self._hb
-            if (limit <= 0 or self._stall_reported or hb.rank is None
-                    or hb.state != AgentState.training or self._collective_since is not None
-                    or not self._committed_in_generation):
-                return
-            if hb.step_time:  # a job whose steps are slow is not stalled by them
-                limit = max(limit, 3 * hb.step_time)
-            solo = hb.solo_until
-            if solo is not None and time.time() < solo + self.cfg.collective_timeout:
-                return  # declared work alone, as the monitor allows it
-            idle = time.monotonic() - self._progress_at
-            if idle < limit:
-                return
-            self._stall_reported = True
-        log.warning("training thread stalled: reporting this pod hung", idle_s=round(idle, 3),
-                    step=hb.step, stall_timeout=limit)
-        await self.report(ReportKind.stalled,
-                          f"training thread made no progress for {idle:.1f}s (no step "
-                          f"boundary, no collective; stall timeout {limit:g}s)")
+            got = self._watchdog.stalled(self._hb, self._collective_since is not None)
+            step = self._hb.step
+        if got is not None:
+            msg, idle, limit = got
+            log.warning("training thread stalled: reporting this pod hung",
+                        idle_s=round(idle, 3), step=step, stall_timeout=limit)
+            await self.report(ReportKind.stalled, msg)
 
     async def _send_heartbeat(self) -> None:
         hb = self._hb.model_copy(update={"ts": now()})
@@ -445,97 +409,6 @@ class Runtime:
             self.submit(self.report(kind, error)).result(timeout)
         except Exception as e:
             log.warning("could not send report", error=str(e)[:200])
-
-    def put_done(self, step: int, generation: int) -> None:
-        data = json.dumps({"step": step, "generation": generation, "pod": self.cfg.pod}).encode()
-        try:
-            self.submit(self._kv.put(DONE_KEY, data)).result(5.0)
-        except Exception as e:
-            log.warning("could not record job completion", error=str(e)[:200])
-
-    # ------------------------------------------------------------------ solo work
-    def put_solo(self, generation: int, until: float, ended: float | None = None) -> None:
-        """Tell the peers of ``generation`` that this member works alone until ``until``
-        (wall time), or that it ``ended`` then: their collective waits extend to match."""
-        data = json.dumps({"pod": self.cfg.pod, "until": until, "ended": ended}).encode()
-        try:
-            self.submit(self._kv.put(f"{SOLO_KEY}.g{generation}", data)).result(5.0)
-        except Exception as e:
-            log.warning("could not record the solo", error=str(e)[:200])
-
-    def solo_of(self, generation: int) -> dict | None:
-        """The solo a member of ``generation`` declared last (None: none, or unreadable)."""
-        async def get() -> dict | None:
-            try:
-                e = await self._kv.get(f"{SOLO_KEY}.g{generation}")
-            except Exception:
-                return None
-            return json.loads(e.value) if e is not None and e.value else None
-        try:
-            return self.submit(get()).result(2.0)
-        except Exception:
-            return None
-
-    # ------------------------------------------------------------------ the store bucket
-    def store(self, prefix: str, timeout: float | None = None) -> Any:
-        """A rendezvous store (``NatsStore``) over the store bucket, its keys under ``prefix``."""
-        from .store import NatsStore
-
-        return NatsStore(self._store_kv, self._loop, prefix=prefix,
-                         timeout=timeout or self.cfg.store_timeout)
-
-    def store_put(self, key: str, value: bytes, timeout: float = 5.0) -> bool:
-        try:
-            self.submit(self._store_kv.put(key, value)).result(timeout)
-            return True
-        except Exception as e:
-            log.warning("store write failed", key=key, error=str(e)[:200])
-            return False
-
-    def store_get(self, key: str, timeout: float = 2.0) -> bytes | None:
-        async def get() -> bytes | None:
-            try:
-                e = await self._store_kv.get(key)
-            except Exception:
-                return None
-            return bytes(e.value) if e.value else None
-
-        try:
-            return self.submit(get()).result(timeout)
-        except Exception:
-            return None
-
-    def watch_store(self, prefix: str, on_put: Callable[[str, bytes], None]) -> Callable[[], None]:
-        """Call ``on_put(key after prefix, value)`` (on the runtime's thread) for every key
-        put under ``prefix``, the ones already there first; returns a function that stops."""
-        task: list[asyncio.Task] = []
-
-        async def watch() -> None:
-            w = None
-            try:
-                w = await self._store_kv.watch(prefix + ">")
-                async for e in w:
-                    if e is None or e.operation is not None:  # initial-values marker, deletes
-                        continue
-                    on_put(e.key[len(prefix):], bytes(e.value or b""))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.info("store watch ended", prefix=prefix, error=str(e)[:200])
-            finally:
-                if w is not None:
-                    try:
-                        await w.stop()
-                    except Exception:
-                        pass
-
-        def stop() -> None:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(lambda: task and task[0].cancel())
-
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: task.append(asyncio.ensure_future(watch())))
-        return stop
 
     # ------------------------------------------------------------------ training-thread inbox
     def notify(self) -> None:
@@ -588,8 +461,7 @@ class Runtime:
         with self._cond:
             self._joined_generation = generation
             self._world_size = world_size
-            self._committed_in_generation = False
-            self._progress()
+            self._watchdog.joined()
             self.abort.clear()
             if self._plan is not None and self._plan.generation > generation \
                     and self._plan.apply_step is None:

@@ -12,6 +12,7 @@ plain ``python``. docs/architecture.md, "The agent", shows who calls whom.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import time
@@ -27,12 +28,13 @@ from services.common import logs
 from .config import AgentConfig
 from .data.order import micro_seed
 from .incident import Timeline
-from .inject import InjectedFault, Injector  # noqa: F401  (re-exported)
-from .membership import DISCARDED, JobStateLost, Membership  # noqa: F401  (re-exported)
+from .inject import InjectedFault, Injector
+from .membership import DISCARDED, JobStateLost, Membership
 from .outputs import Checkpoints, write_result
 from .stepper import Stepper
 from .train_state import TrainState
 
+__all__ = ["InjectedFault", "JobStateLost", "Session", "init"]
 log = logs.get("agent")
 STEP_STREAM = (1 << 63) + 1  # micro_seed's index for the start of a step (not a micro-batch)
 
@@ -237,7 +239,10 @@ class Session:
                     return m.leave()
         m.finish()
         self._ckpt.final(self.rank, self.state)
-        rt.put_done(self.last_committed, self.generation)
+        from .runtime import DONE_KEY
+
+        rt.kv.put(DONE_KEY, json.dumps({"step": self.last_committed, "pod": self.pod,
+                                        "generation": self.generation}).encode())
         self._write_result()
 
     def _before_loop(self, start: int | None) -> None:

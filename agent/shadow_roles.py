@@ -43,7 +43,7 @@ def _store(rt: Any, generation: int, pod: str, rid: str,
     from .shadow import store_prefix
 
     prefix = store_prefix(generation, pod, rid)
-    return lambda: rt.store(prefix, timeout)
+    return lambda: rt.stores.rendezvous(prefix, timeout)
 
 
 def _request_key(generation: int, pod: str = "") -> str:
@@ -75,7 +75,7 @@ class ShadowLeader:
         g = self.generation = plan.generation
         self._watch(g)
         for pod in plan.spares:
-            rid = self._rt.store_get(_request_key(g, pod))
+            rid = self._rt.stores.get(_request_key(g, pod))
             if rid is not None:
                 self._serve(pod, rid.decode(), held)
 
@@ -94,7 +94,7 @@ class ShadowLeader:
                 if self._watching == generation:  # not a late one of an older watch
                     self._requests = {**self._requests, pod: rid.decode()}
 
-        self._unwatch = self._rt.watch_store(_request_key(generation), on_put)
+        self._unwatch = self._rt.stores.watch(_request_key(generation), on_put)
 
     def _serve(self, pod: str, rid: str, held: Any) -> None:
         from .shadow import ShadowSender
@@ -182,7 +182,7 @@ class ShadowFollower:
         rt = self._rt
         self._at = self._state.last_committed
         rid = f"{os.getpid()}-{time.time_ns()}"  # unique per ask: a restarted spare asks anew
-        if not rt.store_put(_request_key(plan.generation, self._cfg.pod), rid.encode()):
+        if not rt.stores.put(_request_key(plan.generation, self._cfg.pod), rid.encode()):
             log.warning("could not ask to follow the job")
             return
         self._in = ShadowReceiver(

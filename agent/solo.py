@@ -9,12 +9,30 @@ timeout. A block that overruns its bound is a hang like any other.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any, Iterator
 
 from services.common import logs
 
 log = logs.get("agent")
+KEY = "solo.g{generation}"  # the job KV: the solo a member of the generation declared last
+
+
+def _put(rt: Any, generation: int, until: float, ended: float | None = None) -> None:
+    """Tell the peers of ``generation`` that this member works alone until ``until``
+    (wall time), or that it ``ended`` then: their collective waits extend to match."""
+    rt.kv.put(KEY.format(generation=generation),
+              json.dumps({"pod": rt.cfg.pod, "until": until, "ended": ended}).encode())
+
+
+def declared(rt: Any, generation: int) -> dict | None:
+    """The solo a member of ``generation`` declared last (None: none, or unreadable)."""
+    raw = rt.kv.get(KEY.format(generation=generation))
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None
 
 
 @contextlib.contextmanager
@@ -23,14 +41,14 @@ def block(rt: Any, generation: int, step: int, limit: float) -> Iterator[None]:
     until = time.time() + limit
     rt.progress()
     rt.update(now=True, solo_until=until)
-    rt.put_solo(generation, until)
+    _put(rt, generation, until)
     log.info("working alone", generation=generation, step=step, max_s=limit)
     try:
         yield
     finally:
         rt.progress()  # back: the stall watchdog counts from here, not from before
         rt.update(now=True, solo_until=None)
-        rt.put_solo(generation, until, ended=time.time())
+        _put(rt, generation, until, ended=time.time())
 
 
 def collective_args(rt: Any, generation: int, collective_timeout: float,
@@ -41,7 +59,7 @@ def collective_args(rt: Any, generation: int, collective_timeout: float,
     noted: list[str] = []
 
     def extend() -> float | None:
-        info = rt.solo_of(generation)
+        info = declared(rt, generation)
         if not info:
             return None
         now_w, now_m = time.time(), time.monotonic()
