@@ -40,7 +40,7 @@ class AgentConfig:
     store_timeout: float = 30.0
     recovery_timeout: float = TIMEOUTS["recovery_timeout"]  # one in-process attempt
     # A member whose training thread reaches no step boundary and no collective for this
-    # long reports itself hung (runtime._report_if_stalled). 0: the collective timeout.
+    # long reports itself hung (agent/watchdog.py). 0: the collective timeout.
     stall_timeout: float = 0.0
     # The longest a member may work alone (``with s.solo():``, a rank-0 evaluation) while its
     # peers wait in the collective; past it the monitor calls the member hung.

@@ -95,7 +95,7 @@ def _pair(store_factory: Callable[[], Any], rank: int, abort: threading.Event, s
 
 @dataclass
 class Update:
-    """One committed step: reduced gradients (in ``Session._params`` order), then the module
+    """One committed step: reduced gradients (in ``TrainState.params()`` order), then the module
     buffers, the step's loss, learning-rate factor and whether the update was skipped."""
 
     step: int
