@@ -110,3 +110,16 @@ class AgentConfig:
             resume_in_place=_flag("CEASELESS_RESUME_IN_PLACE", cls.resume_in_place),
             overlap=_flag("CEASELESS_OVERLAP", cls.overlap),
         )
+
+
+def refuse_foreign_launcher() -> None:
+    """Without Ceaseless' environment the session runs single-process. Under torchrun (or any
+    launcher that starts several ranks) that would be N independent jobs, each training the
+    whole batch alone and writing the same files: refuse, saying what to run instead."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or (world.isdigit() and int(world) > 1):
+        raise RuntimeError(
+            f"this Ceaseless script runs under a launcher (WORLD_SIZE={world or '?'}, "
+            f"RANK={os.environ.get('RANK', '?')}) without Ceaseless' environment: each process "
+            "would train alone. Launch it with `ceaseless up -- python SCRIPT ...` (or the "
+            "compose stack), not torchrun; to run one process, unset WORLD_SIZE/RANK.")

@@ -25,7 +25,7 @@ from schemas import micro_batch_range, num_micro_batches
 from schemas.messages import AgentState, ReportKind
 from services.common import logs
 
-from .config import AgentConfig
+from .config import AgentConfig, refuse_foreign_launcher
 from .data.order import micro_seed
 from .incident import Timeline
 from .inject import InjectedFault, Injector
@@ -49,19 +49,6 @@ def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
     s.__enter__()
     atexit.register(s.__exit__, None, None, None)
     return s
-
-
-def _refuse_foreign_launcher() -> None:
-    """Without Ceaseless' environment the session runs single-process. Under torchrun (or any
-    launcher that starts several ranks) that would be N independent jobs, each training the
-    whole batch alone and writing the same files: refuse, saying what to run instead."""
-    world = os.environ.get("WORLD_SIZE", "")
-    if os.environ.get("TORCHELASTIC_RUN_ID") or (world.isdigit() and int(world) > 1):
-        raise RuntimeError(
-            f"this Ceaseless script runs under a launcher (WORLD_SIZE={world or '?'}, "
-            f"RANK={os.environ.get('RANK', '?')}) without Ceaseless' environment: each process "
-            "would train alone. Launch it with `ceaseless up -- python SCRIPT ...` (or the "
-            "compose stack), not torchrun; to run one process, unset WORLD_SIZE/RANK.")
 
 
 def _seed(seed: int, step: int, k: int | None) -> None:
@@ -109,7 +96,7 @@ class Session:
             for k, v in overrides.items():
                 setattr(cfg, k, v)
         else:
-            _refuse_foreign_launcher()
+            refuse_foreign_launcher()
         return cls(global_batch_size, seed=seed, config=cfg)
 
     # ------------------------------------------------------------------ what the script reads
@@ -276,8 +263,7 @@ class Session:
 
     def _local_steps(self, total: int) -> Iterator[int]:
         while self.last_committed + 1 < total:
-            s = self.last_committed + 1
-            self.current_step = s
+            s = self.current_step = self.last_committed + 1
             _seed(self.seed, s, None)
             yield s
             if self.last_committed != s:
@@ -335,12 +321,15 @@ class Session:
         self._stepper.backward(loss)
 
     def _check_batch(self, m: int, M: int) -> None:
-        """Once per generation: the plan's batch arithmetic (``ceaseless up``'s flags, which
-        the scaler sizes the job by) should be this script's; say so when it is not, and
-        when some ranks get no micro-batch (correct, but idle)."""
+        """Once per generation: warn when the plan (sized by `up`'s flags) was made for
+        another batch than this script's, or some ranks get no micro-batch (idle)."""
         p = self.m.plan if self.m is not None else None
         if p is None or self._batch_checked == p.generation:
             return
+        if self.rank == 0 and not self._batch_checked:  # `ceaseless status` shows it
+            self.runtime.kv.put("script", json.dumps({
+                "global_batch_size": self.global_batch_size, "micro_batch_size": m,
+                "total": self.total, "pod": self.pod}).encode())
         self._batch_checked = p.generation
         if (p.global_batch_size, p.micro_batch_size) != (self.global_batch_size, m):
             log.warning("the job was planned for another batch: pass the script's to "

@@ -111,6 +111,10 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
             out["plan_revision"] = entry.revision
         except Exception:
             out["plan"] = None
+        try:  # what the training script itself runs (rank 0 writes KV `script`)
+            out["script"] = json.loads((await kv.get("script")).value)
+        except Exception:
+            out["script"] = None
         return out
     finally:
         await bus.close()
@@ -126,6 +130,17 @@ def _render_status(st: dict[str, Any]) -> str:
                      f"= {plan['micro_batch_size']} x {sum(plan['shares'].values())} micro-batches, "
                      f"reason: {plan['reason']}")
         lines.append("  ranks: " + ", ".join(f"{m['rank']}={m['pod']}" for m in members))
+        sc = st.get("script")
+        if sc:
+            same = (sc["global_batch_size"], sc["micro_batch_size"]) == (
+                plan["global_batch_size"], plan["micro_batch_size"])
+            lines.append(f"  script: global batch {sc['global_batch_size']} = "
+                         f"{sc['micro_batch_size']} x "
+                         f"{sc['global_batch_size'] // sc['micro_batch_size']} micro-batches, "
+                         f"{sc['total']} steps (pod {sc['pod']})"
+                         + ("" if same else "; the plan was sized for another batch: pass "
+                            "the script's to `ceaseless up` (--global-batch-size, "
+                            "--micro-batch-size)"))
         if plan.get("spares"):
             lines.append("  spares: " + ", ".join(plan["spares"]))
     else:

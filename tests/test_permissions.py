@@ -73,6 +73,9 @@ async def test_agent_cannot_publish_plan_or_inject(role_server):
         kv = await nc.jetstream().key_value(s.kv_bucket)
         with pytest.raises(Exception):
             await asyncio.wait_for(kv.put("plan", b'{"generation": 99}'), 2.0)
+        # what the agent writes: the job done, a solo, the script's batch (status shows it)
+        for key in ("done", "solo.g1", "script"):
+            await asyncio.wait_for(kv.put(key, b'{"x": 1}'), 2.0)
         await asyncio.sleep(0.5)
     finally:
         await nc.close()

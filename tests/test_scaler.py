@@ -326,6 +326,16 @@ async def test_capacity_add_starts_spares_and_grows_at_a_step_boundary(env, bus)
                            "plan_revision": 3})
     assert "scale: 3 replica(s), target 3 (last request: capacity add 2" in text, text
     assert "policy: replicas 1..3 step 1" in text and "grow 2 -> 3" in text, text
+    # the script's own batch (rank 0 writes KV `script`): shown, and a mismatch is named
+    plan = json.loads(env.plans[-1].model_dump_json())
+    B, m = plan["global_batch_size"], plan["micro_batch_size"]
+    text = _render_status({"job": "test", "services": {}, "plan": plan, "script": {
+        "global_batch_size": B, "micro_batch_size": m, "total": 61, "pod": "w0"}})
+    assert f"script: global batch {B} = {m} x {B // m} micro-batches, 61 steps (pod w0)" \
+        in text and "another batch" not in text, text
+    text = _render_status({"job": "test", "services": {}, "plan": plan, "script": {
+        "global_batch_size": 2 * B, "micro_batch_size": m, "total": 61, "pod": "w0"}})
+    assert "the plan was sized for another batch" in text, text
 
 
 async def test_priority_release_spares_first_then_highest_rank(env, bus):

@@ -51,7 +51,7 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
     if role == "agent":
         pub = _COMMON_PUB + [
             s.heartbeat("*"), s.report("*"), s.recovery,
-            f"$KV.{store}.>", f"$KV.{kv}.done", f"$KV.{kv}.solo.>",  # agent/runtime.py
+            f"$KV.{store}.>", f"$KV.{kv}.done", f"$KV.{kv}.solo.>", f"$KV.{kv}.script",  # agent
             # read and watch the two buckets (ordered consumers), nothing else of JetStream
             *(f"$JS.API.{api}.KV_{b}{suffix}" for b in (kv, store)
               for api, suffix in (("STREAM.INFO", ""), ("STREAM.MSG.GET", ""),
