@@ -18,8 +18,8 @@ a pod runs:
   SIGKILLed), so the health monitor declares a crash without waiting for the heartbeat
   timeout, and the pod is replaced like any failed pod.
 * Placement (``spare_node``): one actor per pod; members with Ray's ``SPREAD`` strategy; a
-  spare on an alive node that holds no member (the one with the fewest of the job's pods),
-  by soft node affinity, so a node loss takes a member or a spare but rarely both; where
+  spare on an alive node that could hold it (its total resources) and holds no member (the
+  one with the fewest of the job's pods), by soft node affinity, so a node loss takes a member or a spare but rarely both; where
   every node holds a member, ``SPREAD``.
 """
 
@@ -168,7 +168,7 @@ class RayActuator(LocalActuator):
     def __init__(self, bus: Any, argv: list[str], env: dict[str, str], log_dir: Path, *,
                  address: str | None = "auto", num_cpus: float = 0.1,
                  num_gpus: float = 0, resources: dict[str, float] | None = None,
-                 start_timeout_s: float = 120.0,
+                 start_timeout_s: float = 120.0, unavailable_grace_s: float = 0.5,
                  namespace: str | None = None, restart_fallback: bool = True,
                  allow_inject: bool = False, replace: bool = True,
                  budget: ReplacementBudget | None = None) -> None:
@@ -179,6 +179,7 @@ class RayActuator(LocalActuator):
         self.num_gpus = num_gpus
         self.resources = dict(resources or {})  # custom Ray resources every pod needs
         self.start_timeout_s = start_timeout_s
+        self.unavailable_grace_s = unavailable_grace_s
         self.namespace = namespace
         self.actors: dict[str, Any] = {}
         self.pids: dict[str, int] = {}
@@ -238,7 +239,9 @@ class RayActuator(LocalActuator):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         nodes = await asyncio.to_thread(ray.nodes)
-        alive = [n["NodeID"] for n in nodes if n.get("Alive")]
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        alive = [n["NodeID"] for n in nodes if n.get("Alive") and all(
+            n.get("Resources", {}).get(k, 0) >= v for k, v in need.items() if v > 0)]
         members = (set(m.pod for m in self.plan.members) if self.plan is not None
                    else {p for p, r in self.roles.items() if r == Role.worker})
         node = spare_node(alive, [self.nodes[p] for p in members if p in self.nodes],
@@ -295,12 +298,22 @@ class RayActuator(LocalActuator):
         import ray
 
         why: dict[str, Any] = {}
-        try:
-            code = await _ref(actor.wait.remote())
-        except ray.exceptions.RayError as e:  # the actor died: its node is lost
+        while True:
+            try:
+                code = await _ref(actor.wait.remote())
+                break
+            except ray.exceptions.ActorUnavailableError as e:
+                # the connection to the actor broke: its worker or node is gone (it has no
+                # restarts), or a network blip; it is lost unless it answers again soon
+                if await self._answers(actor):
+                    continue
+                error = type(e).__name__
+            except ray.exceptions.RayError as e:  # the actor died: its node is lost
+                error = type(e).__name__
             code = ACTOR_LOST_EXIT_CODE
             why = {"reason": "actor lost", "node_id": self.nodes.get(pod, "?")[:12],
-                   "error": type(e).__name__}
+                   "error": error}
+            break
         self.actors.pop(pod, None)
         self.pids.pop(pod, None)
         self.nodes.pop(pod, None)
@@ -309,6 +322,22 @@ class RayActuator(LocalActuator):
         except Exception:
             pass
         await self._exited(pod, code, pid, **why)
+
+    async def _answers(self, actor: Any) -> bool:
+        """Whether an actor whose connection broke answers again within
+        ``unavailable_grace_s`` (a died one never does)."""
+        import ray
+
+        deadline = time.monotonic() + self.unavailable_grace_s
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(_ref(actor.signal.remote(0)), 0.5)
+                return True
+            except ray.exceptions.ActorDiedError:
+                return False
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                await asyncio.sleep(0.2)
+        return False
 
     async def stop(self, pod: str, grace_s: float = 5.0) -> bool:
         actor = self.actors.get(pod)
