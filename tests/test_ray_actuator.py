@@ -167,3 +167,57 @@ def test_spare_placement_rule():
     assert spare_node(["a", "b"], ["a"], ["a", "b", "b"]) == "b"
     assert spare_node(["a", "b"], ["a", "b"], []) is None         # every node has a member
     assert spare_node([], [], []) is None
+
+
+def _node_of(cluster, pid: int):
+    """The worker raylet (a ``ray._private.node.Node``) whose process tree holds ``pid``."""
+    raylets = {n.all_processes["raylet"][0].process.pid: n for n in cluster.worker_nodes}
+    for _ in range(6):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().split(") ")[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid in raylets:
+            return raylets[pid]
+    return None
+
+
+@pytest.mark.timeout(300)
+async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(cluster, tmp_path):
+    """`ceaseless up --actuator ray`, 2 workers + 1 spare, one pod per raylet (0.6 CPU each,
+    one raylet added for the replacement): the raylet holding a member is removed (every Ray
+    process on it SIGKILLed, the pod with them). The spare takes the rank, a replacement
+    spare starts, the job finishes every step at world size 2 with consistent parameters."""
+    from harness import Cluster
+
+    cluster.add_node(num_cpus=1, resources={"pods": 10})
+    steps = 60
+    t0 = time.monotonic()
+    async with Cluster(tmp_path / "up", 2, 1, steps, replace=True, extra=[
+            "--actuator", "ray", "--ray-address", cluster.address, "--ray-cpus-per-pod", "0.6",
+            "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
+            "--sleep", "0.1"]) as c:
+        await c.wait_spares(1)
+        await c.wait_rank_step(1, 5)
+        TIMES["up --actuator ray: to step 5 with a spare"] = time.monotonic() - t0
+        victim = next(((r, n) for r in (1, 0)
+                       if (n := _node_of(cluster, c.member(r).pid)) is not None), None)
+        assert victim is not None, "no member on a removable raylet"
+        rank, node = victim
+        pod = c.member(rank).pod
+        t1 = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+        await c.wait_for(lambda: c.plans and c.plans[-1].pod_of(rank) not in (None, pod),
+                         60, "a plan without the lost member")
+        TIMES["node lost -> new plan (up)"] = time.monotonic() - t1
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    TIMES["up --actuator ray: whole job"] = time.monotonic() - t0
+    out = (tmp_path / "up" / "up.out").read_text()
+    assert s["final_step"] == steps - 1 and s["param_sha256_consistent"], s
+    assert all(p.world_size == 2 for p in c.plans), [p.world_size for p in c.plans]
+    assert s["pod_exits"][pod] == ACTOR_LOST_EXIT_CODE, s["pod_exits"]
+    assert [i["pod"] for i in s["incidents"]] == [pod], s["incidents"]
+    assert "replacement started as a spare" in out, out[-3000:]
+    print(f"incident: {s['incidents']}, lost steps {s['lost_steps']}")
