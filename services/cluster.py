@@ -205,7 +205,11 @@ async def run(opts: UpOptions) -> int:
         ray_act = RayActuator(None, [], {}, log_dir, address=opts.ray_address,
                               num_cpus=opts.ray_cpus_per_pod,
                               num_gpus=opts.gpus_per_pod or 0, namespace=f"ceaseless-{opts.job}")
-        ray_act.connect()
+        try:
+            ray_act.connect()
+        except Exception as e:  # no cluster there, a version mismatch
+            raise SystemExit(f"ceaseless up: cannot join the Ray cluster at "
+                             f"{opts.ray_address!r}: {type(e).__name__}: {e}") from e
         bus_host = opts.bus_host or ray_act.node_ip()
     tls = None
     if opts.tls:

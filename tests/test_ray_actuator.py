@@ -109,7 +109,7 @@ async def test_pods_run_as_actors_and_their_exits_are_lifecycle_events(cluster, 
         TIMES["kill -> lifecycle exit"] = time.monotonic() - t0
         assert ev.exited("w0").exit_code == -9
         await until(lambda: "s1" in ev.started(), 60, "w0's replacement")
-        assert ev.started()[:2] == ["w0", "w1"] or set(ev.started()[:2]) == {"w0", "w1"}
+        assert set(ev.started()[:2]) == {"w0", "w1"}  # started concurrently
     finally:
         await act.shutdown(grace_s=2)
     assert not act.running()
