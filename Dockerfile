@@ -21,7 +21,9 @@ COPY agent ./agent
 COPY services ./services
 COPY examples ./examples
 COPY bench ./bench
-RUN pip install .
+# extras, e.g. --build-arg EXTRAS='[ray]' for `ceaseless up --actuator ray` (docs/cluster.md)
+ARG EXTRAS=""
+RUN pip install ".${EXTRAS}"
 
 COPY deploy/entrypoint.sh /usr/local/bin/ceaseless-entrypoint
 RUN chmod 0755 /usr/local/bin/ceaseless-entrypoint \

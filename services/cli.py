@@ -60,7 +60,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      live=not args.quiet, model=args.model, dtype=args.dtype, policy=args.policy,
                      max_replicas=args.max_replicas, scale_up_snooze=args.scale_up_snooze,
                      save_params=args.save_params, start_timeout=args.start_timeout,
-                     gpus_per_pod=args.gpus_per_pod)
+                     gpus_per_pod=args.gpus_per_pod, actuator=args.actuator,
+                     ray_address=args.ray_address, ray_cpus_per_pod=args.ray_cpus_per_pod,
+                     bus_host=args.bus_host)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -83,10 +85,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             opts.policy = str(Path(opts.policy).resolve())
         if opts.workers > pol.max_replicas:
             raise ValueError(f"--workers {opts.workers} exceeds max_replicas {pol.max_replicas}")
-        from services.actuator.gpus import GpuAssigner, visible_gpus
+        if opts.actuator == "local":
+            from services.actuator.gpus import GpuAssigner, visible_gpus
 
-        GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,
-                    per_pod=opts.gpus_per_pod)  # refuse --gpus-per-pod the machine cannot give
+            GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,
+                        per_pod=opts.gpus_per_pod)  # refuse --gpus-per-pod the machine cannot give
+        else:
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ValueError("--actuator ray needs Ray: pip install 'ceaseless[ray]'")
     except ValueError as e:
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2
@@ -352,6 +360,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="GPUs each pod sees (CUDA_VISIBLE_DEVICES). Default: one per pod when "
                          "the machine has enough, else pods share them (gloo for CUDA "
                          "tensors); 0: none")
+    up.add_argument("--actuator", choices=["local", "ray"], default="local",
+                    help="where pods run: local processes (default), or Ray actors on a Ray "
+                         "cluster (extra ceaseless[ray]; docs/cluster.md)")
+    up.add_argument("--ray-address", default="auto", metavar="auto|ADDRESS",
+                    help="with --actuator ray: the cluster to join (default auto: the one "
+                         "this machine is part of, RAY_ADDRESS or `ray start`'s)")
+    up.add_argument("--ray-cpus-per-pod", type=float, default=0.1, metavar="N",
+                    help="with --actuator ray: the CPUs each pod's actor reserves")
+    up.add_argument("--bus-host", metavar="ADDR",
+                    help="the address nats-server listens on and pods connect to (default "
+                         "127.0.0.1; with --actuator ray the IP of this machine's Ray node)")
     up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")
     up.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                     help="the example's parameter dtype")

@@ -71,6 +71,10 @@ class UpOptions:
     resume: str | None = None  # a checkpoint (or a directory of them) the job starts from
     auto_resume: int = 2     # restarts from the newest checkpoint after a total loss
     max_replacements: int | None = None  # per 5 minutes; None: 2 x (workers + spares)
+    actuator: str = "local"  # local | ray (services/actuator/ray.py, docs/cluster.md)
+    ray_address: str | None = "auto"
+    ray_cpus_per_pod: float = 0.1
+    bus_host: str | None = None  # None: 127.0.0.1, with Ray this machine's Ray node IP
 
 
 class ServiceSupervisor:
@@ -192,13 +196,29 @@ async def run(opts: UpOptions) -> int:
     roles = write_role_credentials(run_dir / "creds")
     creds_path, creds = roles["operator"]
     users = [(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()]
+    ray_act = None
+    bus_host = opts.bus_host or "127.0.0.1"
+    if opts.actuator == "ray":
+        from services.actuator.ray import RayActuator
+
+        # joined first: the bus must listen where the Ray nodes can reach it
+        ray_act = RayActuator(None, [], {}, log_dir, address=opts.ray_address,
+                              num_cpus=opts.ray_cpus_per_pod,
+                              num_gpus=opts.gpus_per_pod or 0, namespace=f"ceaseless-{opts.job}")
+        try:
+            ray_act.connect()
+        except Exception as e:  # no cluster there, a version mismatch
+            raise SystemExit(f"ceaseless up: cannot join the Ray cluster at "
+                             f"{opts.ray_address!r}: {type(e).__name__}: {e}") from e
+        bus_host = opts.bus_host or ray_act.node_ip()
     tls = None
     if opts.tls:
         from services.common.tlsgen import generate
 
-        tls = generate(run_dir / "tls")
+        tls = generate(run_dir / "tls", hosts=tuple(dict.fromkeys(
+            ("127.0.0.1", "localhost", bus_host))))
         os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
-    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users, tls=tls)
+    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users, tls=tls, host=bus_host)
     record_pid(run_dir, "nats-server", srv.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time(),
@@ -266,8 +286,10 @@ async def run(opts: UpOptions) -> int:
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
     from .actuator.gpus import GpuAssigner, visible_gpus
 
-    gpus = GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,
-                       per_pod=opts.gpus_per_pod)
+    # with Ray, Ray assigns the devices (num_gpus = --gpus-per-pod per actor)
+    gpus = (GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,
+                        per_pod=opts.gpus_per_pod) if ray_act is None
+            else GpuAssigner([], expected=opts.workers + opts.spares))
     if gpus.mode != "none":
         print(f"  gpus:    {len(gpus.devices)} visible, {gpus.mode}"
               + (f" ({gpus.per_pod} per pod)" if gpus.mode == "exclusive" else ""),
@@ -278,8 +300,16 @@ async def run(opts: UpOptions) -> int:
 
     budget = ReplacementBudget(limit=opts.max_replacements if opts.max_replacements is not None
                                else 2 * (opts.workers + opts.spares))
-    act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus,
-                        replace=opts.replace, budget=budget)
+    if ray_act is not None:
+        act = ray_act
+        act.bus, act.argv, act.env = bus, cmd, env
+        act.allow_inject, act.replace, act.budget = opts.allow_inject, opts.replace, budget
+        print(f"  ray:     {opts.ray_address or 'a local Ray'}, pods as actors "
+              f"({opts.ray_cpus_per_pod:g} CPU, {opts.gpus_per_pod or 0} GPU each)",
+              file=out, flush=True)
+    else:
+        act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus,
+                            replace=opts.replace, budget=budget)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)
@@ -315,7 +345,7 @@ async def run(opts: UpOptions) -> int:
                 print(f"[{time.time() - info.started:7.2f}s] nats-server exited "
                       f"({srv.proc.returncode}); restarting it", file=out, flush=True)
                 srv = NatsServer.start(run_dir / "nats", creds=creds, port=srv.port, users=users,
-                                       tls=tls)
+                                       tls=tls, host=bus_host)
                 record_pid(run_dir, "nats-server", srv.proc.pid)
                 try:
                     await asyncio.wait_for(bus.store_kv(), 10)
@@ -362,6 +392,8 @@ async def run(opts: UpOptions) -> int:
         while act.running() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await act.shutdown(grace_s=3.0)
+        if ray_act is not None:
+            ray_act.close()
         summary = _summary(run_dir, obs, exits, code, reason)
         sup.stopping = True
         sup_task.cancel()

@@ -162,11 +162,17 @@ class LocalActuator:
         self.procs.pop(pod, None)
         if self.gpus is not None:
             self.gpus.release(pod)
+        await self._exited(pod, code, proc.pid)
+
+    async def _exited(self, pod: str, code: int, pid: int | None, **why: Any) -> None:
+        """A pod is gone: record it, publish the ``exited`` lifecycle event, tell the
+        ``on_exit`` callbacks, and start a replacement spare if the rules say so (shared
+        with the Ray actuator, ``ray.py``)."""
         self.exits[pod] = code
-        log.info("pod exited", pod=pod, exit_code=code)
+        log.info("pod exited", pod=pod, exit_code=code, **why)
         try:
             await self.bus.publish(self.bus.subjects.lifecycle(pod), Lifecycle(
-                pod=pod, event=LifecycleEvent.exited, role=self.roles[pod], pid=proc.pid,
+                pod=pod, event=LifecycleEvent.exited, role=self.roles[pod], pid=pid,
                 exit_code=code), msg_id=f"exit-{pod}")
         except Exception as e:  # the bus may be down; the monitor also sees silence
             log.warning("could not publish exit", pod=pod, error=str(e)[:200])

@@ -1,0 +1,223 @@
+"""The Ray actuator (services/actuator/ray.py, issue 22) on a real local Ray cluster: one
+head and two worker raylets on this host (``ray.cluster_utils.Cluster``), shared by the
+module, and a real nats-server (conftest). Skipped without the ``ray`` extra.
+
+Every Ray address here is loopback: Ray otherwise advertises the host's first non-loopback
+address, so ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when ray is imported) makes it
+resolve its node address to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray")
+
+from harness import until  # noqa: E402
+from schemas.messages import Lifecycle, LifecycleEvent, Role  # noqa: E402
+from services.actuator.ray import ACTOR_LOST_EXIT_CODE, RayActuator, spare_node  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(120)]
+
+# Ray's default health checks: a node's death reaches the driver first as the actor being
+# unavailable (its connection broke), which the actuator confirms and reports at once.
+HEAD = {"num_cpus": 1, "include_dashboard": False}
+TIMES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    t0 = time.monotonic()
+    c = Cluster(initialize_head=True, head_node_args=HEAD)
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1, resources={"pods": 10})
+        ray.init(address=c.address, log_to_driver=False)
+        TIMES["cluster start (head + 2 nodes + driver)"] = time.monotonic() - t0
+        print(f"\nray cluster up in {TIMES['cluster start (head + 2 nodes + driver)']:.1f}s")
+        yield c
+    finally:
+        t0 = time.monotonic()
+        ray.shutdown()
+        c.shutdown()
+        print(f"\nray cluster down in {time.monotonic() - t0:.1f}s; times {TIMES}")
+
+
+class Events:
+    def __init__(self) -> None:
+        self.got: list[Lifecycle] = []
+
+    async def on(self, m: Lifecycle, env) -> None:
+        self.got.append(m)
+
+    def exited(self, pod: str) -> Lifecycle | None:
+        return next((m for m in self.got if m.pod == pod and m.event == LifecycleEvent.exited),
+                    None)
+
+    def started(self) -> list[str]:
+        return [m.pod for m in self.got if m.event == LifecycleEvent.started]
+
+
+async def _actuator(bus, tmp_path, argv, **kw) -> tuple[RayActuator, Events]:
+    ev = Events()
+    await bus.subscribe(bus.subjects.lifecycle(), Lifecycle, ev.on)
+    act = RayActuator(bus, argv, {"CEASELESS_RUN_DIR": str(tmp_path)}, tmp_path / "logs",
+                      resources={"pods": 1}, start_timeout_s=60, **kw)
+    await act.attach()
+    return act, ev
+
+
+SCRIPT = ("import os, sys, time\n"
+          "pod = os.environ['CEASELESS_POD']\n"
+          "print(pod, os.environ['CEASELESS_ROLE'], os.environ['CEASELESS_GLOO_HOSTNAME'],"
+          " flush=True)\n"
+          "if pod == 'w0': time.sleep(60)\n"
+          "sys.exit(3 if pod == 'w1' else 0)\n")
+
+
+async def test_pods_run_as_actors_and_their_exits_are_lifecycle_events(cluster, bus, tmp_path):
+    """w0 sleeps, w1 exits 3 (a failure: a replacement spare starts, away from the member's
+    node, and exits 0: not replaced), a spare exits 0; then w0 is killed (-9)."""
+    act, ev = await _actuator(bus, tmp_path, [sys.executable, "-c", SCRIPT])
+    try:
+        t0 = time.monotonic()
+        assert await act.start(Role.worker, 2) == ["w0", "w1"]
+        TIMES["start 2 pods (actors + processes)"] = time.monotonic() - t0
+        assert set(act.running()) <= {"w0", "w1"}
+        await until(lambda: ev.exited("w1"), 30, "w1's exit")
+        assert ev.exited("w1").exit_code == 3 and ev.exited("w1").role == Role.worker
+        # the replacement: a spare, on a node without a member
+        await until(lambda: ev.exited("s0"), 60, "the replacement spare's exit")
+        assert ev.exited("s0").exit_code == 0 and ev.exited("s0").role == Role.spare
+        assert act.replacements == [("w1", "s0")]
+        assert act.info["s0"]["node_id"] != act.info["w0"]["node_id"]
+        assert "s1" not in ev.started()  # exit 0 is not a failure
+        out = (tmp_path / "logs" / "w1.log").read_text()
+        assert out.split() == ["w1", "worker", "127.0.0.1"]
+        assert act.running().keys() == {"w0"} and act.running()["w0"] == act.info["w0"]["pid"]
+        t0 = time.monotonic()
+        assert await act.kill("w0")
+        await until(lambda: ev.exited("w0"), 10, "w0's exit after kill")
+        TIMES["kill -> lifecycle exit"] = time.monotonic() - t0
+        assert ev.exited("w0").exit_code == -9
+        await until(lambda: "s1" in ev.started(), 60, "w0's replacement")
+        assert set(ev.started()[:2]) == {"w0", "w1"}  # started concurrently
+    finally:
+        await act.shutdown(grace_s=2)
+    assert not act.running()
+
+
+async def test_stop_sends_sigterm_and_is_not_replaced(cluster, bus, tmp_path):
+    act, ev = await _actuator(bus, tmp_path, [sys.executable, "-c",
+                                              "import time; time.sleep(60)"])
+    try:
+        await act.start(Role.spare, 1)
+        assert await act.stop("s0", grace_s=5)
+        await until(lambda: ev.exited("s0"), 10, "s0's exit")
+        assert ev.exited("s0").exit_code == -15
+        await asyncio.sleep(0.5)
+        assert act.replacements == [] and ev.started() == ["s0"]
+    finally:
+        await act.shutdown(grace_s=2)
+
+
+async def test_a_lost_node_is_reported_as_the_pod_exiting_at_once(cluster, bus, tmp_path):
+    """The node holding a pod dies (all its Ray processes SIGKILLed): the actuator publishes
+    the pod's exit (ACTOR_LOST_EXIT_CODE) at once, not after a heartbeat timeout, and its
+    replacement starts on a node that is alive."""
+    victim = cluster.add_node(num_cpus=1, resources={"victim": 1, "pods": 10})
+    act, ev = await _actuator(bus, tmp_path, [sys.executable, "-c",
+                                              "import time; time.sleep(60)"])
+    try:
+        act.resources = {"victim": 0.5}      # w0 goes to the victim node ...
+        await act.start(Role.worker, 1)
+        assert act.info["w0"]["node_id"] == victim.node_id
+        act.resources = {"pods": 1}          # ... its replacement anywhere else
+        pid = act.info["w0"]["pid"]
+        t0 = time.monotonic()
+        cluster.remove_node(victim, allow_graceful=False)
+        await until(lambda: ev.exited("w0"), 30, "w0's exit after its node died")
+        TIMES["node lost -> lifecycle exit"] = time.monotonic() - t0
+        assert ev.exited("w0").exit_code == ACTOR_LOST_EXIT_CODE
+        await until(lambda: not _alive(pid), 10, "the pod's process to die with its actor")
+        await until(lambda: "s0" in act.running(), 60, "the replacement")
+        assert act.info["s0"]["node_id"] != victim.node_id
+    finally:
+        await act.shutdown(grace_s=2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_spare_placement_rule():
+    assert spare_node(["a", "b", "c"], ["a"], ["a", "b"]) == "c"   # no member, fewest pods
+    assert spare_node(["a", "b"], ["a"], ["a", "b", "b"]) == "b"
+    assert spare_node(["a", "b"], ["a", "b"], []) is None         # every node has a member
+    assert spare_node([], [], []) is None
+
+
+def _node_of(cluster, pid: int):
+    """The worker raylet (a ``ray._private.node.Node``) whose process tree holds ``pid``."""
+    raylets = {n.all_processes["raylet"][0].process.pid: n for n in cluster.worker_nodes}
+    for _ in range(6):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().split(") ")[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid in raylets:
+            return raylets[pid]
+    return None
+
+
+@pytest.mark.timeout(300)
+async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(cluster, tmp_path):
+    """`ceaseless up --actuator ray`, 2 workers + 1 spare, one pod per raylet (0.6 CPU each,
+    one raylet added for the replacement): the raylet holding a member is removed (every Ray
+    process on it SIGKILLed, the pod with them). The spare takes the rank, a replacement
+    spare starts, the job finishes every step at world size 2 with consistent parameters."""
+    from harness import Cluster
+
+    cluster.add_node(num_cpus=1, resources={"pods": 10})
+    steps = 60
+    t0 = time.monotonic()
+    async with Cluster(tmp_path / "up", 2, 1, steps, replace=True, extra=[
+            "--actuator", "ray", "--ray-address", cluster.address, "--ray-cpus-per-pod", "0.6",
+            "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
+            "--sleep", "0.1"]) as c:
+        await c.wait_spares(1)
+        await c.wait_rank_step(1, 5)
+        TIMES["up --actuator ray: to step 5 with a spare"] = time.monotonic() - t0
+        victim = next(((r, n) for r in (1, 0)
+                       if (n := _node_of(cluster, c.member(r).pid)) is not None), None)
+        assert victim is not None, "no member on a removable raylet"
+        rank, node = victim
+        pod = c.member(rank).pod
+        t1 = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+        await c.wait_for(lambda: c.plans and c.plans[-1].pod_of(rank) not in (None, pod),
+                         60, "a plan without the lost member")
+        TIMES["node lost -> new plan (up)"] = time.monotonic() - t1
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+    TIMES["up --actuator ray: whole job"] = time.monotonic() - t0
+    out = (tmp_path / "up" / "up.out").read_text()
+    assert s["final_step"] == steps - 1 and s["param_sha256_consistent"], s
+    assert all(p.world_size == 2 for p in c.plans), [p.world_size for p in c.plans]
+    assert s["pod_exits"][pod] == ACTOR_LOST_EXIT_CODE, s["pod_exits"]
+    assert [i["pod"] for i in s["incidents"]] == [pod], s["incidents"]
+    assert "replacement started as a spare" in out, out[-3000:]
+    print(f"incident: {s['incidents']}, lost steps {s['lost_steps']}")
