@@ -306,7 +306,9 @@ def test_dockerfile():
     # the CPU build unless the CUDA variant's build argument says otherwise
     assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.M)
     assert re.search(r"pip install torch==2\.13\.0 --index-url \$\{TORCH_INDEX\}", text)
-    assert re.search(r"^RUN pip install \.$", text, re.M)
+    # the project itself, with no extras unless --build-arg EXTRAS='[ray]' says so
+    assert re.search(r'^ARG EXTRAS=""$', text, re.M)
+    assert re.search(r'^RUN pip install "\.\$\{EXTRAS\}"$', text, re.M)
     assert re.search(r"^USER (?!root)\S+", text, re.M)
     for src in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", text, re.M):
         for part in src.split():
