@@ -79,7 +79,7 @@ class Session:
         self._entered = False
         self._joined: bool | None = None      # join()'s outcome, once known
         self._batch_checked = 0               # the generation whose batch was checked
-        self._orders: dict[int, Any] = {}
+        self._sources: dict[tuple[int, int], Any] = {}  # (dataset, m) -> BatchSource
         self._inject = Injector(config)
         self._stepper = Stepper(global_batch_size, self.state)  # its parts once entered
         self._ckpt = Checkpoints()            # from the environment in both modes
@@ -283,13 +283,16 @@ class Session:
                             "any rank can compute any micro-batch after a fault; an "
                             "IterableDataset cannot be repositioned. Use s.micro_batches(m) "
                             "and draw the samples yourself")
-        if id(dataset) not in self._orders:
-            from .data.order import order_for
+        m, key = micro_batch_size, (id(dataset), micro_batch_size)
+        if key not in self._sources:
+            from .data.loader import BatchSource
 
-            self._orders[id(dataset)] = order_for(dataset, self.global_batch_size, self.seed)
-        order = self._orders[id(dataset)]
-        for k in self.micro_batches(micro_batch_size):
-            yield _collate(dataset, order.indices(self.current_step, k, micro_batch_size))
+            self._sources[key] = BatchSource(dataset, self.global_batch_size, self.seed, m,
+                                             pin=self.device.type == "cuda")
+        src = self._sources[key]
+        src.begin(self.current_step, self.rank or 0, self.world_size or 1)
+        for k in self.micro_batches(m):
+            yield src.get(self.current_step, k)
 
     def micro_batches(self, micro_batch_size: int) -> Iterator[int]:
         """The indices ``k`` of this rank's micro-batches of the current step (of
@@ -428,11 +431,3 @@ class Session:
         write_result(run_dir, self.pod, self.rank, self.generation, self.world_size,
                      self.state, self.timeline.losses, self.timeline.commits)
 
-
-def _collate(dataset: Any, idx: Any) -> Any:
-    fast = getattr(dataset, "batch", None)
-    if callable(fast):
-        return fast(idx)
-    from torch.utils.data import default_collate
-
-    return default_collate([dataset[int(i)] for i in idx])

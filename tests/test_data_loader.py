@@ -287,3 +287,49 @@ def test_concurrent_consumers_share_prefetch(corpus):
         ld.seek(2, 0, 1)
         got = ld.next_step()
         assert torch.equal(torch.cat([x for _, (x, _) in got]), ds.batch(ld.order.step_indices(2))[0])
+
+
+def test_session_batches_prefetch_a_token_dataset_and_build_others_in_place(corpus):
+    """``s.batches`` reads a TokenDataset through the prefetching loader (the same batches
+    as built directly, built ahead), and any other map-style dataset on the training thread
+    (its __getitem__ may draw from the RNG the session seeds per micro-batch)."""
+    from agent.data.loader import BatchSource
+    from agent.session import Session
+
+    ds = TokenDataset(corpus, 32)
+    src = BatchSource(ds, B, 3, m)
+    assert src.loader is not None
+    for step in range(3):
+        src.begin(step, 1, 2)
+        for k in range(6, 12):
+            x, y = src.get(step, k)
+            assert torch.equal(x, ds.batch(src.order.indices(step, k, m))[0])
+            _wait_ready(src.loader, 1)
+    assert src.loader.stats["prefetched"] >= 12, src.loader.stats
+    src.loader.close()
+
+    class Noisy(torch.utils.data.Dataset):  # draws from the global RNG in __getitem__
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            return torch.tensor([float(i)]), torch.rand(1)
+
+    with Session(B, seed=3) as s:
+        s.register(model=torch.nn.Linear(1, 1))
+        noise = []
+        for step in s.steps(2):
+            for x, r in s.batches(Noisy(), m):
+                noise.append(r)
+                s.backward(s.objs["model"](x).sum() * 0)
+            s.step()
+        assert s._sources[next(iter(s._sources))].loader is None
+    with Session(B, seed=3) as s:  # the same draws again: seeded per micro-batch
+        s.register(model=torch.nn.Linear(1, 1))
+        again = []
+        for step in s.steps(2):
+            for x, r in s.batches(Noisy(), m):
+                again.append(r)
+                s.backward(s.objs["model"](x).sum() * 0)
+            s.step()
+    assert len(noise) == 2 * (B // m) and all(torch.equal(a, b) for a, b in zip(noise, again))

@@ -276,4 +276,43 @@ def _pin(batch: Any) -> Any:
     return batch
 
 
+class BatchSource:
+    """How ``Session.batches`` reads a map-style dataset. A :class:`TokenDataset`'s batches
+    are a pure function of their indices: an :class:`ElasticLoader` builds them ahead in a
+    thread (pinned for a CUDA model). Any other dataset's ``__getitem__`` may draw from the
+    global RNGs, which the session seeds per micro-batch on the training thread: its
+    batches are built there, when asked for (and pinned for a CUDA model)."""
+
+    def __init__(self, dataset: Any, global_batch_size: int, seed: int, micro_batch_size: int,
+                 pin: bool = False) -> None:
+        from .order import order_for
+
+        self.dataset, self.m = dataset, micro_batch_size
+        self.order = order_for(dataset, global_batch_size, seed)
+        self._pin = pin and torch.cuda.is_available()
+        self.loader = ElasticLoader(dataset, self.order, micro_batch_size, prefetch=2,
+                                    pin_memory=pin) if isinstance(dataset, TokenDataset) else None
+        self._ahead: Iterator[tuple[int, Any]] | None = None
+
+    def begin(self, step: int, rank: int, world_size: int) -> None:
+        """This rank's micro-batches of ``step`` come next."""
+        self._ahead = None
+        if self.loader is not None and self.order.rank_range(world_size, rank, self.m):
+            self.loader.seek(step, rank, world_size)
+            self._ahead = iter(self.loader)
+
+    def get(self, step: int, k: int) -> Any:
+        """Micro-batch ``k`` of ``step`` (in this rank's order after ``begin``)."""
+        if self._ahead is not None:
+            got, batch = next(self._ahead)
+            if got == k:
+                return batch
+            self._ahead = None  # out of the loader's order: build it here
+        idx = self.order.indices(step, k, self.m)
+        fast = getattr(self.dataset, "batch", None)
+        batch = fast(idx) if callable(fast) else \
+            torch.utils.data.default_collate([self.dataset[int(i)] for i in idx])
+        return _pin(batch) if self._pin else batch
+
+
 open_loader = ElasticLoader.from_dir
