@@ -60,6 +60,12 @@ class AgentConfig:
     # The gradient all-reduce starts in buckets during the backward of the last micro-batch
     # (agent/grad_sync.py), as DDP's does. Off: one bucketed all-reduce in s.step().
     overlap: bool = True
+    # One span per step's gradient sync (the last backward, the buckets' all-reduce, the
+    # exposed wait), for `ceaseless trace steps`: CEASELESS_TRACE_STEPS=1. Off by default.
+    trace_steps: bool = False
+    # Gradient bucket size (MiB) of the all-reduce, as DDP's bucket_cap_mb (25): smaller
+    # buckets start earlier in the backward, larger ones cost fewer calls.
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -68,6 +74,8 @@ class AgentConfig:
         if not (0 < self.heartbeat_interval < fault):
             raise ValueError(f"heartbeat_interval must be in (0, {fault:g}) s: below the fault "
                              "timeout")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive (CEASELESS_BUCKET_MB, got {self.bucket_mb})")
         if not self.solo_max > 0:
             raise ValueError(f"solo_max must be positive (CEASELESS_SOLO_MAX, got {self.solo_max})")
         if not (0 < self.collective_slice < self.collective_timeout):
@@ -109,6 +117,8 @@ class AgentConfig:
             shadow_spares=_flag("CEASELESS_SHADOW_SPARES", cls.shadow_spares),
             resume_in_place=_flag("CEASELESS_RESUME_IN_PLACE", cls.resume_in_place),
             overlap=_flag("CEASELESS_OVERLAP", cls.overlap),
+            trace_steps=_flag("CEASELESS_TRACE_STEPS", cls.trace_steps),
+            bucket_mb=float(env("CEASELESS_BUCKET_MB") or cls.bucket_mb),
         )
 
 

@@ -22,6 +22,7 @@ same elements in the same buckets: results stay bitwise reproducible.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -56,6 +57,10 @@ class GradSync:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(self.params) if i in self._bucket_of]
         self.overlapped = 0  # buckets posted during the backward (for tests and traces)
+        # wall times of the last finished step: armed, each bucket posted, finish called,
+        # done (``Stepper`` turns them into spans with CEASELESS_TRACE_STEPS=1)
+        self._times: dict[str, Any] = {}
+        self.last_times: dict[str, Any] = {}
 
     def close(self) -> None:
         for h in self._handles:
@@ -84,6 +89,8 @@ class GradSync:
         self._missing = [len(b) for b in self.buckets] if group is not None else []
         self._posted, self._next, self._error = {}, 0, None
         self._seen, self.spoiled = set(), False
+        self._times = {"armed": time.time() if group is not None else None, "posted": {},
+                       "during_backward": 0}
 
     def flush(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
         """Before a collective of the script's own (``s.all_reduce``) after this rank's last
@@ -114,6 +121,7 @@ class GradSync:
                     self._post(self._next)
                     self._next += 1
                     self.overlapped += 1
+                    self._times["during_backward"] += 1
         return hook
 
     def _post(self, b: int) -> None:
@@ -124,6 +132,7 @@ class GradSync:
         flat = flatten(grads)  # a copy: the gradients stay this rank's own (module doc)
         try:
             self._posted[b] = (g.allreduce_start([flat], self._op_timeout_s), flat)
+            self._times["posted"][b] = time.time()
         except Exception as e:  # raised by finish() on the training thread
             self._error = self._error or e
 
@@ -147,6 +156,7 @@ class GradSync:
                 "a gradient was accumulated again after its bucket was sent (a second "
                 "backward after this rank's last micro-batch, or reentrant activation "
                 "checkpointing with shared weights): set CEASELESS_OVERLAP=0 for this script")
+        t_finish = time.time()
         with self._lock:
             if self._group is not group:  # posted on another generation's group, or none
                 self._reset(group, op_timeout_s)
@@ -154,7 +164,7 @@ class GradSync:
             while self._next < len(self.buckets):
                 self._post(self._next)
                 self._next += 1
-            posted, err = self._posted, self._error
+            posted, err, times = self._posted, self._error, self._times
             self._reset(None)
         group._check(abort)
         if len(posted) != len(self.buckets):
@@ -168,3 +178,4 @@ class GradSync:
             p.write_back()
         for b, idx in enumerate(self.buckets):
             unflatten_(posted[b][1], [self.params[i].grad for i in idx])
+        self.last_times = {**times, "finish": t_finish, "done": time.time()}

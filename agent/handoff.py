@@ -81,7 +81,7 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
         pg = make_group_abortable(rt.stores.rendezvous(f"g{g}."), rank, plan.world_size, rt.abort,
                                   timeout_s=cfg.collective_timeout, backend=cfg.backend,
                                   slice_s=cfg.collective_slice, meanwhile=meanwhile)
-    m.group = AbortableGroup(pg)
+    m.group = AbortableGroup(pg, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
     if inc is not None:
         inc.t_group = time.time()
     # state_sync: the broker names sources and recipients

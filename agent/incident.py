@@ -158,3 +158,27 @@ def _trace(inc: Incident, phases: dict[str, float], end: float, cfg: Any, rank: 
         span.end(end_time=ns(t))
     parent.end(end_time=ns(end))
     return parent
+
+
+def trace_grad_sync(cfg: Any, step: int, rank: int | None, generation: int, buckets: int,
+                    t: dict[str, Any]) -> None:
+    """One step's overlapped gradient sync as spans (CEASELESS_TRACE_STEPS=1): ``grad_sync``
+    (armed for the last backward -> sums written back), its children ``last_backward``
+    (armed -> ``s.step()`` called) and ``allreduce`` (first bucket posted -> done); the
+    overlap is where they intersect, the exposed wait is what follows the backward."""
+    if not t.get("armed") or not t.get("posted"):
+        return
+    ns = lambda x: int(x * 1e9)  # noqa: E731
+    first = min(t["posted"].values())
+    attrs = {"ceaseless.pod": cfg.pod, "ceaseless.step": step, "ceaseless.rank": rank,
+             "ceaseless.generation": generation, "ceaseless.buckets": buckets,
+             "ceaseless.buckets_during_backward": t["during_backward"],
+             "ceaseless.exposed_ms": round((t["done"] - t["finish"]) * 1e3, 3)}
+    parent = tracer.start_span("grad_sync", start_time=ns(t["armed"]), attributes=attrs)
+    ctx = trace.set_span_in_context(parent)
+    tracer.start_span("last_backward", context=ctx, start_time=ns(t["armed"]),
+                      attributes=attrs).end(end_time=ns(t["finish"]))
+    tracer.start_span("allreduce", context=ctx, start_time=ns(first),
+                      attributes=attrs).end(end_time=ns(t["done"]))
+    parent.end(end_time=ns(t["done"]))
+

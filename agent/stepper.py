@@ -126,6 +126,11 @@ class Stepper:
                 sync.finish(m.group, [loss_t], rt.abort, args["op_timeout_s"],
                             slice_s=cfg.collective_slice, timeout_s=cfg.collective_timeout,
                             extend=args["extend"])
+                if cfg.trace_steps:
+                    from .incident import trace_grad_sync
+
+                    trace_grad_sync(cfg, s, m.rank, m.generation, len(sync.buckets),
+                                    sync.last_times)
             else:
                 m.group.allreduce_(grads + [loss_t], rt.abort, slice_s=cfg.collective_slice,
                                    timeout_s=cfg.collective_timeout, **args)

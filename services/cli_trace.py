@@ -1,4 +1,5 @@
-"""`ceaseless trace list|show|plot`: read a run's trace files and explain its incidents.
+"""`ceaseless trace list|show|plot|steps`: read a run's trace files and explain its incidents
+(and, with CEASELESS_TRACE_STEPS=1, the overlap of each step's gradient sync).
 
 ``register(sub)`` adds the ``trace`` command to an argparse subparsers object; every leaf sets
 ``func`` (``args.func(args)`` returns the exit code). ``python -m services.cli_trace ...`` runs
@@ -125,11 +126,33 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+@_guard
+def cmd_steps(args: argparse.Namespace) -> int:
+    run = find_run_dir(args.run_dir)
+    stats = tt.LoadStats()
+    rows = tt.grad_syncs(tt.load_spans(run, stats))
+    _warn(stats)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"run {run}: no traced steps (run the job with CEASELESS_TRACE_STEPS=1 and the "
+              "gradient sync overlapped, CEASELESS_OVERLAP=1)")
+        return 0
+    print(tt.table(["step", "pod", "rank", "last backward", "all-reduce", "overlap",
+                    "exposed", "buckets in bw"],
+                   [[r["step"], r["pod"], r["rank"], tt.fmt_ms(r["backward_ms"]),
+                     tt.fmt_ms(r["allreduce_ms"]), tt.fmt_ms(r["overlap_ms"]),
+                     tt.fmt_ms(r["exposed_ms"]), f"{r['during_backward']}/{r['buckets']}"]
+                    for r in rows]))
+    return 0
+
+
 def register(sub) -> argparse.ArgumentParser:
     """Add ``trace`` (list/show/plot) to the subparsers object ``sub``."""
     p = sub.add_parser("trace", help="analyse recovery traces of a run",
                        description="Read <run-dir>/traces/*.jsonl and explain incidents.")
-    tsub = p.add_subparsers(dest="trace_cmd", metavar="{list,show,plot}")
+    tsub = p.add_subparsers(dest="trace_cmd", metavar="{list,show,plot,steps}")
 
     def common(q: argparse.ArgumentParser) -> None:
         q.add_argument("--run-dir", default=None,
@@ -154,6 +177,12 @@ def register(sub) -> argparse.ArgumentParser:
     common(q)
     q.add_argument("--out", "-o", required=True, help="output file: .svg or .png")
     q.set_defaults(func=lambda args: cmd_plot(args))
+
+    q = tsub.add_parser("steps", help="the gradient sync of each traced step: how much of "
+                        "the all-reduce overlapped the last backward (CEASELESS_TRACE_STEPS=1)")
+    common(q)
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.set_defaults(func=lambda args: cmd_steps(args))
 
     def _help(args: argparse.Namespace) -> int:
         p.print_help(sys.stderr)

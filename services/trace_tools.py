@@ -883,3 +883,29 @@ def render_png(inc: Incident, out: str | Path, dpi: int = 120) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
+
+
+def grad_syncs(spans: Sequence[Span]) -> list[dict[str, Any]]:
+    """The steps traced with CEASELESS_TRACE_STEPS=1, one row per (pod, step): the last
+    backward, the all-reduce of the gradient buckets, how long they overlapped and the
+    exposed wait after the backward (agent/incident.py, ``trace_grad_sync``)."""
+    kids: dict[str, dict[str, Span]] = {}
+    for sp in spans:
+        if sp.name in ("last_backward", "allreduce"):
+            kids.setdefault(sp.parent_id, {})[sp.name] = sp
+    rows = []
+    for sp in spans:
+        if sp.name != "grad_sync" or sp.span_id not in kids:
+            continue
+        k = kids[sp.span_id]
+        bw, ar = k.get("last_backward"), k.get("allreduce")
+        if bw is None or ar is None:
+            continue
+        overlap = max(0, min(bw.end_ns, ar.end_ns) - max(bw.start_ns, ar.start_ns)) / 1e6
+        rows.append({"pod": sp.pod, "step": sp.attr("ceaseless.step"), "rank": sp.rank,
+                     "backward_ms": bw.duration_ms, "allreduce_ms": ar.duration_ms,
+                     "overlap_ms": overlap, "exposed_ms": sp.attr("ceaseless.exposed_ms"),
+                     "buckets": sp.attr("ceaseless.buckets"),
+                     "during_backward": sp.attr("ceaseless.buckets_during_backward")})
+    return sorted(rows, key=lambda r: (r["step"] or 0, str(r["pod"])))
+

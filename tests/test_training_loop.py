@@ -159,3 +159,31 @@ async def test_start_from_the_scripts_own_checkpoint(tmp_path):
     firsts = {p.stem: json.loads(p.read_text())["first"]
               for p in (tmp_path / "job" / "first").glob("*.json")}
     assert firsts == {"w0": 6, "w1": 6}, firsts
+
+
+async def test_the_overlapped_sync_shows_in_a_trace(tmp_path, monkeypatch):
+    """CEASELESS_TRACE_STEPS=1 (and small buckets, so the tiny model has several): every
+    step's gradient sync is traced, `ceaseless trace steps` lists it per rank, and buckets
+    were posted during the last backward: the all-reduce overlapped it."""
+    monkeypatch.setenv("CEASELESS_TRACE_STEPS", "1")
+    monkeypatch.setenv("CEASELESS_BUCKET_MB", "0.01")
+    steps = 6
+    s = await run_job(tmp_path, "traced", 2, 0, steps=steps, extra=["--", *_example(steps)])
+    assert s["final_step"] == steps - 1
+    r = subprocess.run([sys.executable, "-m", "services.cli", "trace", "steps", "--json",
+                        "--run-dir", str(tmp_path / "traced")], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    rows = json.loads(r.stdout)
+    assert sorted((x["step"], x["rank"]) for x in rows) == \
+        [(k, rank) for k in range(steps) for rank in (0, 1)], rows
+    assert all(x["buckets"] > 1 for x in rows), rows
+    overlapped = [x for x in rows if x["during_backward"] > 0]
+    assert len(overlapped) >= len(rows) // 2, rows
+    assert all(x["overlap_ms"] > 0 for x in overlapped), rows
+    text = subprocess.run([sys.executable, "-m", "services.cli", "trace", "steps", "--run-dir",
+                           str(tmp_path / "traced")], cwd=REPO, capture_output=True, text=True,
+                          timeout=60).stdout
+    assert "last backward" in text and "exposed" in text, text
