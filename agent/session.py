@@ -373,7 +373,7 @@ class Session:
         loss, sent = done
         self._commit(s, loss, time.perf_counter() - t0)
         if sent is not None:
-            leader.offer(s, sent, f, self._stepper.skipped)
+            leader.offer(s, sent[0], f, self._stepper.skipped, sent[1])
         return True
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> bool:

@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -103,6 +103,9 @@ class Update:
     lr_factor: float
     tensors: list[Tensor]
     skip: bool = False  # fp16: the GradScaler skipped the update (gradients not finite)
+    # the optimizers' hyper-parameters this update used (``TrainState.hypers``): a script
+    # that sets ``param_group['lr']`` in its loop is followed too
+    hypers: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -205,7 +208,8 @@ class ShadowSender:
         head = torch.tensor([MAGIC, KIND_STEP, u.step, layout_hash(u.tensors)],
                             dtype=torch.int64)
         loss = math.nan if u.loss is None else float(u.loss)
-        scalars = torch.tensor([loss, u.lr_factor, float(u.skip)], dtype=torch.float64)
+        scalars = torch.tensor([loss, u.lr_factor, float(u.skip), *u.hypers],
+                               dtype=torch.float64)
         # gloo sends host memory: CUDA tensors (a model on the GPU) are copied out here, in
         # this background thread, off the training thread's path
         tensors = [t.detach().to("cpu").contiguous() for t in u.tensors]
@@ -221,8 +225,10 @@ class ShadowReceiver:
     whenever an item arrives."""
 
     def __init__(self, store_factory: Callable[[], Any], templates: Sequence[Tensor],
-                 notify: Callable[[], None], *, timeout_s: float, slice_s: float) -> None:
+                 notify: Callable[[], None], *, timeout_s: float, slice_s: float,
+                 hypers: int = 0) -> None:
         self._store_factory = store_factory
+        self._hypers = hypers  # how many hyper-parameters each Update carries
         self._templates = [(t.shape, t.dtype) for t in templates]
         self._lh = layout_hash(templates)
         self._notify = notify
@@ -301,11 +307,11 @@ class ShadowReceiver:
         if value != self._lh:
             raise ValueError("rank 0's gradients do not match this spare's parameters "
                              f"(layout {value:x} != {self._lh:x})")
-        scalars = torch.zeros(3, dtype=torch.float64)
+        scalars = torch.zeros(3 + self._hypers, dtype=torch.float64)
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in self._templates]
         works = [group.irecv(scalars, 0, TAG_SCALARS)]
         works += [group.irecv(t, 0, TAG_TENSORS) for t in tensors]
         group.wait_all(works, self._abort, "shadow step", timeout_s=self._timeout_s)
-        loss, f, skip = scalars.tolist()
+        loss, f, skip, *hypers = scalars.tolist()
         return "step", Update(step=int(step), loss=None if math.isnan(loss) else loss,
-                              lr_factor=f, tensors=tensors, skip=skip != 0.0)
+                              lr_factor=f, tensors=tensors, skip=skip != 0.0, hypers=hypers)

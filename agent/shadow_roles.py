@@ -125,14 +125,15 @@ class ShadowLeader:
             self.generation = 0
             self._watch(None)
 
-    def offer(self, s: int, grads: list[torch.Tensor], f: float, skip: bool = False) -> None:
-        """Step ``s`` committed with these reduced gradients and learning-rate factor
-        (``skip``: the fp16 scaler skipped its update)."""
+    def offer(self, s: int, grads: list[torch.Tensor], f: float, skip: bool = False,
+              hypers: list[float] | None = None) -> None:
+        """Step ``s`` committed with these reduced gradients, learning-rate factor and
+        optimizer hyper-parameters (``skip``: the fp16 scaler skipped its update)."""
         from .shadow import Update
 
         bufs = [b.detach().clone() for b in self._state.buffers()]  # the next forward changes them
         u = Update(step=s, loss=self._state.loss, lr_factor=f, tensors=list(grads) + bufs,
-                   skip=skip)
+                   skip=skip, hypers=list(hypers or []))
         for out in self._out.values():
             out.offer(u)
 
@@ -188,7 +189,8 @@ class ShadowFollower:
         self._in = ShadowReceiver(
             _store(rt, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
             self._state.params() + self._state.buffers(), rt.notify,
-            timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice)
+            timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice,
+            hypers=len(self._state.hypers()))
 
     def settle(self, wait_s: float = SETTLE_S) -> None:
         """Promoted: apply what arrived and, if the last step applied is not confirmed yet,
@@ -238,6 +240,7 @@ class ShadowFollower:
                         b.copy_(v)
                 for p, g in zip(params, val.tensors):
                     p.grad = g if g.device == p.device else g.to(p.device)
+                st.set_hypers(val.hypers)  # as rank 0's script set them for this step
                 st.update(val.lr_factor, val.skip)
                 st.zero_grad()
                 self._at, self._loss = val.step, val.loss

@@ -76,9 +76,10 @@ class Stepper:
 
     # ------------------------------------------------------------------ the step
     def step(self, s: int, max_grad_norm: float | None, grad_hook: Hook | None,
-             lr_factor: float, stream: bool) -> tuple[float, list | None] | None:
-        """Sync, unscale, clip, hook, update, zero-grad: (the step's global loss, the
-        gradients spares replay when ``stream``), or None when the step was discarded."""
+             lr_factor: float, stream: bool) -> tuple[float, tuple | None] | None:
+        """Sync, unscale, clip, hook, update, zero-grad: (the step's global loss, what spares
+        replay when ``stream``: the gradients and the optimizers' hyper-parameters), or None
+        when the step was discarded."""
         params = self.state.params()
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
         if self.m is not None and not self._sync_gradients(s, params, loss_t):
@@ -88,8 +89,8 @@ class Stepper:
         self._synced(params, max_grad_norm, grad_hook, skip)
         # what spares replay: the gradients after the clip and the hook (which may replace
         # them), taken before zero-grad drops them; only when a spare follows
-        sent = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params] \
-            if stream else None
+        sent = ([p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
+                self.state.hypers()) if stream else None
         self.state.update(lr_factor, skip)
         self.zero_grad()
         return float(loss_t.item()), sent

@@ -17,6 +17,9 @@ from typing import Any, Iterable
 import torch
 
 
+HYPER_KEYS = ("lr", "weight_decay", "momentum", "dampening", "eps")
+
+
 class TrainState:
     def __init__(self) -> None:
         self.objs: dict[str, Any] = {}
@@ -124,6 +127,24 @@ class TrainState:
         sc.load_state_dict({**sd, "scale": float(scale), "_growth_tracker": tracker})
 
     # ------------------------------------------------------------------ the update
+    def hypers(self) -> list[float]:
+        """The optimizers' numeric hyper-parameters (``HYPER_KEYS`` of every param group, in
+        order): what a script may set between steps (``param_group['lr'] = ...``), sent to
+        spares with each step so that they update with the same values."""
+        return [float(g[k]) for opt in self.optimizers() for g in opt.param_groups
+                for k in HYPER_KEYS if isinstance(g.get(k), (int, float))
+                and not isinstance(g.get(k), bool)]
+
+    def set_hypers(self, values: list[float]) -> None:
+        it = iter(values)
+        for opt in self.optimizers():
+            for g in opt.param_groups:
+                for k in HYPER_KEYS:
+                    if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool):
+                        v = next(it)
+                        if float(g[k]) != v:  # as set on rank 0 (its type: float)
+                            g[k] = v
+
     def update(self, f: float, skip: bool = False) -> None:
         """Optimizer and scheduler step with the learning rate scaled by ``f`` (the plan's
         ramp); ``skip`` (fp16: a gradient was not finite): no optimizer step, the loss scale

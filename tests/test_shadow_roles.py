@@ -2,7 +2,8 @@
 ``ShadowLeader`` and a spare's ``ShadowFollower``, each with its own ``Runtime`` (NATS
 connection, store bucket), find each other through the spare's KV request and stream over
 a real gloo pair. The spare ends up holding rank 0's committed state bit for bit, step by
-step, and stops following (holding nothing) when rank 0's state changes outside a step."""
+step (also when the script sets the learning rate itself every step), and stops following
+(holding nothing) when rank 0's state changes outside a step."""
 
 from __future__ import annotations
 
@@ -44,17 +45,22 @@ def _until(pred, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def _train_step(st: TrainState, s: int) -> list[torch.Tensor]:
-    """A member's step: forward/backward, update, zero-grad; returns the gradients."""
+def _train_step(st: TrainState, s: int) -> tuple[list[torch.Tensor], list[float]]:
+    """A member's step: forward/backward, the script's own learning rate for this step
+    (nanoGPT's way: ``param_group['lr'] = lr``), update, zero-grad; returns the gradients
+    and the optimizer's hyper-parameters the update used."""
     model = st.objs["model"]
     g = torch.Generator().manual_seed(s)
     loss = model(torch.randn(16, 4, generator=g)).pow(2).mean()
     loss.backward()
     grads = [p.grad.clone() for p in st.params()]
+    for group in st.objs["optimizer"].param_groups:
+        group["lr"] = 1e-2 / s
+    hypers = st.hypers()
     st.update(1.0)
     st.zero_grad()
     st.last_committed, st.loss = s, float(loss.detach())
-    return grads
+    return grads, hypers
 
 
 def test_a_spare_follows_rank_0_bit_for_bit_and_stops_on_divergence(nats_server):
@@ -80,20 +86,21 @@ def test_a_spare_follows_rank_0_bit_for_bit_and_stops_on_divergence(nats_server)
         assert spare_state.param_sha256() == lead_state.param_sha256()
 
         for s in (1, 2, 3):
-            grads = _train_step(lead_state, s)
-            leader.offer(s, grads, 1.0)
+            grads, hypers = _train_step(lead_state, s)
+            leader.offer(s, grads, 1.0, hypers=hypers)
             leader.confirm(s)
             _until(lambda: caught_up(s), f"the spare to hold step {s}")
             assert spare_state.param_sha256() == lead_state.param_sha256(), s
             assert spare_state.loss == lead_state.loss
+            assert spare_state.objs["optimizer"].param_groups[0]["lr"] == 1e-2 / s
         assert rt1.hb.step == 3 and rt1.hb.digest == lead_state.digest()
 
         # rank 0's script changes registered state outside s.step(): the confirmation's
         # checksum no longer matches what the spare replayed, so it holds nothing
-        grads = _train_step(lead_state, 4)
+        grads, hypers = _train_step(lead_state, 4)
         with torch.no_grad():
             lead_state.objs["model"][0].bias.add_(1.0)
-        leader.offer(4, grads, 1.0)
+        leader.offer(4, grads, 1.0, hypers=hypers)
         leader.confirm(4)
         _until(lambda: (follower.apply(), not follower.following)[1], "the spare to stop")
         assert spare_state.last_committed == -1 and rt1.hb.step == -1

@@ -97,11 +97,9 @@ decay = [p for p in model.parameters() if p.dim() >= 2]      # matmuls and embed
 no_decay = [p for p in model.parameters() if p.dim() < 2]   # biases and LayerNorms
 optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.1},
                                {'params': no_decay, 'weight_decay': 0.0}], lr=args.lr, betas=(0.9, 0.95))
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: get_lr(it) / args.lr)
 if args.resume:
     optimizer.load_state_dict(checkpoint['optimizer'])
-    scheduler.load_state_dict(checkpoint['scheduler'])
-s.register(model=model, optimizer=optimizer, scheduler=scheduler)
+s.register(model=model, optimizer=optimizer)
 
 
 @torch.no_grad()
@@ -122,6 +120,8 @@ def estimate_loss():  # each rank evaluates its own fixed batches; returns the m
 t0 = time.time()
 for iter_num in s.steps(args.max_iters, start=iter_num):
     lr = get_lr(iter_num)
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
     if iter_num % args.eval_interval == 0 or iter_num == args.max_iters - 1:
         losses = estimate_loss()
         if s.rank == 0 and losses is not None:
@@ -131,7 +131,7 @@ for iter_num in s.steps(args.max_iters, start=iter_num):
         with ctx:
             logits, loss = model(X, Y)
         s.backward(loss)
-    committed = s.step(max_grad_norm=1.0)  # all-reduce, clip, optimizer + scheduler step
+    committed = s.step(max_grad_norm=1.0)  # all-reduce, clip, optimizer step, zero-grad
     if committed and iter_num % args.log_interval == 0 and s.rank == 0:
         dt, t0 = time.time() - t0, time.time()
         print(f"iter {iter_num}: loss {s.loss:.4f}, lr {lr:.2e}, {dt * 1000:.0f} ms")
@@ -139,6 +139,6 @@ for iter_num in s.steps(args.max_iters, start=iter_num):
 if s.rank == 0:
     os.makedirs(args.out_dir, exist_ok=True)
     checkpoint = {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
-                  'scheduler': scheduler.state_dict(), 'iter_num': s.last_committed + 1}
+                  'iter_num': s.last_committed + 1}
     torch.save(checkpoint, ckpt_path)
     print(f"saved {ckpt_path} at iter {s.last_committed + 1}")
