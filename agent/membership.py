@@ -175,7 +175,7 @@ class Membership:
             # time spent finishing the current micro-batch is in it, not in a gap.
             told = self.rt.abort_at if self.rt.abort.is_set() and self.rt.abort_at else now
             self.timeline.open(reason, notice=min(now, told))
-        log.info("step discarded", reason=reason)
+        log.info("step discarded", step=self.state.last_committed + 1, reason=reason)
         return False
 
     def after_discard(self) -> bool:
