@@ -1,0 +1,42 @@
+"""One rank of a two-rank FSDP2 job on a ``SwappableGroup`` (tests/test_sharded.py).
+
+    python -m tests.helpers.fsdp_swap RANK PORT SWAP_AT OUT
+
+Trains 6 steps of a small model sharded with ``fully_shard``; with ``SWAP_AT`` >= 0 the
+group's backend is replaced by a new generation's (fresh store prefix) before that step and
+the old one aborted. Writes the losses and the full parameters (gathered) to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from agent.sharded import SwappableGroup
+
+rank, port, swap_at, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=__import__("datetime").timedelta(seconds=30))
+group = SwappableGroup(rank, 2)
+group.swap(dist.PrefixStore("g1.", store), timeout_s=30)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+for layer in (model[0], model[2], model):
+    fully_shard(layer, mesh=group.mesh())
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+local_shapes = [tuple(p.to_local().shape) for p in model.parameters()]
+losses = []
+for step in range(6):
+    if step == swap_at:
+        old = group.swap(dist.PrefixStore("g2.", store), timeout_s=30)
+        old.abort()  # the old generation's backend is gone: nothing may still use it
+    g = torch.Generator().manual_seed(100 * step + rank)
+    loss = model(torch.randn(16, 8, generator=g)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+torch.save({"losses": losses, "params": full, "local_shapes": local_shapes}, out)

@@ -1,0 +1,55 @@
+"""FSDP2 on a process group whose backend is replaced per generation (agent/sharded.py):
+the building block for sharded models inside a replica (issue 21). Two real processes over
+gloo; no Ceaseless control plane."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import REPO
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(tmp_path, name: str, swap_at: int) -> list[dict]:
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    outs = [tmp_path / f"{name}-{r}.pt" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.fsdp_swap", str(r), str(port),
+                               str(swap_at), str(outs[r])], cwd=REPO, env=env)
+             for r in range(2)]
+    try:
+        for p in procs:
+            assert p.wait(timeout=150) == 0
+    finally:
+        for p in procs:  # by PID, never by name
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [torch.load(o) for o in outs]
+
+
+def test_fsdp2_trains_across_a_backend_swap_bitwise(tmp_path):
+    plain = _job(tmp_path, "plain", -1)
+    swapped = _job(tmp_path, "swap", 3)
+    for a, b in zip(plain, swapped):
+        assert a["losses"] == b["losses"]
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    # sharded: each rank holds half of every parameter's rows
+    assert plain[0]["local_shapes"] == [(16, 8), (16,), (2, 32), (2,)]
+    # the two ranks trained on different data and still agree on the full parameters
+    assert plain[0]["losses"] != plain[1]["losses"]
+    assert all(torch.equal(plain[0]["params"][k], plain[1]["params"][k]) for k in plain[0]["params"])
