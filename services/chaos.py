@@ -8,19 +8,31 @@
    training-thread stalls (``inject stall``: heartbeats go on, the pod's watchdog reports it), spare
    kills, rank-0 kills, SIGKILLs of each control-plane service, nats-server SIGKILLs (the
    launcher restarts it on the same port and store), a second fault during recovery (the
-   promoted spare dies while it enters the new generation) and a worker fault while a service
-   is down; with ``--elastic`` also capacity add/remove and priority release on the bus.
+   promoted spare dies while it enters the new generation), a worker fault while a service
+   is down, and ``kill_all``: SIGKILL of every pod at once (members, spares, replacements,
+   by the PIDs ``up`` recorded), a total loss; with ``--elastic`` also capacity add/remove
+   and priority release on the bus.
    Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
    fast this machine is), each once the job is healthy again (every member of the latest plan
    training, enough spares; ``ceaseless up`` replaces every failed pod by itself, and only
    elastic scale-ups make the chaos tool ask the actuator for more). Each fault must be *survived*: a new plan without the victim and every member
    past the step the fault interrupted (worker faults), or the service back and training on
-   (control-plane faults), within a bounded time.
+   (control-plane faults), within a bounded time. A schedule with ``kill_all`` runs ``up``
+   with last-resort checkpoints (``run_dir/checkpoints``, every ``--checkpoint-every``
+   steps, default steps / 25, at least 10; ``--auto-resume`` = kill_all events + 1): after
+   the loss ``up`` starts the job again in ``restart-N/`` (nested for a restart's restart)
+   with a new nats-server and credentials, plans from generation 1 and the same pod ids;
+   the tool re-attaches to it (``Cluster.reattach``). A kill_all is survived once the
+   restarted job trained past the step it was killed at (``RESTART_TIMEOUT``); the steps
+   after the checkpoint are recomputed (bitwise) and reported as such, not as lost.
 3. The verdict: the chaos run's final parameters must equal the reference's bitwise when the
    world size never changed (losses within 1e-4 relative otherwise), no committed step lost,
-   every injected fault survived. It prints faults injected and survived, downtime p50/p99
-   (per incident, from the Recovery messages as ``ceaseless up`` summarises them) and lost
-   steps, writes ``chaos.json`` in the run dir, and exits non-zero if anything failed.
+   every injected fault survived, and one restart of ``up`` per kill_all. The final results
+   are the last restart's (``up``'s summary of the run dir is that job's; lost steps of the
+   jobs before it come from their Recovery messages). It prints faults injected and
+   survived, downtime p50/p99 (per incident, from the Recovery messages as ``ceaseless up``
+   summarises them), lost steps and recomputed steps, writes ``chaos.json`` in the run
+   dir, and exits non-zero if anything failed.
 
 Everything started is cleaned up by PID (``pids.txt``), never by name.
 """
