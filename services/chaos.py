@@ -8,19 +8,31 @@
    training-thread stalls (``inject stall``: heartbeats go on, the pod's watchdog reports it), spare
    kills, rank-0 kills, SIGKILLs of each control-plane service, nats-server SIGKILLs (the
    launcher restarts it on the same port and store), a second fault during recovery (the
-   promoted spare dies while it enters the new generation) and a worker fault while a service
-   is down; with ``--elastic`` also capacity add/remove and priority release on the bus.
+   promoted spare dies while it enters the new generation), a worker fault while a service
+   is down, and ``kill_all``: SIGKILL of every pod at once (members, spares, replacements,
+   by the PIDs ``up`` recorded), a total loss; with ``--elastic`` also capacity add/remove
+   and priority release on the bus.
    Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
    fast this machine is), each once the job is healthy again (every member of the latest plan
    training, enough spares; ``ceaseless up`` replaces every failed pod by itself, and only
    elastic scale-ups make the chaos tool ask the actuator for more). Each fault must be *survived*: a new plan without the victim and every member
    past the step the fault interrupted (worker faults), or the service back and training on
-   (control-plane faults), within a bounded time.
+   (control-plane faults), within a bounded time. A schedule with ``kill_all`` runs ``up``
+   with last-resort checkpoints (``run_dir/checkpoints``, every ``--checkpoint-every``
+   steps, default steps / 25, at least 10; ``--auto-resume`` = kill_all events + 1): after
+   the loss ``up`` starts the job again in ``restart-N/`` (nested for a restart's restart)
+   with a new nats-server and credentials, plans from generation 1 and the same pod ids;
+   the tool re-attaches to it (``Cluster.reattach``). A kill_all is survived once the
+   restarted job trained past the step it was killed at (``RESTART_TIMEOUT``); the steps
+   after the checkpoint are recomputed (bitwise) and reported as such, not as lost.
 3. The verdict: the chaos run's final parameters must equal the reference's bitwise when the
    world size never changed (losses within 1e-4 relative otherwise), no committed step lost,
-   every injected fault survived. It prints faults injected and survived, downtime p50/p99
-   (per incident, from the Recovery messages as ``ceaseless up`` summarises them) and lost
-   steps, writes ``chaos.json`` in the run dir, and exits non-zero if anything failed.
+   every injected fault survived, and one restart of ``up`` per kill_all. The final results
+   are the last restart's (``up``'s summary of the run dir is that job's; lost steps of the
+   jobs before it come from their Recovery messages). It prints faults injected and
+   survived, downtime p50/p99 (per incident, from the Recovery messages as ``ceaseless up``
+   summarises them), lost steps and recomputed steps, writes ``chaos.json`` in the run
+   dir, and exits non-zero if anything failed.
 
 Everything started is cleaned up by PID (``pids.txt``), never by name.
 """
@@ -46,11 +58,11 @@ SERVICES = ("health_monitor", "scaler", "state_broker")
 # never changes and the result must be bitwise the reference's.
 KINDS = ("kill", "hang", "stall", "kill_rank0", "spare_kill", "kill_health_monitor",
          "kill_scaler", "kill_state_broker", "nats_restart", "during_recovery",
-         "kill_with_service")
+         "kill_with_service", "kill_all")
 ELASTIC_KINDS = ("capacity_add", "capacity_remove", "priority")
 WEIGHTS = {"kill": 3, "hang": 2, "stall": 1, "kill_rank0": 1, "spare_kill": 1, "kill_health_monitor": 1,
            "kill_scaler": 1, "kill_state_broker": 1, "nats_restart": 1, "during_recovery": 1,
-           "kill_with_service": 1, "capacity_add": 1, "capacity_remove": 1, "priority": 1}
+           "kill_with_service": 1, "kill_all": 1, "capacity_add": 1, "capacity_remove": 1, "priority": 1}
 SPARES_NEEDED = {"kill": 1, "hang": 1, "stall": 1, "kill_rank0": 1, "during_recovery": 2,
                  "kill_with_service": 1, "spare_kill": 1, "capacity_add": 1}
 # Steps per second of the tiny example on a 2-core machine, by world size (to size a run
@@ -59,6 +71,17 @@ RATE = {1: 12.0, 2: 9.0, 3: 7.0, 4: 5.0}
 READY_TIMEOUT = 120.0     # the job healthy again (members training, spares registered)
 RECOVER_TIMEOUT = 90.0    # a fault handled: new plan, everyone past the interrupted step
 FRESH = TIMEOUTS["fault_timeout"]  # a heartbeat younger than this is a live pod
+# kill_all: the total loss found (the broker declares the state lost once replacement pods
+# hold nothing), `up` stopped and started again from the newest checkpoint, and every
+# member trained past the step the job was killed at (recomputing the steps after the
+# checkpoint)
+RESTART_TIMEOUT = 240.0
+
+
+def checkpoint_every(steps: int) -> int:
+    """Checkpoint interval of a chaos run with kill_all events: small, so that a total loss
+    recomputes some steps (a few percent of the run), and at least every 10 steps."""
+    return max(10, steps // 25)
 
 
 @dataclass
@@ -73,6 +96,7 @@ class ChaosOptions:
     run_dir: str | None = None
     model: str = "tiny"
     kinds: list[str] | None = None
+    checkpoint_every: int | None = None   # with kill_all events; None: checkpoint_every()
     # None: float64 with --elastic (the world size changes, so the result is compared with
     # the reference within 1e-4, which float32 does not hold over thousands of steps: the
     # changed order of additions grows to ~1e-3 in the losses), else float32 (bitwise).
@@ -103,6 +127,7 @@ class Outcome:
     detail: str = ""
     recover_s: float | None = None   # injection to "handled and training again" (observer)
     t: float | None = None           # injection wall time
+    recomputed: int | None = None    # kill_all: committed steps after the checkpoint, run again
 
 
 class ChaosFailure(Exception):
@@ -158,10 +183,16 @@ class Chaos:
         self.requested: dict[str, float] = {}  # spares asked of the actuator, not yet seen
         self._top_lock = asyncio.Lock()
         self.decisions: list[Any] = []
-        self.recoveries: list[Any] = []
+        self.recoveries: list[tuple[int, Any]] = []  # (segment: restarts before it, msg)
         self.faults: list[Any] = []
         self.log: list[str] = []
         self.t_start = time.time()
+        self.ckdir: Path | None = None         # last-resort checkpoints (kill_all events)
+        # the jobs `up` restarted after a total loss: dir, checkpoint, last step seen before
+        self.restarts: list[dict[str, Any]] = []
+        self.segment = 0                        # index of the attached job (0: the first)
+        self.killed_gen: int | None = None      # the generation a kill_all killed
+        self.trained_plans: list[Any] = []      # plans of the jobs before the attached one
 
     def say(self, text: str) -> None:
         line = f"[{time.time() - self.t_start:7.2f}s] {text}"
@@ -169,16 +200,21 @@ class Chaos:
         print(line, flush=True)
 
     async def attach(self) -> None:
+        """Subscribe now and again on every bus `up` starts after a total loss."""
+        self.c.on_attach.append(self._subscribe)
+        await self._subscribe(self.c.bus)
+
+    async def _subscribe(self, bus) -> None:
         from schemas.messages import Decision, Fault, Recovery
 
-        bus = self.c.bus
         s = bus.subjects
+        segment = self.segment
 
         async def on_dec(m, env):
             self.decisions.append(m)
 
         async def on_rec(m, env):
-            self.recoveries.append(m)
+            self.recoveries.append((segment, m))
 
         async def on_fault(m, env):
             self.faults.append(m)
@@ -186,6 +222,43 @@ class Chaos:
         await bus.subscribe(s.decision, Decision, on_dec)
         await bus.subscribe(s.recovery, Recovery, on_rec)
         await bus.subscribe(s.fault, Fault, on_fault)
+
+    async def follow(self) -> None:
+        """In the background all run long: after a total loss `up` starts the job again in
+        ``restart-N/`` with a new nats-server, new credentials, plans from generation 1 and
+        the same pod ids; re-attach to it as soon as its ``cluster.json`` is there."""
+        from agent import checkpoint
+
+        while self.c.proc.poll() is None:
+            await asyncio.sleep(0.2)
+            d = self.c.job_dir()
+            if d == self.c.attached_dir:
+                continue
+            # the old job's last committed step: its members' last heartbeats (the plans
+            # after a kill_all only hold replacement pods at step -1, and no step is
+            # trained in them: the broker declares the state lost)
+            last = max((h.step for h in self.c.hb.values()), default=-1)
+            plans = [p for p in self.c.plans
+                     if self.killed_gen is None or p.generation <= self.killed_gen]
+            # `up` resumes from the newest complete checkpoint; none is written until the
+            # new pods run, so this is the one it chose
+            found = checkpoint.latest(self.ckdir) if self.ckdir else None
+            from_step = int(found.name.split("-")[1]) if found else None
+            self.segment += 1
+            try:
+                await self.c.reattach(d)
+            except Exception as e:  # its server not answering yet: next round
+                self.segment -= 1
+                self.say(f"  could not attach to {d} yet: {type(e).__name__}: {e}")
+                continue
+            self.victims.clear()  # the restarted job names its pods w0.., s0.. again
+            self.trained_plans += plans
+            self.killed_gen = None
+            self.restarts.append({"run_dir": str(d), "checkpoint": str(found) if found else None,
+                                  "from_step": from_step, "last_step": last})
+            self.say(f"  `up` restarted the job in {d} from "
+                     f"{found.name if found else 'no checkpoint'} (last step seen {last}); "
+                     "re-attached")
 
     # ------------------------------------------------------------------ views
     def plan(self):
@@ -370,7 +443,9 @@ class Chaos:
         out.at_step = step
         t0 = time.monotonic()
         out.t = time.time()
-        if kind in ("kill", "hang", "stall", "kill_rank0", "kill_with_service"):
+        if kind == "kill_all":
+            await self._kill_all(ev, out, step, t0)
+        elif kind in ("kill", "hang", "stall", "kill_rank0", "kill_with_service"):
             rank, h = self._victim(ev, rank0=kind == "kill_rank0")
             self.victims.add(h.pod)
             out.target = f"rank {rank} ({h.pod})"
@@ -462,6 +537,51 @@ class Chaos:
             raise ChaosFailure(f"unknown event kind {kind!r}")
         out.survived = True
         self.say(f"  survived in {out.recover_s:.2f}s{(' (' + out.detail + ')') if out.detail else ''}")
+
+    def pods(self) -> list[tuple[str, int]]:
+        """Every live pod `up` (its actuator) started: members, spares, replacements, in
+        the run dir and its restarts, as recorded in pids.txt (not services, nats-server)."""
+        from services.launcher import _ours
+
+        return [(n, pid) for n, pid in self.c.pids()
+                if n not in SERVICES and n != "nats-server" and _ours(pid, str(self.c.run_dir))]
+
+    async def _kill_all(self, ev: Event, out: Outcome, step: int, t0: float) -> None:
+        """SIGKILL every pod at once: no holder of the state survives. `up` restarts the job
+        from its newest checkpoint; survived once every member of the restarted job trained
+        past the step it was killed at."""
+        from agent import checkpoint
+
+        if self.ckdir is None:
+            raise ChaosFailure("kill_all needs the run's checkpoints (none configured)")
+        await self.wait(lambda: checkpoint.latest(self.ckdir) is not None, 120,
+                        "a complete checkpoint to restart from")
+        step = max(step, self.step())
+        out.at_step = step
+        n = len(self.restarts)
+        self.killed_gen = self.plan().generation
+        killed = []
+        for name, pid in self.pods():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(name)
+            except ProcessLookupError:
+                pass
+        if not killed:
+            raise ChaosFailure("no live pod to kill")
+        out.injected = True
+        out.target = f"{len(killed)} pods ({', '.join(sorted(killed))})"
+        self.say(f"#{ev.index} kill_all: SIGKILL {out.target} at step {step} "
+                 f"(g{self.plan().generation})")
+        await self.wait(lambda: len(self.restarts) > n and (
+            self.finished() or self.healthy(past=step)), RESTART_TIMEOUT,
+            f"the job restarted from a checkpoint and past step {step}")
+        out.recover_s = time.monotonic() - t0
+        r = self.restarts[n]
+        if r["from_step"] is not None:
+            out.recomputed = max(0, max(step, r["last_step"]) - r["from_step"])
+        out.detail = (f"restarted in {Path(r['run_dir']).name} from checkpoint step "
+                      f"{r['from_step']}, {out.recomputed} step(s) recomputed")
 
     def cleanup(self) -> None:
         from services.launcher import _ours
@@ -555,16 +675,28 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
     t = time.monotonic()
     # Replacement pods keep the spare pool full (a generous budget: chaos kills on purpose);
     # a stalled training thread is reported by its own watchdog at the stall timeout.
+    extra = ["--model", opts.model, "--dtype", opts.example_dtype,
+             "--max-replacements", "1000", "--stall-timeout", "8"]
+    kill_alls = sum(1 for ev in schedule if ev.kind == "kill_all")
+    ckdir = None
+    if kill_alls:
+        # Every pod killed at once: `up` restarts the job from its newest last-resort
+        # checkpoint (one restart per kill_all, and one to spare).
+        ckdir = (run_dir / "checkpoints").resolve()
+        extra += ["--checkpoint-dir", str(ckdir), "--checkpoint-every",
+                  str(opts.checkpoint_every or checkpoint_every(steps)),
+                  "--auto-resume", str(kill_alls + 1)]
     async with Cluster(run_dir, opts.workers, opts.spares, steps, timeout=run_timeout,
-                       replace=True,
-                       extra=["--model", opts.model, "--dtype", opts.example_dtype,
-                              "--max-replacements", "1000", "--stall-timeout", "8"]) as c:
+                       replace=True, extra=extra) as c:
         ch = Chaos(c, opts, steps)
+        ch.ckdir = ckdir
+        tasks: list[asyncio.Task] = []
         try:
             await ch.attach()
+            tasks.append(asyncio.create_task(ch.follow()))
             await _full_start(c, opts.workers)
             await c.wait_spares(opts.spares, timeout=READY_TIMEOUT)
-            keeper = asyncio.create_task(ch.keep_spares())
+            tasks.append(asyncio.create_task(ch.keep_spares()))
             for ev in schedule:
                 out = Outcome(ev.index, ev.kind)
                 outcomes.append(out)
@@ -586,13 +718,15 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
                     ch.say(f"  FAILED: {out.detail}")
             code = await c.finish(run_timeout + 30)
         finally:
-            if "keeper" in locals():
-                keeper.cancel()
-                await asyncio.gather(keeper, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             ch.cleanup()
         chaos_s = time.monotonic() - t
         s = c.summary()
-        plans = list(c.plans)
+        # the plans members trained in: not those of a total loss (replacement pods at
+        # step -1, the state declared lost, nothing trained)
+        plans = ch.trained_plans + list(c.plans)
     return _verdict(base, opts, steps, schedule, outcomes, failures, ref, s, plans, code,
                     ref_s, chaos_s, ch)
 
@@ -607,11 +741,22 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         failures.append(f"final step {s.get('final_step')}, expected {steps - 1}")
     world_sizes = sorted({p.world_size for p in plans} | {s.get("world_size") or opts.workers})
     fixed = world_sizes == [opts.workers]
-    lost = int(s.get("lost_steps") or 0)
+    # `up`'s summary after a restart is the last job's: add what the recoveries of the
+    # jobs before it lost (steps recomputed after a kill_all's checkpoint are not lost
+    # committed steps: they are counted apart)
+    lost = int(s.get("lost_steps") or 0) + sum(r.lost_steps for seg, r in ch.recoveries
+                                               if seg < ch.segment)
     if s.get("final_step") is not None and s["final_step"] < steps - 1:
         lost += steps - 1 - s["final_step"]
     if lost:
         failures.append(f"{lost} lost step(s)")
+    kill_alls = [o for o in outcomes if o.kind == "kill_all" and o.injected]
+    restarts = s.get("restarts", [])
+    if len(restarts) != len(kill_alls):
+        failures.append(f"`up` restarted the job {len(restarts)} time(s) after a total loss, "
+                        f"{len(kill_alls)} kill_all event(s) injected")
+    recomputed = sum(o.recomputed or 0 for o in kill_alls)
+    incidents = s.get("incidents", []) + [i for r in restarts for i in r.get("lost_incidents", [])]
     ref_losses, losses = ref["losses"], s.get("losses", {})
     compared = [k for k in losses if k in ref_losses]
     if fixed:
@@ -634,7 +779,7 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         failures.append("no losses to compare")
     injected = [o for o in outcomes if o.injected]
     survived = [o for o in injected if o.survived]
-    downs = [i["downtime"] for i in s.get("incidents", []) if i.get("downtime") is not None]
+    downs = [i["downtime"] for i in incidents if i.get("downtime") is not None]
     rec = [o.recover_s for o in survived if o.recover_s is not None
            and o.kind in ("kill", "hang", "kill_rank0", "during_recovery", "kill_with_service")]
     by_kind: dict[str, list[int]] = {}
@@ -648,11 +793,13 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
         "events": len(schedule), "faults_injected": len(injected),
         "faults_survived": len(survived), "by_kind": by_kind,
-        "incidents": len(s.get("incidents", [])),
+        "incidents": len(incidents),
         "downtime_p50": percentile(downs, 50), "downtime_p99": percentile(downs, 99),
         "downtime_max": max(downs) if downs else None,
         "recover_p50": percentile(rec, 50), "recover_p99": percentile(rec, 99),
-        "lost_steps": lost, "check": check, "world_sizes": world_sizes,
+        "lost_steps": lost, "recomputed_steps": recomputed,
+        "restarts": [{**r, "outcome": o.index} for r, o in zip(ch.restarts, kill_alls)],
+        "check": check, "world_sizes": world_sizes,
         "generation": s.get("generation"), "param_sha256": s.get("param_sha256"),
         "reference_sha256": ref["param_sha256"], "losses_compared": len(compared),
         "max_loss_rel_diff": max(rel, default=None),
@@ -668,12 +815,17 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
     print(f"  faults injected   {len(injected)} of {len(schedule)} scheduled "
           f"({', '.join(f'{k} {v[0]}' for k, v in sorted(by_kind.items()))})")
     print(f"  faults survived   {len(survived)}")
-    print(f"  incidents         {len(s.get('incidents', []))} (generation {s.get('generation')})")
+    print(f"  incidents         {len(incidents)} (generation {s.get('generation')}"
+          + (f" of the job's restart {len(restarts)}" if restarts else "") + ")")
     print(f"  downtime          p50 {f(report['downtime_p50'])}, p99 {f(report['downtime_p99'])}"
           f" (per incident, last evidence of the fault to every rank's first step after it)")
     print(f"  fault to healthy  p50 {f(report['recover_p50'])}, p99 {f(report['recover_p99'])}"
           f" (observer: injection to every member training past the interrupted step)")
     print(f"  lost steps        {lost}")
+    if kill_alls:
+        print(f"  total losses      {len(kill_alls)}, restarted {len(restarts)} time(s) from a "
+              f"checkpoint; {recomputed} committed step(s) after it recomputed (bitwise; "
+              "not counted as lost)")
     print(f"  result            {check}: "
           f"{'equal' if not any('params' in x or 'loss' in x for x in failures) else 'DIFFERENT'}"
           f" ({len(compared)} losses compared)")
@@ -692,14 +844,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         if unknown:
             print(f"ceaseless chaos: unknown kinds {sorted(unknown)}", file=sys.stderr)
             return 2
-    if args.workers < 1 or args.spares < 2:
-        print("ceaseless chaos: needs --workers >= 1 and --spares >= 2 (a fault during "
-              "recovery uses two)", file=sys.stderr)
+    need = max(SPARES_NEEDED.get(k, 0) for k in (kinds or KINDS))
+    if args.workers < 1 or args.spares < max(1, need):
+        print(f"ceaseless chaos: needs --workers >= 1 and --spares >= {max(1, need)} "
+              "(a fault during recovery uses two)", file=sys.stderr)
         return 2
     opts = ChaosOptions(duration=args.duration, seed=args.seed, workers=args.workers,
                         spares=args.spares, steps=args.steps, gap=args.gap,
                         elastic=args.elastic, run_dir=args.run_dir, model=args.model,
-                        kinds=kinds, dtype=args.dtype)
+                        kinds=kinds, dtype=args.dtype, checkpoint_every=args.checkpoint_every)
     try:
         return asyncio.run(run(opts))
     except ChaosFailure as e:
@@ -726,6 +879,9 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", choices=["float32", "float64"],
                    help="the example's dtype (default: float64 with --elastic, else float32)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="with kill_all events: the chaos run's last-resort checkpoint "
+                        "interval (default: steps / 25, at least 10)")
     p.add_argument("--run-dir", help="default: runs/chaos-<time>-s<seed>")
     p.set_defaults(func=cmd_chaos)
 

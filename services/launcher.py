@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from schemas.messages import Heartbeat, Plan
 from services.common.bus import Bus, Credentials, Envelope
@@ -41,8 +41,12 @@ class Cluster:
         self.proc: subprocess.Popen | None = None
         self.bus: Bus | None = None
         self.hb: dict[str, Heartbeat] = {}
-        self.plans: list[Plan] = []
+        self.plans: list[Plan] = []          # the attached job's (since the last restart)
+        self.all_plans: list[Plan] = []      # every plan seen, across restarts
         self.timeout = timeout
+        self.attached_dir: Path | None = None  # the job dir whose bus we are connected to
+        # called with the bus after every (re)attach: extra subscriptions
+        self.on_attach: list[Callable[[Bus], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Cluster":
@@ -60,15 +64,45 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError("cluster.json did not appear")
             await asyncio.sleep(0.05)
-        info = json.loads(info_path.read_text())
+        await self._attach(self.run_dir)
+        return self
+
+    async def _attach(self, job_dir: Path) -> None:
+        info = json.loads((job_dir / "cluster.json").read_text())
         from services.common.tlsgen import client_options
 
         self.bus = await Bus.connect(info["nats_url"], info["job"], "test-harness",
                                      Credentials.load(info["creds"]),
                                      **client_options(info.get("tls_ca")))
+        self.attached_dir = job_dir
         await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat, self._on_hb)
         await self.bus.subscribe(self.bus.subjects.plan, Plan, self._on_plan)
-        return self
+        for cb in self.on_attach:
+            await cb(self.bus)
+
+    def job_dir(self) -> Path:
+        """The directory of the job `up` runs now: the run dir, or after a total loss the
+        restart it started (``restart-N/``, nested: a restart's own restart is inside it),
+        once its ``cluster.json`` is there."""
+        d = self.run_dir
+        while True:
+            subs = [p for p in _restarts(d) if (p / "cluster.json").exists()]
+            if not subs:
+                return d
+            d = subs[-1]
+
+    async def reattach(self, job_dir: Path | None = None) -> bool:
+        """Follow `up` to the job it restarted after a total loss: a new nats-server (new
+        port, new credentials), plans from generation 1 again, pod ids reused. Drops the
+        old bus and the old job's view (heartbeats, plans; ``all_plans`` keeps them).
+        False if there is nothing new to attach to."""
+        job_dir = job_dir or self.job_dir()
+        if job_dir == self.attached_dir:
+            return False
+        await self._close_bus()
+        self.hb, self.plans = {}, []
+        await self._attach(job_dir)
+        return True
 
     async def __aexit__(self, *exc: Any) -> None:
         await self._close_bus()
@@ -99,9 +133,11 @@ class Cluster:
                     pass
 
     def pids(self) -> list[tuple[str, int]]:
-        """Every child `up` recorded, in this run dir and in its restarts (restart-N/)."""
+        """Every child `up` recorded, in this run dir and in its restarts (restart-N/,
+        nested), oldest first."""
         out = []
-        for p in [self.run_dir / "pids.txt", *sorted(self.run_dir.glob("restart-*/pids.txt"))]:
+        for d in job_dirs(self.run_dir):
+            p = d / "pids.txt"
             if not p.exists():
                 continue
             for line in p.read_text().splitlines():
@@ -121,6 +157,7 @@ class Cluster:
 
     async def _on_plan(self, p: Plan, env: Envelope) -> None:
         self.plans.append(p)
+        self.all_plans.append(p)
 
     async def wait_for(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
@@ -164,6 +201,22 @@ class Cluster:
 
     def summary(self) -> dict:
         return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def job_dirs(run_dir: Path) -> list[Path]:
+    """``run_dir`` and every restart `up` made in it after a total loss (``restart-N/``,
+    a restart's own restarts nested inside it), oldest first."""
+    out, todo = [], [run_dir]
+    while todo:
+        d = todo.pop(0)
+        out.append(d)
+        todo += _restarts(d)
+    return out
+
+
+def _restarts(d: Path) -> list[Path]:
+    found = [p for p in d.glob("restart-*") if p.name[len("restart-"):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len("restart-"):]))
 
 
 def _ours(pid: int, marker: str) -> bool:

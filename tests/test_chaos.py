@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from services.chaos import ELASTIC_KINDS, KINDS, make_schedule, percentile
-from services.launcher import REPO, _ours
+from services.chaos import ELASTIC_KINDS, KINDS, checkpoint_every, make_schedule, percentile
+from services.launcher import REPO, _ours, job_dirs
 
 CI_SEED = 1
 CI_TIMEOUT = 900  # seconds for reference + chaos on a loaded 2-core machine
@@ -35,14 +35,20 @@ def test_schedule_is_a_function_of_the_seed():
 
 
 def test_schedule_covers_every_kind_before_repeating():
-    ev = make_schedule(3, 90)
-    assert len(ev) == 11
-    assert {e.kind for e in ev} == set(KINDS)
+    ev = make_schedule(3, 96)
+    assert len(ev) == 12
+    assert {e.kind for e in ev} == set(KINDS) and "kill_all" in KINDS
     assert not {e.kind for e in make_schedule(3, 600)} & set(ELASTIC_KINDS)
     el = make_schedule(3, 600, elastic=True)
     assert set(ELASTIC_KINDS) <= {e.kind for e in el}
     only = make_schedule(3, 100, kinds=["kill", "hang"])
     assert {e.kind for e in only} == {"kill", "hang"}
+    two = make_schedule(CI_SEED, 16, kinds=["kill_all", "kill"])
+    assert sorted(e.kind for e in two) == ["kill", "kill_all"]
+
+
+def test_kill_all_checkpoints_often_enough_to_recompute_a_little():
+    assert checkpoint_every(144) == 10 and checkpoint_every(810) == 32
 
 
 def test_percentile():
@@ -61,34 +67,43 @@ def _cleanup(proc: subprocess.Popen, run_dir: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-    for pids in run_dir.glob("*/pids.txt"):
-        for line in pids.read_text().splitlines():
-            pid = int(line.split()[1])
-            if _ours(pid, str(run_dir)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    # every cluster's pids.txt: reference, chaos and the chaos run's restarts (restart-N/)
+    for d in (run_dir.iterdir() if run_dir.exists() else []):
+        for j in (job_dirs(d) if d.is_dir() else []):
+            if not (j / "pids.txt").exists():
+                continue
+            for line in (j / "pids.txt").read_text().splitlines():
+                pid = int(line.split()[1])
+                if _ours(pid, str(run_dir)):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
 
-@pytest.mark.timeout(CI_TIMEOUT + 60)
-def test_chaos_90s_passes(tmp_path):
+def _chaos(tmp_path: Path, args: list[str], timeout: float) -> tuple[int, str, Path]:
+    """``ceaseless chaos ARGS`` as a child, bounded; everything cleaned up by PID."""
     run_dir = tmp_path / "chaos"
     out = tmp_path / "chaos.out"
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "chaos", "--duration", "90", "--seed",
-             str(CI_SEED), "--workers", "2", "--spares", "2", "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "services.cli", "chaos", *args, "--run-dir", str(run_dir)],
             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         try:
-            code = proc.wait(CI_TIMEOUT)
+            code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"chaos did not finish in {CI_TIMEOUT}s:\n{out.read_text()[-4000:]}")
+            pytest.fail(f"chaos did not finish in {timeout}s:\n{out.read_text()[-4000:]}")
     finally:
         _cleanup(proc, run_dir)
-    text = out.read_text()
+    return code, out.read_text(), run_dir
+
+
+@pytest.mark.timeout(CI_TIMEOUT + 60)
+def test_chaos_90s_passes(tmp_path):
+    code, text, run_dir = _chaos(tmp_path, ["--duration", "90", "--seed", str(CI_SEED),
+                                            "--workers", "2", "--spares", "2"], CI_TIMEOUT)
     assert code == 0, text[-6000:]
     rep = json.loads((run_dir / "chaos.json").read_text())
     assert rep["failures"] == [], rep["failures"]
@@ -102,3 +117,27 @@ def test_chaos_90s_passes(tmp_path):
     assert rep["incidents"] >= sum(v[0] for k, v in rep["by_kind"].items() if k in worker_faults)
     assert rep["downtime_p50"] is not None
     assert "faults survived" in text and "downtime" in text and "lost steps" in text
+
+
+KILL_ALL_TIMEOUT = 420
+
+
+@pytest.mark.timeout(KILL_ALL_TIMEOUT + 60)
+def test_chaos_kill_all_restarts_from_a_checkpoint(tmp_path):
+    """Every pod SIGKILLed at once (and a worker kill): `up` restarts the job from its newest
+    checkpoint in restart-1/, the chaos tool follows it onto the new bus, and the result is
+    still bitwise the fault-free one; the steps after the checkpoint are recomputed, not
+    lost."""
+    code, text, run_dir = _chaos(tmp_path, [
+        "--duration", "16", "--seed", str(CI_SEED), "--workers", "2", "--spares", "1",
+        "--kinds", "kill_all,kill"], KILL_ALL_TIMEOUT)
+    assert code == 0, text[-6000:]
+    rep = json.loads((run_dir / "chaos.json").read_text())
+    assert rep["failures"] == [], rep["failures"]
+    assert rep["by_kind"] == {"kill": [1, 1], "kill_all": [1, 1]}, text[-4000:]
+    assert rep["lost_steps"] == 0 and rep["check"] == "bitwise parameters"
+    assert rep["param_sha256"] == rep["reference_sha256"]
+    (r,) = rep["restarts"]
+    assert r["run_dir"].endswith("restart-1") and r["from_step"] is not None
+    assert rep["recomputed_steps"] >= 0
+    assert "total losses" in text and "recomputed" in text
