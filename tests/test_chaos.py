@@ -102,8 +102,12 @@ def _chaos(tmp_path: Path, args: list[str], timeout: float) -> tuple[int, str, P
 
 @pytest.mark.timeout(CI_TIMEOUT + 60)
 def test_chaos_90s_passes(tmp_path):
+    # every kind but kill_all, which restarts the whole job from a checkpoint (about 25 s on
+    # this machine): the next test runs it, and the suite stays within its time budget
+    kinds = ",".join(k for k in KINDS if k != "kill_all")
     code, text, run_dir = _chaos(tmp_path, ["--duration", "90", "--seed", str(CI_SEED),
-                                            "--workers", "2", "--spares", "2"], CI_TIMEOUT)
+                                            "--workers", "2", "--spares", "2",
+                                            "--kinds", kinds], CI_TIMEOUT)
     assert code == 0, text[-6000:]
     rep = json.loads((run_dir / "chaos.json").read_text())
     assert rep["failures"] == [], rep["failures"]
