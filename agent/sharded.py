@@ -11,10 +11,13 @@ store) on the same object; FSDP2's all-gathers and reduce-scatters go to it from
 without rebuilding the model, its parameters or the optimizer. The previous backend is
 handed back to the caller (to abort and park: it may be stuck on a dead peer).
 
-This is the building block for issue 21 (FSDP2 inside each replica, replicas recovering and
-resizing each other); the session does not use it yet. Verified on CPU over gloo (torch
-2.13, ``tests/test_sharded.py``): training across a swap is bitwise the training without
-one, with the old backend aborted. Not verified: NCCL (no multi-GPU machine here).
+With it, ``agent/state.py`` snapshots and restores sharded state (a ``DTensor`` is stored as
+this rank's local shard, rebuilt on the objects' mesh), so a rank holds and sends 1/k of
+the model and optimizer. These are the building blocks for issue 21 (FSDP2 inside each
+replica, replicas recovering and resizing each other); the session does not use them yet.
+Verified on CPU over gloo (torch 2.13, ``tests/test_sharded.py``): training across a swap
+is bitwise the training without one, with the old backend aborted, and a restored snapshot
+replays the same steps exactly. Not verified: NCCL (no multi-GPU machine here).
 """
 
 from __future__ import annotations

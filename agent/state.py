@@ -70,6 +70,25 @@ class _TRef(NamedTuple):
     index: int
 
 
+class _DRef(NamedTuple):
+    """Placeholder for a ``DTensor`` (a sharded parameter or optimizer state of FSDP2): its
+    local shard is tensor ``index``; placements, global shape and stride say how to rebuild
+    it on the mesh of the object it is restored into (``FlatState.restore``)."""
+
+    index: int
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed tensors: nothing is one
+        return ()
+    return DTensor
+
+
 # ---------------------------------------------------------------------------- flat state
 @dataclass
 class FlatState:
@@ -112,6 +131,7 @@ class FlatState:
         have = self.skeleton["objs"]
         if strict and set(have) != set(objs):
             raise KeyError(f"state holds {sorted(have)}, objects are {sorted(objs)}")
+        self._mesh = _mesh_of(objs)  # sharded (FSDP2) state is rebuilt on the objects' mesh
         for name, obj in objs.items():
             if name not in have:
                 continue
@@ -123,6 +143,16 @@ class FlatState:
         if isinstance(node, _TRef):
             t = self.tensor(node.index)
             return t.clone() if clone else t
+        if isinstance(node, _DRef):
+            mesh = getattr(self, "_mesh", None)
+            if mesh is None:
+                raise TypeError("sharded (DTensor) state restored into objects with no "
+                                "sharded parameter to take the mesh from")
+            DTensor = _dtensor_type()
+            t = self.tensor(node.index)
+            return DTensor.from_local(t.clone() if clone else t, mesh, node.placements,
+                                      run_check=False, shape=torch.Size(node.shape),
+                                      stride=node.stride)
         if isinstance(node, dict):
             new = copy.copy(node)
             for k, v in node.items():
@@ -146,7 +176,13 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
     refs: list[Tensor] = []
     seen: dict[tuple, int] = {}
 
+    DTensor = _dtensor_type()
+
     def strip(node: Any) -> Any:
+        if DTensor and isinstance(node, DTensor):  # FSDP2: this rank's shard only
+            ref = strip(node.to_local())
+            return _DRef(ref.index, tuple(node.placements), tuple(node.shape),
+                         tuple(node.stride()))
         if isinstance(node, Tensor):
             if node.layout != torch.strided or node.is_quantized or node.device.type == "meta":
                 raise TypeError(f"cannot snapshot a {node.layout} / quantized / meta tensor")
@@ -197,6 +233,20 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
     skeleton = {"version": 1, "objs": structures, "extra": extra_s, "metas": metas,
                 "specs": specs}
     return FlatState(skeleton=skeleton, buffers=buffers)
+
+
+def _mesh_of(objs: Mapping[str, Any]) -> Any:
+    """The device mesh of the first sharded (DTensor) parameter of the modules in ``objs``
+    (None: nothing is sharded). One mesh per job: the replica's shard group."""
+    DTensor = _dtensor_type()
+    if not DTensor:
+        return None
+    for obj in objs.values():
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                if isinstance(p, DTensor):
+                    return p.device_mesh
+    return None
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -268,6 +318,8 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
     parameters of ``model`` (or of a list of tensors). Equal states give equal digests; it is
     a heartbeat hint, not a proof (use ``checksum`` for that)."""
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+    DTensor = _dtensor_type()
+    params = [p.to_local() if DTensor and isinstance(p, DTensor) else p for p in params]
     total = sum(p.numel() for p in params)
     if not total:
         return hashlib.blake2b(b"", digest_size=8).hexdigest()

@@ -187,6 +187,7 @@ class TrainState:
         for name, m in sorted(((n, o) for n, o in self.objs.items()
                                if isinstance(o, torch.nn.Module)), key=lambda x: x[0]):
             for k, t in m.state_dict().items():
+                t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
                 h.update(f"{name}.{k}".encode())
                 # reshape: a 0-dim tensor (BatchNorm's num_batches_tracked) has no byte view
                 h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

@@ -50,6 +50,14 @@ def test_fsdp2_trains_across_a_backend_swap_bitwise(tmp_path):
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     # sharded: each rank holds half of every parameter's rows
     assert plain[0]["local_shapes"] == [(16, 8), (16,), (2, 32), (2,)]
+    # a snapshot holds this rank's shards (model + AdamW's two moments + step counters),
+    # and restoring it replays steps 3-5 exactly
+    for r in plain + swapped:
+        assert r["again"] == r["losses"][3:]
+        assert all(torch.equal(r["params"][k], r["again_params"][k]) for k in r["params"])
+    local, full = 16 * 8 + 16 + 2 * 32 + 2, 8 * 32 + 32 + 32 * 4 + 4  # float32 elements
+    # parameters and AdamW's two moments, of this rank's shards (plus the step counters)
+    assert 3 * 4 * local <= plain[0]["snap_bytes"] < 3 * 4 * full, plain[0]["snap_bytes"]
     # the two ranks trained on different data and still agree on the full parameters
     assert plain[0]["losses"] != plain[1]["losses"]
     assert all(torch.equal(plain[0]["params"][k], plain[1]["params"][k]) for k in plain[0]["params"])
