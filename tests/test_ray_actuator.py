@@ -221,3 +221,28 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
     assert [i["pod"] for i in s["incidents"]] == [pod], s["incidents"]
     assert "replacement started as a spare" in out, out[-3000:]
     print(f"incident: {s['incidents']}, lost steps {s['lost_steps']}")
+
+
+def test_node_signals_rule():
+    """The node table, poll by poll: the first poll's nodes are the job's; a node that joins
+    with room → add; one that drains with the job's pods → drain (naming them); one that
+    leaves with its announced room unused → remove; a refused add is not taken back."""
+    from services.actuator.ray import NodeSignals, pods_that_fit
+
+    assert pods_that_fit({"CPU": 2.0, "pods": 1}, {"CPU": 0.6, "pods": 0.5, "GPU": 0}) == 2
+    assert pods_that_fit({"CPU": 0.5}, {"CPU": 0.6}) == 0 and pods_that_fit({}, {}) == 1
+    sig = NodeSignals()
+    assert sig.update({"a": (True, 0), "b": (True, 1)}, {}, {"a": ["w0"]}) == []
+    assert sig.update({"a": (True, 0), "b": (True, 1), "c": (True, 2)}, {}, {}) == [
+        ("add", "c", 2)]
+    # c holds one of the job's pods, then drains: its pods go, its free room is taken back
+    assert sig.update({"a": (True, 0), "c": (True, 1), "d": (True, 1)}, {"c": 99},
+                      {"c": ["s1"]}) == [("add", "d", 1), ("remove", "c", 1),
+                                         ("drain", "c", 99, ["s1"])]
+    assert sig.update({"a": (True, 0), "c": (True, 1), "d": (True, 1)}, {"c": 99}, {}) == []
+    # d leaves unused; b (a starting node) leaves: nothing (it was never announced)
+    assert sig.update({"a": (True, 0), "c": (False, 0), "d": (False, 0)}, {}, {}) == [
+        ("remove", "d", 1)]
+    sig.update({"a": (True, 0), "e": (True, 1)}, {}, {})
+    sig.refused("e")
+    assert sig.update({"a": (True, 0), "e": (False, 0)}, {}, {}) == []
