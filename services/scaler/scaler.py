@@ -638,7 +638,8 @@ class Scaler(Service):
         out = []
         for m in plan.members:
             s = self.pods.get(m.pod)
-            if s is None or s.generation < plan.generation or s.state != AgentState.training:
+            if s is None or s.generation < plan.generation or s.state not in (
+                    AgentState.training, AgentState.done):  # done: it trained to the end
                 if m.pod not in self.done:
                     out.append(m.pod)
         return out
