@@ -335,6 +335,10 @@ class Priority(Message):
     release: Annotated[int, Field(ge=1, le=MAX_MEMBERS)]
     priority: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     reason: Text = ""
+    # The pods to give back (e.g. those on a node being drained): the named idle spares are
+    # stopped, then the named members leave; empty: idle spares first, then the highest
+    # ranks. Added 2026-12-05 (issue 22), optional: older requests still validate.
+    pods: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []
 
 
 class Inject(Message):

@@ -204,7 +204,8 @@ async def run(opts: UpOptions) -> int:
         # joined first: the bus must listen where the Ray nodes can reach it
         ray_act = RayActuator(None, [], {}, log_dir, address=opts.ray_address,
                               num_cpus=opts.ray_cpus_per_pod,
-                              num_gpus=opts.gpus_per_pod or 0, namespace=f"ceaseless-{opts.job}")
+                              num_gpus=opts.gpus_per_pod or 0,
+                              namespace=f"ceaseless-{opts.job}", watch_nodes=True)
         try:
             ray_act.connect()
         except Exception as e:  # no cluster there, a version mismatch

@@ -154,3 +154,21 @@ def test_release_answers_within_policy(sc, count):
     assert len(d.stop_spares) == min(count, len(spares))  # spares go first
     assert d.target == plan.world_size - d.shrink_by >= cfg.min_replicas
     assert len(d.stop_spares) + d.shrink_by == count
+
+
+def test_a_release_naming_pods_takes_those_pods():
+    """A drained node's pods (issue 22): the named idle spare is stopped, not another one;
+    the named member leaves and the highest rank that stays moves into its hole."""
+    cfg = PolicyConfig(workers=3, min_replicas=1, max_replicas=4, global_batch_size=24,
+                       micro_batch_size=4)
+    plan = initial_plan(["w0", "w1", "w2"], [], cfg)
+    d = on_release(3, 3, 1, ["s0", "s1"], cfg, pods=["s0"])
+    assert d.stop_spares == ("s0",) and d.shrink_by == 0 and d.target == 3
+    d = on_release(3, 3, 2, ["s0", "s1"], cfg, pods=["s0", "w0"])
+    assert d.stop_spares == ("s0",) and d.shrink_by == 1 and d.target == 2
+    new = scale_plan(plan, 2, [], cfg, apply_step=7, leave=["w0"])
+    assert {m.rank: m.pod for m in new.members} == {0: "w2", 1: "w1"}
+    assert "w0 leave" in new.reason and "rank 2 (w2) moves to rank 0" in new.reason
+    assert sum(new.shares.values()) * new.micro_batch_size == plan.global_batch_size
+    new = scale_plan(plan, 2, [], cfg, apply_step=7)  # nobody named: the highest rank
+    assert {m.rank: m.pod for m in new.members} == {0: "w0", 1: "w1"}

@@ -152,6 +152,16 @@ async def test_a_lost_node_is_reported_as_the_pod_exiting_at_once(cluster, bus, 
         assert act.info["s0"]["node_id"] != victim.node_id
     finally:
         await act.shutdown(grace_s=2)
+    _wait_dead(victim.node_id)  # the next test must not place a pod on it
+
+
+def _wait_dead(node_id: str, timeout: float = 30) -> None:
+    """Until the GCS counts a removed raylet dead: until then Ray may still place actors
+    there, which then die at once (seen: the next test's pod never started)."""
+    deadline = time.monotonic() + timeout
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, f"node {node_id[:12]} still alive"
+        time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:
@@ -211,6 +221,7 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
         await c.wait_for(lambda: c.plans and c.plans[-1].pod_of(rank) not in (None, pod),
                          60, "a plan without the lost member")
         TIMES["node lost -> new plan (up)"] = time.monotonic() - t1
+        _wait_dead(node.node_id)
         assert await c.finish() == 0, c.output()
         s = c.summary()
     TIMES["up --actuator ray: whole job"] = time.monotonic() - t0
@@ -221,3 +232,128 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
     assert [i["pod"] for i in s["incidents"]] == [pod], s["incidents"]
     assert "replacement started as a spare" in out, out[-3000:]
     print(f"incident: {s['incidents']}, lost steps {s['lost_steps']}")
+
+
+def test_node_signals_rule():
+    """The node table, poll by poll: the first poll's nodes are the job's; a node that joins
+    with room → add; one that drains with the job's pods → drain (naming them); one that
+    leaves with its announced room unused → remove; a refused add is not taken back."""
+    from services.actuator.ray import NodeSignals, pods_that_fit
+
+    assert pods_that_fit({"CPU": 2.0, "pods": 1}, {"CPU": 0.6, "pods": 0.5, "GPU": 0}) == 2
+    assert pods_that_fit({"CPU": 0.5}, {"CPU": 0.6}) == 0 and pods_that_fit({}, {}) == 1
+    sig = NodeSignals()
+    assert sig.update({"a": (True, 0), "b": (True, 1)}, {}, {"a": ["w0"]}) == []
+    assert sig.update({"a": (True, 0), "b": (True, 1), "c": (True, 2)}, {}, {}) == [
+        ("add", "c", 2)]
+    # c holds one of the job's pods, then drains: its pods go, its free room is taken back
+    assert sig.update({"a": (True, 0), "c": (True, 1), "d": (True, 1)}, {"c": 99},
+                      {"c": ["s1"]}) == [("add", "d", 1), ("remove", "c", 1),
+                                         ("drain", "c", 99, ["s1"])]
+    assert sig.update({"a": (True, 0), "c": (True, 1), "d": (True, 1)}, {"c": 99}, {}) == []
+    # d leaves unused; b (a starting node) leaves: nothing (it was never announced)
+    assert sig.update({"a": (True, 0), "c": (False, 0), "d": (False, 0)}, {}, {}) == [
+        ("remove", "d", 1)]
+    sig.update({"a": (True, 0), "e": (True, 1)}, {}, {})
+    sig.refused("e")
+    assert sig.update({"a": (True, 0), "e": (False, 0)}, {}, {}) == []
+
+
+@pytest.mark.timeout(300)
+async def test_up_grows_onto_an_added_node_and_gives_a_drained_one_back(cluster, tmp_path):
+    """`ceaseless up --actuator ray --max-replicas 3`, 2 workers and no spare on a full
+    cluster (one pod per raylet; the test's blockers hold every other raylet). A raylet is
+    added: the actuator's node poll publishes `capacity add 1`, the scaler starts a spare
+    (on the new node, the only one with room) and promotes it at a step boundary (2 -> 3).
+    Then that node is drained with a 30 s deadline (GCS DrainNode, what `ray drain-node`
+    and the autoscaler send): a `priority` release naming its pod, which leaves at a step
+    boundary (3 -> 2) well before the deadline. No fault, no step lost, one global batch."""
+    from harness import Cluster
+    from ray.core.generated import autoscaler_pb2
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from schemas.messages import Decision
+
+    @ray.remote(num_cpus=1)
+    class Blocker:
+        def ping(self):
+            return True
+
+    alive = [n["NodeID"] for n in ray.nodes()
+             if n["Alive"] and n["Resources"].get("CPU", 0) >= 1]
+    keep = [n.node_id for n in cluster.worker_nodes if n.node_id in alive][:2]
+    assert len(keep) == 2, alive
+    blockers = [Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node_id=n, soft=False)).remote() for n in alive if n not in keep]
+    ray.get([b.ping.remote() for b in blockers], timeout=60)
+    added = None
+    steps = 120
+    t0 = time.monotonic()
+    try:
+        async with Cluster(tmp_path / "up", 2, 0, steps, replace=True, extra=[
+                "--actuator", "ray", "--ray-address", cluster.address,
+                "--ray-cpus-per-pod", "1", "--max-replicas", "3", "--scale-up-snooze", "1",
+                "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
+                "--sleep", "0.05"]) as c:
+            decisions: list[Decision] = []
+            exits: dict[str, float] = {}
+
+            async def on_decision(d, _e):
+                decisions.append(d)
+
+            async def on_life(m, _e):
+                if m.event == LifecycleEvent.exited:
+                    exits[m.pod] = time.monotonic()
+            await c.bus.subscribe(c.bus.subjects.decision, Decision, on_decision)
+            await c.bus.subscribe(c.bus.subjects.lifecycle(), Lifecycle, on_life)
+            await c.wait_rank_step(1, 5)
+            t1 = time.monotonic()
+            added = cluster.add_node(num_cpus=1)
+            first = await c.wait_for(lambda: c.plans and c.plans[-1].world_size == 3 and
+                                     _rank(c, 2, c.plans[-1].generation),
+                                     120, "a third replica training")
+            TIMES["node added -> 3rd replica training (up)"] = time.monotonic() - t1
+            joiner = first.pod
+            step = first.step
+            await c.wait_for(lambda: (h := _rank(c, 2)) and h.step >= step + 3, 60,
+                             "the third replica training on")
+            assert _node_of(cluster, first.pid) is added, "the joiner is not on the new node"
+            t2 = time.monotonic()
+            deadline_s = 30
+            ok, err = ray._raylet.GcsClient(address=cluster.address).drain_node(
+                added.node_id, autoscaler_pb2.DrainNodeReason.Value(
+                    "DRAIN_NODE_REASON_PREEMPTION"), "test drain",
+                time.time_ns() // 1_000_000 + deadline_s * 1000)
+            assert ok, err
+            await c.wait_for(lambda: joiner in exits, 60, "the drained node's pod to exit")
+            TIMES["drain -> pod exited (up)"] = exits[joiner] - t2
+            assert exits[joiner] - t2 < deadline_s
+            assert await c.finish() == 0, c.output()
+            s = c.summary()
+            plans = list(c.plans)
+    finally:
+        for b in blockers:
+            ray.kill(b)
+        if added is not None:
+            cluster.remove_node(added, allow_graceful=False)
+            _wait_dead(added.node_id)
+    TIMES["up --actuator ray, grow + drain: whole job"] = time.monotonic() - t0
+    assert [p.world_size for p in plans] == [2, 3, 2], [p.reason for p in plans]
+    assert all(p.apply_step is not None for p in plans[1:]), [p.reason for p in plans]
+    assert len({p.global_batch_size for p in plans}) == 1
+    assert all(sum(p.shares.values()) * p.micro_batch_size == p.global_batch_size
+               for p in plans)
+    assert s["final_step"] == steps - 1 and s["param_sha256_consistent"], s
+    assert s["incidents"] == [] and s["lost_steps"] == 0, s
+    assert s["pod_exits"][joiner] == 0, s["pod_exits"]
+    adds = [d for d in decisions if "joined with room for 1 pod" in d.reason]
+    rel = [d for d in decisions if "is draining" in d.reason]
+    rel += [d for d in decisions if rel and d.request_id == rel[0].request_id and d.completed]
+    assert adds and adds[0].accepted and adds[0].target == 3, decisions
+    assert rel and rel[0].accepted and rel[-1].completed and rel[-1].pods == [joiner], decisions
+
+
+def _rank(c, rank: int, generation: int = 0):
+    """The heartbeat of the pod training at ``rank`` (in ``generation`` or later)."""
+    return next((h for h in c.hb.values() if h.rank == rank and h.state.value == "training"
+                 and h.generation >= generation), None)

@@ -20,12 +20,19 @@ a pod runs:
 * Placement (``spare_node``): one actor per pod; members with Ray's ``SPREAD`` strategy; a
   spare on an alive node that could hold it (its total resources) and holds no member (the
   one with the fewest of the job's pods), by soft node affinity, so a node loss takes a member or a spare but rarely both; where
-  every node holds a member, ``SPREAD``.
+  every node holds a member, ``SPREAD``; a node being drained is never chosen, and nodes
+  with room now come first.
+* Cluster signals (``watch_nodes``, on in ``ceaseless up``): Ray's node table is polled
+  every ``poll_s`` (1 s). A node that joins with room for N pods → ``capacity add N``; a
+  node that leaves with room announced and never used → ``capacity remove``; a node being
+  drained (``ray drain-node``, the autoscaler's drain: GCS's draining-node list, with its
+  deadline) → a ``priority`` release that names the job's pods on it (``NodeSignals``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal as _signal_mod
 import subprocess
@@ -36,7 +43,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from schemas.messages import Lifecycle, LifecycleEvent, Role
+from schemas.messages import (Capacity, CapacityChange, Decision, Lifecycle, LifecycleEvent,
+                              Priority, Role)
 from services.common import logs
 
 from .base import PodSpec
@@ -152,16 +160,95 @@ class PodActor:
 
 
 def spare_node(alive: Iterable[str], member_nodes: Iterable[str],
-               pod_nodes: Iterable[str]) -> str | None:
+               pod_nodes: Iterable[str], room: Iterable[str] | None = None) -> str | None:
     """Where a new spare goes: an alive node that holds no member, the one holding the
-    fewest of the job's pods (ties: the first in ``alive``); None when every alive node
-    holds a member (Ray's SPREAD then decides)."""
+    fewest of the job's pods (ties: the first in ``alive``), among those with room for a
+    pod now (``room``, when known) first; None when every alive node holds a member (Ray's
+    SPREAD then decides)."""
     members = set(member_nodes)
     load = Counter(pod_nodes)
+    fits = set(room) if room is not None else None
     free = [n for n in alive if n not in members]
     if not free:
         return None
-    return min(free, key=lambda n: load[n])
+    return min(free, key=lambda n: (fits is not None and n not in fits, load[n]))
+
+
+def pods_that_fit(free: dict[str, float], need: dict[str, float]) -> int:
+    """How many pods needing ``need`` fit in a node's ``free`` resources (1 when a pod
+    needs nothing Ray counts)."""
+    need = {k: v for k, v in need.items() if v > 0}
+    if not need:
+        return 1
+    return max(0, min(math.floor(free.get(k, 0.0) / v + 1e-9) for k, v in need.items()))
+
+
+DRAIN_PRIORITY = 1000  # the priority of a release asked for by a node drain
+
+
+class NodeSignals:
+    """What the Ray node table means for the job, poll by poll (pure: no Ray, no clock).
+
+    ``update`` takes one poll: ``nodes`` (node id -> (alive, pods that fit in its free
+    resources now)), ``draining`` (node id -> deadline in wall ms, 0: none) and ``pods_on``
+    (node id -> the job's pods there), and returns the events to publish:
+
+    * ``("add", node, n)``: a node not seen before is alive, not draining, with room for n
+      pods (the nodes of the first poll are the job's starting cluster: no event);
+    * ``("remove", node, n)``: a node whose room was announced (and not refused) leaves, or
+      starts draining, holding none of that room's pods: n = the room still free, at most
+      what was announced;
+    * ``("drain", node, deadline_ms, pods)``: a node starts draining with the job's pods.
+    """
+
+    def __init__(self) -> None:
+        self.seeded = False
+        self.known: set[str] = set()
+        self.fit: dict[str, int] = {}
+        self.announced: dict[str, int] = {}
+        self.draining: set[str] = set()
+        self.gone: set[str] = set()
+
+    def refused(self, node: str) -> None:
+        """The scaler refused the ``add`` for ``node``: its room never raised the target."""
+        self.announced.pop(node, None)
+
+    def update(self, nodes: dict[str, tuple[bool, int]], draining: dict[str, int],
+               pods_on: dict[str, list[str]]) -> list[tuple]:
+        out: list[tuple] = []
+        for node, (alive, fit) in nodes.items():
+            if alive:
+                self.fit[node] = fit
+        if not self.seeded:
+            self.seeded = True
+            self.known = {n for n, (alive, _) in nodes.items() if alive}
+            self.draining = set(draining)
+            return out
+        for node, (alive, fit) in sorted(nodes.items()):
+            if alive and node not in self.known and node not in self.gone:
+                self.known.add(node)
+                if node not in draining and fit > 0:
+                    self.announced[node] = fit
+                    out.append(("add", node, fit))
+        for node in sorted(self.known):
+            alive = nodes.get(node, (False, 0))[0]
+            if alive and node in draining and node not in self.draining:
+                self.draining.add(node)
+                pods = sorted(pods_on.get(node, []))
+                out.extend(self._unused(node))
+                if pods:
+                    out.append(("drain", node, draining[node], pods))
+            elif not alive:
+                self.known.discard(node)
+                self.gone.add(node)
+                if not pods_on.get(node):
+                    out.extend(self._unused(node))
+                self.announced.pop(node, None)
+        return out
+
+    def _unused(self, node: str) -> list[tuple]:
+        n = min(self.announced.pop(node, 0), self.fit.get(node, 0))
+        return [("remove", node, n)] if n > 0 else []
 
 
 class RayActuator(LocalActuator):
@@ -171,9 +258,19 @@ class RayActuator(LocalActuator):
                  start_timeout_s: float = 120.0, unavailable_grace_s: float = 0.5,
                  namespace: str | None = None, restart_fallback: bool = True,
                  allow_inject: bool = False, replace: bool = True,
-                 budget: ReplacementBudget | None = None) -> None:
+                 budget: ReplacementBudget | None = None, watch_nodes: bool = False,
+                 poll_s: float = 1.0) -> None:
         super().__init__(bus, argv, env, log_dir, restart_fallback=restart_fallback,
                          allow_inject=allow_inject, gpus=None, replace=replace, budget=budget)
+        self.watch_nodes = watch_nodes
+        self.poll_s = poll_s
+        self.signals = NodeSignals()
+        self.room: set[str] | None = None     # nodes with room for a pod (last poll)
+        self.draining: dict[str, int] = {}    # node id -> drain deadline (wall ms, 0: none)
+        self.node_events: list[tuple[float, tuple]] = []  # (wall time, event) published
+        self._requests: dict[str, str] = {}   # our capacity add request id -> node id
+        self._late: set[str] = set()          # draining nodes past their deadline, logged
+        self._poller: asyncio.Task | None = None
         self.address = address
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
@@ -213,6 +310,91 @@ class RayActuator(LocalActuator):
 
         return ray.util.get_node_ip_address()
 
+    # ------------------------------------------------------------------ cluster signals
+    async def attach(self) -> None:
+        await super().attach()
+        if self.watch_nodes and self._poller is None:
+            await self.bus.subscribe(self.bus.subjects.decision, Decision, self._on_decision)
+            if self._actor_cls is None:
+                self.connect()
+            self._poller = asyncio.create_task(self._poll_nodes())
+
+    async def _on_decision(self, d: Decision, env: Any) -> None:
+        node = self._requests.pop(d.request_id, None)
+        if node is not None and not d.accepted:
+            self.signals.refused(node)
+
+    def _need(self) -> dict[str, float]:
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+
+    def _node_table(self) -> tuple[dict[str, tuple[bool, int]], dict[str, int], dict[str, str]]:
+        """One poll (blocking: run in a thread): each node's (alive, pods that fit in its
+        free resources), the draining nodes' deadlines, the alive nodes' addresses."""
+        import ray
+
+        table = ray.nodes()
+        free = ray._private.state.available_resources_per_node()
+        draining = ray._private.state.state.get_draining_nodes()
+        need = self._need()
+        nodes, ips = {}, {}
+        for n in table:
+            nid, alive = n["NodeID"], bool(n.get("Alive"))
+            res = free.get(nid, n.get("Resources", {})) if alive else {}
+            nodes[nid] = (alive, pods_that_fit(res, need))
+            if alive:
+                ips[nid] = n.get("NodeManagerAddress", "?")
+        return nodes, draining, ips
+
+    async def _poll_nodes(self) -> None:
+        while True:
+            try:
+                nodes, draining, ips = await asyncio.to_thread(self._node_table)
+                self.draining = dict(draining)
+                self.room = {n for n, (alive, fit) in nodes.items()
+                             if alive and fit > 0 and n not in draining}
+                pods_on: dict[str, list[str]] = {}
+                for pod, node in self.nodes.items():
+                    pods_on.setdefault(node, []).append(pod)
+                for ev in self.signals.update(nodes, draining, pods_on):
+                    await self._signal(ev, ips)
+                self._check_deadlines(pods_on)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the GCS restarting, a broken connection: poll again
+                log.warning("ray node poll failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+            await asyncio.sleep(self.poll_s)
+
+    async def _signal(self, ev: tuple, ips: dict[str, str]) -> None:
+        s = self.bus.subjects
+        node = ev[1]
+        where = f"ray node {ips.get(node, '')} {node[:12]}".replace("  ", " ")
+        if ev[0] == "add":
+            msg = Capacity(change=CapacityChange.add, count=ev[2],
+                           reason=f"{where} joined with room for {ev[2]} pod(s)")
+            self._requests[msg.request_id] = node
+            await self.bus.publish(s.capacity, msg)
+        elif ev[0] == "remove":
+            msg = Capacity(change=CapacityChange.remove, count=ev[2],
+                           reason=f"{where} left with room for {ev[2]} pod(s) unused")
+            await self.bus.publish(s.capacity, msg)
+        else:
+            deadline, pods = ev[2], ev[3]
+            left = f", deadline in {deadline / 1000 - time.time():.1f}s" if deadline else ""
+            msg = Priority(release=len(pods), priority=DRAIN_PRIORITY, pods=pods,
+                           reason=f"{where} is draining{left}: {', '.join(pods)}")
+            await self.bus.publish(s.priority, msg)
+        self.node_events.append((time.time(), ev))
+        log.info("ray node signal", event=ev[0], node=node[:12], detail=msg.reason,
+                 request_id=msg.request_id)
+
+    def _check_deadlines(self, pods_on: dict[str, list[str]]) -> None:
+        now_ms = time.time() * 1000
+        for node, deadline in self.draining.items():
+            if deadline and now_ms > deadline and pods_on.get(node) and node not in self._late:
+                self._late.add(node)
+                log.warning("pods still on a drained node past its deadline", node=node[:12],
+                            pods=pods_on[node])
+
     # ------------------------------------------------------------------ interface
     async def start(self, role: Role, count: int = 1) -> list[str]:
         pods = [self.new_pod_id(role) for _ in range(count)]
@@ -239,13 +421,14 @@ class RayActuator(LocalActuator):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         nodes = await asyncio.to_thread(ray.nodes)
-        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        need = self._need()
         alive = [n["NodeID"] for n in nodes if n.get("Alive") and all(
-            n.get("Resources", {}).get(k, 0) >= v for k, v in need.items() if v > 0)]
+            n.get("Resources", {}).get(k, 0) >= v for k, v in need.items() if v > 0)
+            and n["NodeID"] not in self.draining]
         members = (set(m.pod for m in self.plan.members) if self.plan is not None
                    else {p for p, r in self.roles.items() if r == Role.worker})
         node = spare_node(alive, [self.nodes[p] for p in members if p in self.nodes],
-                          self.nodes.values())
+                          self.nodes.values(), room=self.room)
         if node is None:
             return "SPREAD"
         return NodeAffinitySchedulingStrategy(node_id=node, soft=True)
@@ -385,6 +568,10 @@ class RayActuator(LocalActuator):
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         self.shutting_down = True
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
         await asyncio.gather(*(self.stop(p, grace_s) for p in list(self.actors)),
                              return_exceptions=True)
         for t in list(self._watchers):

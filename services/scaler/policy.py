@@ -228,11 +228,15 @@ def on_capacity_add(target: int, count: int, cfg: PolicyConfig) -> TargetChange 
 
 
 def on_release(world_size: int, target: int, count: int, idle_spares: Iterable[str],
-               cfg: PolicyConfig, what: str = "release") -> TargetChange | Refused:
+               cfg: PolicyConfig, what: str = "release",
+               pods: Iterable[str] = ()) -> TargetChange | Refused:
     """Give back ``count`` replicas: idle spares first (highest pod ids), then the highest
-    ranks. Refused when the members left would be fewer than ``min_replicas`` or not a
-    replica count the policy allows."""
-    idle = sorted(idle_spares, reverse=True)
+    ranks. With ``pods`` named (the pods of a node being drained) only those: the named idle
+    spares are stopped and the rest of the count leaves as a shrink (``scale_plan``'s
+    ``leave`` names the members that go). Refused when the members left would be fewer than
+    ``min_replicas`` or not a replica count the policy allows."""
+    named = set(pods)
+    idle = sorted((p for p in idle_spares if not named or p in named), reverse=True)
     stop = tuple(idle[:count])
     shrink = count - len(stop)
     if shrink == 0:
@@ -260,11 +264,14 @@ def desired_size(world_size: int, target: int, n_spares: int, cfg: PolicyConfig)
 
 
 def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: PolicyConfig, *,
-               apply_step: int, reason: str = "", incident: str | None = None) -> Plan | None:
+               apply_step: int, reason: str = "", incident: str | None = None,
+               leave: Iterable[str] = ()) -> Plan | None:
     """Plan ``g+1`` that moves the world size toward ``target`` from ``apply_step`` on (a
     planned transition at a step boundary), or None when no change is possible or needed.
-    Growing promotes live spares (pod-id order) into ranks W..; shrinking drops the highest
-    ranks (their slots are released, they do not become spares). Ranks below stay put."""
+    Growing promotes live spares (pod-id order) into ranks W..; shrinking drops the members
+    named in ``leave`` first (a release that named them: a node being drained), then the
+    highest ranks (their slots are released, they do not become spares); the highest ranks
+    that stay move into the holes, so the ranks stay ``0..W-1``. Other ranks stay put."""
     w = plan.world_size
     members_now = {m.pod for m in plan.members}
     pool = sorted(set(alive_spares) - members_now - set(plan.fenced))
@@ -278,10 +285,19 @@ def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: Policy
         spares = pool[new_w - w:]
         what = f"grow {w} -> {new_w}: {', '.join(joiners)} join"
     else:
-        members = {r: p for r, p in by_rank.items() if r < new_w}
-        leaving = [by_rank[r] for r in sorted(by_rank) if r >= new_w]
+        named = set(leave)
+        order = sorted(by_rank, key=lambda r: (by_rank[r] not in named, -r))
+        gone = set(order[:w - new_w])
+        leaving = [by_rank[r] for r in sorted(gone)]
+        members = {r: p for r, p in by_rank.items() if r < new_w and r not in gone}
+        movers = sorted((r for r in by_rank if r >= new_w and r not in gone), reverse=True)
+        moves = []
+        for hole, src in zip(sorted(r for r in range(new_w) if r not in members), movers):
+            members[hole] = by_rank[src]
+            moves.append(f"rank {src} ({by_rank[src]}) moves to rank {hole}")
         spares = pool
-        what = f"shrink {w} -> {new_w}: {', '.join(leaving)} leave"
+        what = f"shrink {w} -> {new_w}: {', '.join(leaving)} leave" + (
+            f", {'; '.join(moves)}" if moves else "")
     return make_plan(plan.generation + 1, members, global_batch_size=plan.global_batch_size,
                      micro_batch_size=plan.micro_batch_size, spares=spares,
                      reason=f"{what} at step {apply_step}" + (f" ({reason})" if reason else ""),

@@ -358,11 +358,11 @@ class Scaler(Service):
         await self._request(env.subject, msg.request_id,
                             lambda plan, target: policy.on_release(
                                 plan.world_size, target, msg.release, self.alive_spares(plan),
-                                self.cfg, what="release"),
-                            release=msg.release, why=why)
+                                self.cfg, what="release", pods=msg.pods),
+                            release=msg.release, why=why, pods=msg.pods)
 
     async def _request(self, subject: str, request_id: str, decide: Any, *, start: int = 0,
-                       release: int = 0, why: str = "") -> None:
+                       release: int = 0, why: str = "", pods: list[str] | None = None) -> None:
         """One capacity/priority request: the policy decides, the target goes to KV, and
         the requester is answered (accepted with what will happen, or refused with why)."""
         if not self.acting:
@@ -371,7 +371,7 @@ class Scaler(Service):
             return
         try:
             await self._request_locked(subject, request_id, decide, start=start,
-                                       release=release, why=why)
+                                       release=release, why=why, pods=pods or [])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the requester always gets an answer
@@ -381,7 +381,7 @@ class Scaler(Service):
                                f"{str(e)[:200]}")
 
     async def _request_locked(self, subject: str, request_id: str, decide: Any, *, start: int,
-                              release: int, why: str) -> None:
+                              release: int, why: str, pods: list[str]) -> None:
         async with self._lock:
             plan = self.plans.plan
             if plan is None:
@@ -399,7 +399,8 @@ class Scaler(Service):
                             releases=list(self.scale.releases) if self.scale else [])
             if release:
                 st.releases.append(PendingRelease(request_id=request_id, count=release,
-                                                  since=time.time(), subject=subject))
+                                                  since=time.time(), subject=subject,
+                                                  pods=list(pods)))
             if not await self._store_scale(st):
                 await self._answer(subject, request_id, False, "the scale state changed "
                                    "concurrently (another scaler?); send the request again")
@@ -612,17 +613,21 @@ class Scaler(Service):
         apply = self._apply_step(plan, now)
         why = self.scale.reason if self.scale is not None and self.scale.reason else (
             f"target {target}")
+        named = [p for r in (self.scale.releases if self.scale is not None else [])
+                 for p in r.pods if p not in r.freed and p not in r.leaving]
         new = policy.scale_plan(plan, target, spares, self.cfg, apply_step=apply, reason=why,
-                                incident=f"scale-g{plan.generation + 1}")
+                                incident=f"scale-g{plan.generation + 1}", leave=named)
         if new is None:
             return
         leaving = [m.pod for m in plan.members if new.rank_of(m.pod) is None]
         if await self._commit(new, self.plans.revision, []) and leaving \
                 and self.scale is not None:
-            for r in self.scale.releases:
+            for r in self.scale.releases:  # named pods to the release that named them
+                mine = [p for p in leaving if p in r.pods]
                 need = r.count - len(r.freed) - len(r.leaving)
-                r.leaving += leaving[:max(0, need)]
-                leaving = leaving[max(0, need):]
+                take = (mine + [p for p in leaving if p not in mine])[:max(0, need)]
+                r.leaving += take
+                leaving = [p for p in leaving if p not in take]
             await self._store_scale(self.scale)
 
     def _kick_later(self, delay: float) -> None:
@@ -633,7 +638,8 @@ class Scaler(Service):
         out = []
         for m in plan.members:
             s = self.pods.get(m.pod)
-            if s is None or s.generation < plan.generation or s.state != AgentState.training:
+            if s is None or s.generation < plan.generation or s.state not in (
+                    AgentState.training, AgentState.done):  # done: it trained to the end
                 if m.pod not in self.done:
                     out.append(m.pod)
         return out
