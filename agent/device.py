@@ -9,6 +9,7 @@ import torch
 from services.common import logs
 
 from .collectives import choose_backend
+from .groups import gloo_address
 
 log = logs.get("agent")
 
@@ -29,6 +30,7 @@ def resolve_backend(dev: torch.device, override: str | None, pod: str) -> tuple[
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # the group binds the model's device
     log.info("backend", backend=backend, device=str(dev), override=override,
-             gpu_shared=os.environ.get("CEASELESS_GPU_SHARED"))
+             gpu_shared=os.environ.get("CEASELESS_GPU_SHARED"),
+             gloo="%s=%s" % gloo_address())  # every pod's pair groups are gloo
     label = f"{dev} [GPU {gpus}]" if dev.type == "cuda" and gpus else str(dev)
     return backend, label[:64]

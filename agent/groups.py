@@ -73,14 +73,20 @@ def choose_backend(tensor_device: torch.device | str | None, override: str | Non
     return "nccl"
 
 
-def gloo_device(hostname: str | None = None, interface: str | None = None) -> Any:
-    """A gloo transport device: ``interface`` (or env ``GLOO_SOCKET_IFNAME``) if given, else
-    ``hostname`` (default env ``CEASELESS_GLOO_HOSTNAME`` or ``127.0.0.1``, loopback)."""
+def gloo_address(hostname: str | None = None, interface: str | None = None) -> tuple[str, str]:
+    """Where gloo binds: ``("interface", name)`` from ``interface`` (or env
+    ``GLOO_SOCKET_IFNAME``) if given, else ``("hostname", host)`` from ``hostname`` (default
+    env ``CEASELESS_GLOO_HOSTNAME`` or ``127.0.0.1``, loopback)."""
     interface = interface or os.environ.get("GLOO_SOCKET_IFNAME") or None
     if interface:
-        return dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
-    host = hostname or os.environ.get("CEASELESS_GLOO_HOSTNAME") or "127.0.0.1"
-    return dist.ProcessGroupGloo.create_device(hostname=host)
+        return "interface", interface.split(",")[0]
+    return "hostname", hostname or os.environ.get("CEASELESS_GLOO_HOSTNAME") or "127.0.0.1"
+
+
+def gloo_device(hostname: str | None = None, interface: str | None = None) -> Any:
+    """A gloo transport device bound where ``gloo_address`` says."""
+    kind, where = gloo_address(hostname, interface)
+    return dist.ProcessGroupGloo.create_device(**{kind: where})
 
 
 def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float = 30.0,
