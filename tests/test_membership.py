@@ -160,3 +160,40 @@ def test_plan_arrival():
                         cfg) is Verdict.NOTHING
     off = AgentConfig(nats_url="nats://127.0.0.1:1", pod="p0", resume_in_place=False)
     assert plan_arrival(fault, _view(), off) is Verdict.ABORT
+
+
+async def test_a_fault_plan_after_the_steps_all_reduce_aborts_and_does_not_resume(bus, nats_server):
+    """The step's all-reduce is over but its commit not yet reported (the heartbeat still
+    holds the step before): a fault plan keeping this rank must abort, not resume in place
+    (the prejoin would report the step before, the broker restore it, and this member, one
+    step ahead, would fail to resume and wait for a plan nobody sends; `bench recovery`
+    found it)."""
+    rt, m = pod(nats_server)
+    try:
+        rt.join(1, 2)
+        rt.update(generation=1, rank=0, role=Role.worker, step=4, step_time=0.1,
+                  state=AgentState.training)
+        rt.begin_step(5)
+        assert rt.claim_collective(1) is None  # the all-reduce of step 5 starts ...
+        rt.end_collective()                    # ... and is over: step 5 commits next
+        await bus.publish(bus.subjects.plan, plan(2, ["p0", "p9"]))
+        await until(lambda: rt.plan is not None and rt.plan.generation == 2, "the plan")
+        assert rt.abort.is_set()
+        assert rt.take_prejoin(2) is None
+        # the same plan while the step is still being computed is resumed in place
+        rt2, _ = pod(nats_server, "p1")
+        try:
+            rt2.join(1, 2)
+            rt2.update(generation=1, rank=0, role=Role.worker, step=4, step_time=0.1,
+                       state=AgentState.training)
+            rt2.begin_step(5)
+            await bus.publish(bus.subjects.plan, plan(3, ["p1", "p9"]))
+            await until(lambda: rt2.plan is not None and rt2.plan.generation == 3, "the plan")
+            assert not rt2.abort.is_set()
+            pre = rt2.take_prejoin(3)
+            assert pre is not None
+            pre.drop()
+        finally:
+            rt2.stop()
+    finally:
+        rt.stop()
