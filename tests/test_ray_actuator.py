@@ -203,7 +203,8 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
     """`ceaseless up --actuator ray`, 2 workers + 1 spare, one pod per raylet (0.6 CPU each,
     one raylet added for the replacement): the raylet holding a member is removed (every Ray
     process on it SIGKILLed, the pod with them). The spare takes the rank, a replacement
-    spare starts, the job finishes every step at world size 2 with consistent parameters."""
+    spare starts, the job finishes every step at world size 2, bitwise equal to the
+    fault-free run, no step lost."""
     from harness import Cluster
 
     cluster.add_node(num_cpus=1, resources={"pods": 10})
@@ -232,6 +233,12 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
     TIMES["up --actuator ray: whole job"] = time.monotonic() - t0
     out = (tmp_path / "up" / "up.out").read_text()
     assert s["final_step"] == steps - 1 and s["param_sha256_consistent"], s
+    # bitwise the fault-free run of the same command (local pods; --sleep changes no value)
+    from harness import run_job
+
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps, extra=[
+        "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps)])
+    assert s["param_sha256"] == ref["param_sha256"] and s["lost_steps"] == 0, (s, ref)
     assert all(p.world_size == 2 for p in c.plans), [p.world_size for p in c.plans]
     assert s["pod_exits"][pod] == ACTOR_LOST_EXIT_CODE, s["pod_exits"]
     assert [i["pod"] for i in s["incidents"]] == [pod], s["incidents"]
