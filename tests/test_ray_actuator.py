@@ -208,12 +208,12 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
     from harness import Cluster
 
     cluster.add_node(num_cpus=1, resources={"pods": 10})
-    steps = 60
+    steps = 40
     t0 = time.monotonic()
     async with Cluster(tmp_path / "up", 2, 1, steps, replace=True, extra=[
             "--actuator", "ray", "--ray-address", cluster.address, "--ray-cpus-per-pod", "0.6",
             "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
-            "--sleep", "0.1"]) as c:
+            "--sleep", "0.05"]) as c:
         await c.wait_spares(1)
         await c.wait_rank_step(1, 5)
         TIMES["up --actuator ray: to step 5 with a spare"] = time.monotonic() - t0
