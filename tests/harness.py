@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import asyncio
 
 from services.launcher import REPO, Cluster, _ours  # noqa: F401  (re-exported for tests)
@@ -36,3 +38,19 @@ async def run_job(tmp_path, name, workers, spares, fault=None, steps=STEPS, extr
         s = c.summary()
         s["plans"] = c.plans
         return s
+
+
+def log_events(run_dir, pod: str, event: str) -> list[dict]:
+    """The JSON log records of ``pod`` (``<run_dir>/logs/<pod>.log``) whose event is ``event``."""
+    import json
+
+    out = []
+    for line in (Path(run_dir) / "logs" / f"{pod}.log").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == event:
+            out.append(rec)
+    return out
+

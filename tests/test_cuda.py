@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -12,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from harness import Cluster, run_job
+from harness import Cluster, log_events, run_job
 
 pytestmark = [pytest.mark.timeout(400),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,16 +23,7 @@ def _example(*args: str) -> list[str]:
     return ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS), *args]
 
 
-def _events(run_dir, pod: str, event: str) -> list[dict]:
-    out = []
-    for line in (run_dir / "logs" / f"{pod}.log").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
+_events = log_events
 
 
 async def test_cpu_example_on_a_gpu_machine_uses_gloo(tmp_path):

@@ -315,21 +315,17 @@ def test_session_batches_prefetch_a_token_dataset_and_build_others_in_place(corp
         def __getitem__(self, i):
             return torch.tensor([float(i)]), torch.rand(1)
 
-    with Session(B, seed=3) as s:
-        s.register(model=torch.nn.Linear(1, 1))
-        noise = []
-        for step in s.steps(2):
-            for x, r in s.batches(Noisy(), m):
-                noise.append(r)
-                s.backward(s.objs["model"](x).sum() * 0)
-            s.step()
-        assert s._sources[next(iter(s._sources))].loader is None
-    with Session(B, seed=3) as s:  # the same draws again: seeded per micro-batch
-        s.register(model=torch.nn.Linear(1, 1))
-        again = []
-        for step in s.steps(2):
-            for x, r in s.batches(Noisy(), m):
-                again.append(r)
-                s.backward(s.objs["model"](x).sum() * 0)
-            s.step()
+    def draws() -> list:
+        with Session(B, seed=3) as s:
+            s.register(model=torch.nn.Linear(1, 1))
+            got = []
+            for step in s.steps(2):
+                for x, r in s.batches(Noisy(), m):
+                    got.append(r)
+                    s.backward(s.objs["model"](x).sum() * 0)
+                s.step()
+            assert all(src.loader is None for src in s._sources.values())
+        return got
+
+    noise, again = draws(), draws()  # the same draws again: seeded per micro-batch
     assert len(noise) == 2 * (B // m) and all(torch.equal(a, b) for a, b in zip(noise, again))

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness import Cluster
+from harness import Cluster, log_events
 from helpers.netns import Netns, Unavailable
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -57,16 +57,7 @@ def _established(n: Netns, ns) -> list[tuple[str, str, set[int]]]:
     return out
 
 
-def _events(run_dir: Path, pod: str, event: str) -> list[dict]:
-    out = []
-    for line in (run_dir / "logs" / f"{pod}.log").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == event:
-            out.append(rec)
-    return out
+_events = log_events
 
 
 async def test_pods_in_namespaces_train_and_recover_across_addresses(tmp_path, netns,
