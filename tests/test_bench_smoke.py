@@ -208,7 +208,7 @@ def test_init(tmp_path):
 def test_goodput_ceaseless(tmp_path):
     t = time.monotonic()
     res = run_bench(tmp_path, ["goodput", "--systems", "ceaseless", "--model", "tiny",
-                               "--workers", "2", "--duration", "12", "--fault-every", "6",
+                               "--workers", "2", "--duration", "9", "--fault-every", "4.5",
                                "--corpus-tokens", "50000"], timeout=55 * SCALE)
     (run,) = res["runs"]
     assert run["system"] == "ceaseless" and run["faults"] >= 1

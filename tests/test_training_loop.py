@@ -106,8 +106,8 @@ async def test_rank0_work_inside_solo_is_no_fault(tmp_path, monkeypatch):
     ref = await run_job(tmp_path, "ref", 2, 0, steps=steps,
                         extra=[*SOLO_TIMEOUTS, "--", *_example(steps)])
     s = await run_job(tmp_path, "solo", 2, 0, steps=steps, extra=[
-        *SOLO_TIMEOUTS, "--", *_example(steps, "--rank0-after-step", "9", "--rank0-every", "5",
-                                        "--solo", "30")])
+        *SOLO_TIMEOUTS, "--", *_example(steps, "--rank0-after-step", "9", "--rank0-every", "10",
+                                        "--solo", "30")])  # once, after step 0
     assert s["incidents"] == [] and s["final_step"] == steps - 1
     assert s["param_sha256"] == ref["param_sha256"]
     assert len(s["plans"]) == 1
