@@ -14,23 +14,51 @@ def num_micro_batches(global_batch_size: int, micro_batch_size: int) -> int:
     return global_batch_size // micro_batch_size
 
 
-def shares(num_micro: int, world_size: int) -> dict[int, int]:
-    """Micro-batches per rank: ``M // W`` each, one more for the first ``M % W`` ranks."""
+def shares(num_micro: int, world_size: int, shard_size: int = 1) -> dict[int, int]:
+    """Micro-batches per rank: ``M // W`` each, one more for the first ``M % W`` ranks.
+
+    Sharded (``shard_size`` k > 1, replicas of k ranks that run FSDP together): every rank
+    of a replica computes the same number of micro-batches (each forward and backward is a
+    collective inside the replica), so ``M`` must be a multiple of k; the ``M / k`` rows
+    are spread over the ``W / k`` replicas as above, and each rank of replica ``j`` gets
+    replica ``j``'s row count."""
     if world_size <= 0:
         raise ValueError("world_size must be positive")
-    if num_micro < world_size:
-        raise ValueError(f"{num_micro} micro-batches cannot be spread over {world_size} ranks")
-    base, extra = divmod(num_micro, world_size)
-    return {r: base + (1 if r < extra else 0) for r in range(world_size)}
+    R, rows = _replicas(num_micro, world_size, shard_size)
+    if rows < R:
+        what = "ranks" if shard_size == 1 else f"replicas of {shard_size} ranks"
+        raise ValueError(f"{rows} micro-batches{' per shard' if shard_size > 1 else ''} "
+                         f"cannot be spread over {R} {what}")
+    base, extra = divmod(rows, R)
+    return {r: base + (1 if r // shard_size < extra else 0) for r in range(world_size)}
 
 
-def micro_batch_range(num_micro: int, world_size: int, rank: int) -> range:
-    """The contiguous run of micro-batch indices ``rank`` computes in every step."""
+def _replicas(num_micro: int, world_size: int, shard_size: int) -> tuple[int, int]:
+    """(replicas, micro-batch rows): ``(W, M)`` unsharded, ``(W / k, M / k)`` sharded."""
+    if shard_size < 1:
+        raise ValueError("shard_size must be at least 1")
+    if world_size % shard_size:
+        raise ValueError(f"world size {world_size} is not a multiple of the shard size "
+                         f"{shard_size} (whole replicas only)")
+    if num_micro % shard_size:
+        raise ValueError(f"{num_micro} micro-batches per step are not a multiple of the "
+                         f"shard size {shard_size}: every rank of a replica computes as many "
+                         "micro-batches as the others")
+    return world_size // shard_size, num_micro // shard_size
+
+
+def micro_batch_range(num_micro: int, world_size: int, rank: int,
+                      shard_size: int = 1) -> range:
+    """The contiguous run of micro-batch indices ``rank`` computes in every step (sharded:
+    ranks in rank order, each with its replica's row count, as ``shares``)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
-    base, extra = divmod(num_micro, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))
+    R, rows = _replicas(num_micro, world_size, shard_size)
+    base, extra = divmod(rows, R)
+    j, i = divmod(rank, shard_size)
+    n = base + (1 if j < extra else 0)
+    start = shard_size * (j * base + min(j, extra)) + i * n
+    return range(start, start + n)
 
 
 def lr_factor_at(step: int, start: int, prev: float, target: float, warmup_steps: int) -> float:

@@ -235,7 +235,19 @@ class Plan(Message):
     apply_step: Annotated[int, Field(ge=0)] | None = None
     # lr_factor is reached over this many steps from the previous plan's (linear ramp).
     lr_warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    # Sharded models (FSDP2 inside a replica): ranks ``j*k .. j*k+k-1`` form replica ``j``;
+    # rank ``r`` holds shard ``r % k`` of the model and optimizer (docs/sharded.md). 1: every
+    # rank holds the whole model. Added 2026-12-05 (issue 21), optional: older plans validate.
+    shard_size: Annotated[int, Field(ge=1, le=MAX_MEMBERS)] = 1
     ts: Timestamp = Field(default_factory=now)
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_size
+
+    def shard_of(self, rank: int) -> int:
+        """The shard position of ``rank`` (0 unsharded)."""
+        return rank % self.shard_size
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -253,6 +265,11 @@ class Plan(Message):
             raise ValueError("global_batch_size must be a multiple of micro_batch_size")
         if sum(self.shares.values()) * self.micro_batch_size != self.global_batch_size:
             raise ValueError("shares do not add up to the global batch")
+        k = self.shard_size
+        if self.world_size % k:
+            raise ValueError(f"world_size {self.world_size} is not a multiple of shard_size {k}")
+        if k > 1 and any(self.shares[r] != self.shares[r - r % k] for r in self.shares):
+            raise ValueError("the ranks of a replica must have equal shares")
         return self
 
     # O(1) lookups: services ask rank_of() for every heartbeat, with thousands of members.
