@@ -66,6 +66,9 @@ class AgentConfig:
     # Gradient bucket size (MiB) of the all-reduce, as DDP's bucket_cap_mb (25): smaller
     # buckets start earlier in the backward, larger ones cost fewer calls.
     bucket_mb: float = 25.0
+    # Sharded models: replicas of this many ranks, each rank one shard of the model and
+    # optimizer (FSDP2 over ``Session.mesh``; ``ceaseless up --shard-size``). 1: unsharded.
+    shard_size: int = 1
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -76,6 +79,8 @@ class AgentConfig:
                              "timeout")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive (CEASELESS_BUCKET_MB, got {self.bucket_mb})")
+        if self.shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1 (CEASELESS_SHARD_SIZE, got {self.shard_size})")
         if not self.solo_max > 0:
             raise ValueError(f"solo_max must be positive (CEASELESS_SOLO_MAX, got {self.solo_max})")
         if not (0 < self.collective_slice < self.collective_timeout):
@@ -119,6 +124,7 @@ class AgentConfig:
             overlap=_flag("CEASELESS_OVERLAP", cls.overlap),
             trace_steps=_flag("CEASELESS_TRACE_STEPS", cls.trace_steps),
             bucket_mb=float(env("CEASELESS_BUCKET_MB") or cls.bucket_mb),
+            shard_size=int(env("CEASELESS_SHARD_SIZE") or cls.shard_size),
         )
 
 

@@ -46,6 +46,13 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
     rt.join(g, plan.world_size)
     m.close_group()
     rank = plan.rank_of(cfg.pod)
+    sh = m.sharding
+    if plan.shard_size > 1 and sh is None:
+        raise RuntimeError("the job is sharded (shard size "
+                           f"{plan.shard_size}) but this pod's model is not: shard it with "
+                           "s.shard(model, ...) or fully_shard(..., mesh=s.mesh) first")
+    if sh is not None:
+        sh.check(plan, rank)
     m.joined(plan, rank)
 
     def report() -> None:  # the broker takes this step and digest for the generation
@@ -73,15 +80,27 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
         # the source) is likely a source: copy the state while the peers connect.
         if state.last_committed >= 0 or g == 1:
             meanwhile = lambda: snap.append(state.snapshot())  # noqa: E731
+    # sharded: the replica's shard group and the position group connect meanwhile
+    sharded = sh.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg) if sh is not None \
+        else None
     if pre is not None and (pre.rank, pre.world_size) == (rank, plan.world_size):
         pg = pre.wait_group(rt.abort, cfg.collective_slice)
     else:
         if pre is not None:
             pre.drop()
-        pg = make_group_abortable(rt.stores.rendezvous(f"g{g}."), rank, plan.world_size, rt.abort,
-                                  timeout_s=cfg.collective_timeout, backend=cfg.backend,
-                                  slice_s=cfg.collective_slice, meanwhile=meanwhile)
+        try:
+            pg = make_group_abortable(rt.stores.rendezvous(f"g{g}."), rank, plan.world_size,
+                                      rt.abort, timeout_s=cfg.collective_timeout,
+                                      backend=cfg.backend, slice_s=cfg.collective_slice,
+                                      meanwhile=meanwhile)
+        except BaseException:
+            if sharded is not None:
+                sharded.abandon()
+            raise
     m.group = AbortableGroup(pg, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+    if sharded is not None:
+        sharded()
+        state.shard = divmod(rank, plan.shard_size)
     if inc is not None:
         inc.t_group = time.time()
     # state_sync: the broker names sources and recipients

@@ -134,6 +134,8 @@ class Membership:
         self.plan: Plan | None = None       # the plan of the joined generation
         self.seen_generation = 0            # the newest plan seen (joined or not)
         self._lr_from, self._lr_start = 1.0, 0
+        self.sharding: Any = None           # sharded.Sharding once the position is known
+        self._arrival: Any = None           # a plan naming this pod, seen by await_position
         self.leader = ShadowLeader(rt, cfg, state)      # rank 0: streams to the spares
         self.follower = ShadowFollower(rt, cfg, state)  # a spare: follows rank 0
 
@@ -217,6 +219,28 @@ class Membership:
         return False
 
     # ------------------------------------------------------------------ recovery
+    def await_position(self) -> int | None:
+        """(Sharded models) Block until a plan names this pod a member, without entering it
+        yet, and return its rank's shard position: the model is sharded for it before the
+        state is received. None when the job finished, or released this pod, first. A
+        spare waits here until promoted."""
+        if self.generation > 0 and self.rank is not None:
+            return self.rank % self.cfg.shard_size
+        if self._arrival is None:
+            if self.phase is Phase.OUTSIDE:
+                self._to(Phase.RECOVERING, "waiting for a shard position")
+            self.rt.update(now=True, state=AgentState.waiting)
+            got = self._await_plan(None)
+            if got is None or got.kind != "plan":
+                return None
+            self._arrival = got
+        plan = self._arrival.plan
+        if plan.shard_size != self.cfg.shard_size:
+            raise RuntimeError(f"the job is planned with shard size {plan.shard_size} but this "
+                               f"pod runs with {self.cfg.shard_size} (CEASELESS_SHARD_SIZE; "
+                               "`ceaseless up --shard-size` sets both)")
+        return plan.shard_of(plan.rank_of(self.cfg.pod))
+
     def recover(self) -> bool:
         """Wait for a plan that includes this pod and enter its generation (the first time:
         join the job). False when the job finished, or released this pod, first."""
@@ -224,7 +248,11 @@ class Membership:
         from .handoff import enter
         from .state import StateMismatch
 
-        rt, first = self.rt, self.phase in (Phase.OUTSIDE, Phase.SPARE)
+        rt = self.rt
+        first = self.phase in (Phase.OUTSIDE, Phase.SPARE) or (
+            self.phase is Phase.RECOVERING and self.generation == 0)  # after await_position
+        if self.phase in (Phase.FINISHED, Phase.RELEASED):
+            return False  # (await_position saw the job end first)
         if not first:
             self.timeline.open("interrupted")
         attempts = 0
@@ -235,7 +263,7 @@ class Membership:
             self._to(Phase.RECOVERING)
         while True:
             rt.update(now=True, state=AgentState.waiting if first else AgentState.recovering)
-            got = self._await_plan(wait_s)
+            got, self._arrival = self._arrival or self._await_plan(wait_s), None
             if got is None:
                 # Our attempt failed but nobody planned a new generation (e.g. every peer
                 # is alive): waiting longer would deadlock. Leave; the exit is a fault the

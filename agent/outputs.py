@@ -101,13 +101,14 @@ def write_result(run_dir: str | None, pod: str, rank: int | None, generation: in
     out.mkdir(parents=True, exist_ok=True)
     res = {"pod": pod, "rank": rank, "generation": generation,
            "world_size": world_size, "final_step": state.last_committed,
+           "shard": state.shard,
            "param_sha256": state.param_sha256(),
            "losses": {str(k): v for k, v in sorted(losses.items())},
            "commits": [[k, round(t, 6)] for k, t in commits]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         res["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     if os.environ.get("CEASELESS_SAVE_PARAMS") == "1":  # exact values, for comparisons
-        params = {f"{n}.{k}": t.detach().cpu().clone()
+        params = {f"{n}.{k}": (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
                   for n, o in sorted(state.objs.items()) if isinstance(o, torch.nn.Module)
                   for k, t in o.state_dict().items()}
         tmp_pt = out / f".{pod}.pt.tmp"

@@ -84,10 +84,17 @@ class Session:
         self._stepper = Stepper(global_batch_size, self.state)  # its parts once entered
         self._ckpt = Checkpoints()            # from the environment in both modes
         self._backend_override = config.backend if config is not None else None
+        self._shard_device: str | None = None
         if config is not None:  # the override, else gloo until a registered model says
             from .collectives import choose_backend
 
             config.backend = choose_backend(None, self._backend_override)
+            if config.shard_size > 1:
+                # A rank holds 1/k of the state: a spare cannot follow rank 0 (it does not
+                # know its shard yet), a step is not resumed in a new group (FSDP's own
+                # collectives ran in the old one), and the gradients are summed once, after
+                # the backward (FSDP reduce-scatters them during it).
+                config.shadow_spares = config.resume_in_place = config.overlap = False
 
     @classmethod
     def from_env(cls, global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
@@ -121,6 +128,50 @@ class Session:
     group = property(lambda self: self.m.group if self.m else None)
     is_member = property(lambda self: self.rank is not None,
                          doc="True while this pod is a member of the job (has a rank).")
+    shard_size = property(lambda self: self.cfg.shard_size if self.cfg else 1,
+                          doc="Ranks per replica (``ceaseless up --shard-size``); 1: unsharded.")
+
+    @property
+    def mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` ("shard") over this pod's replica, for
+        ``fully_shard(module, mesh=s.mesh)``; None when the job is not sharded (shard size
+        1, or one process). A pod learns its shard position from its first plan: a spare
+        blocks here until it is promoted (None if the job ends first). Prefer ``s.shard``."""
+        if self.shard_size == 1 or self.m is None:
+            return None
+        if self.m.sharding is None:
+            pos = self.m.await_position()
+            if pos is None:
+                return None
+            from .sharded import Sharding
+
+            dev = "cuda" if torch.cuda.is_available() and self._backend_override != "gloo" \
+                else "cpu"
+            self.m.sharding = Sharding(self.shard_size, pos, self._shard_device or dev)
+        return self.m.sharding.group.mesh()
+
+    def shard(self, model: torch.nn.Module, *blocks: torch.nn.Module,
+              **fsdp_kwargs: Any) -> torch.nn.Module:
+        """Shard ``model`` with FSDP2 over this pod's replica: ``fully_shard`` on each of
+        ``blocks`` (e.g. the transformer blocks), then on ``model`` (``fsdp_kwargs`` go to
+        every call: ``mp_policy``, ``reshard_after_forward``...). Returns ``model``; unsharded
+        jobs and one process get it back unchanged, so one script serves both. Call it
+        before creating the optimizer and before ``s.register``. A spare waits here until it
+        is promoted (its shard position is only known then)."""
+        if self.shard_size == 1 or self.m is None:
+            return model
+        p = next(model.parameters(), None)
+        if p is not None:
+            self._shard_device = p.device.type
+        mesh = self.mesh
+        if mesh is None:  # the job finished (or released this pod) before it was placed
+            return model
+        from torch.distributed.fsdp import fully_shard
+
+        for b in blocks:
+            fully_shard(b, mesh=mesh, **fsdp_kwargs)
+        fully_shard(model, mesh=mesh, **fsdp_kwargs)
+        return model
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""
@@ -174,6 +225,16 @@ class Session:
     def register(self, **objs: Any) -> None:
         """Register the training state: anything with ``state_dict()``/``load_state_dict()``."""
         self.state.register(**objs)
+        if self.shard_size > 1 and self.m is not None:
+            from .membership import Phase
+            from .sharded import gradient_divide_factor_one
+
+            ended = self.m.phase in (Phase.FINISHED, Phase.RELEASED)  # never placed
+            if not ended and (self.m.sharding is None
+                              or not gradient_divide_factor_one(self.state.modules())):
+                raise ValueError("the job is sharded (shard size "
+                                 f"{self.shard_size}) but no registered module is: shard it "
+                                 "with s.shard(model, ...) before s.register")
         if self.cfg is not None:  # the job's backend follows the model (agent/device.py)
             from .device import resolve_backend
 
@@ -290,7 +351,7 @@ class Session:
             self._sources[key] = BatchSource(dataset, self.global_batch_size, self.seed, m,
                                              pin=self.device.type == "cuda")
         src = self._sources[key]
-        src.begin(self.current_step, self.rank or 0, self.world_size or 1)
+        src.begin(self.current_step, self.rank or 0, self.world_size or 1, self._k())
         for k in self.micro_batches(m):
             yield src.get(self.current_step, k)
 
@@ -306,7 +367,7 @@ class Session:
         M = num_micro_batches(self.global_batch_size, m)
         abort = self.runtime.abort if self.runtime is not None else None
         self._check_batch(m, M)
-        ks = micro_batch_range(M, self.world_size, self.rank)
+        ks = micro_batch_range(M, self.world_size, self.rank, self._k())
         self._stepper.micro_batches(m, ks, gradient_loop=self.last_committed < s)
         for k in ks:
             if abort is not None and abort.is_set():
@@ -317,6 +378,10 @@ class Session:
             if self.runtime is not None:
                 self.runtime.progress()  # the stall watchdog: a micro-batch is progress
             yield k
+
+    def _k(self) -> int:
+        p = self.m.plan if self.m is not None else None
+        return p.shard_size if p is not None else 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, scaled by m / B so that the sum over all

@@ -1,45 +1,103 @@
-"""Sharded models (FSDP2) inside a replica: a process group whose backend follows the generation.
+"""Sharded models (FSDP2) inside a replica; replicas sum gradients and recover each other.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) binds a ``DeviceMesh``, and through it one
-``ProcessGroup`` object, when the model is sharded; Ceaseless builds new process groups at
-every generation. ``SwappableGroup`` reconciles the two: one ``ProcessGroup`` of fixed name,
-rank and size (this pod's shard position in its replica: a replacement takes the same
-position, so neither changes), registered with c10d (as the default group: ``DeviceMesh``
-asks for one) so that a mesh and FSDP2 accept it. At each generation ``swap`` registers the
-new generation's backend (gloo or NCCL, built by ``groups.make_group`` over the generation's
-store) on the same object; FSDP2's all-gathers and reduce-scatters go to it from then on,
-without rebuilding the model, its parameters or the optimizer. The previous backend is
-handed back to the caller (to abort and park: it may be stuck on a dead peer).
+A job of R replicas of k ranks (``Plan.shard_size`` k): rank ``r`` is shard ``i = r % k`` of
+replica ``j = r // k``. The script shards its model with FSDP2 on ``Session.mesh`` (or
+``Session.shard``), a 1-D mesh over this pod's replica. Three groups per generation:
 
-With it, ``agent/state.py`` snapshots and restores sharded state (a ``DTensor`` is stored as
-this rank's local shard, rebuilt on the objects' mesh), so a rank holds and sends 1/k of
-the model and optimizer. These are the building blocks for issue 21 (FSDP2 inside each
-replica, replicas recovering and resizing each other); the session does not use them yet.
-Verified on CPU over gloo (torch 2.13, ``tests/test_sharded.py``): training across a swap
-is bitwise the training without one, with the old backend aborted, and a restored snapshot
-replays the same steps exactly. Not verified: NCCL (no multi-GPU machine here).
+* the **shard group** (``ShardGroup``, the k ranks of the replica): FSDP2's all-gathers and
+  reduce-scatters. FSDP2 binds one ``ProcessGroup`` object when the model is sharded, and
+  Ceaseless builds new groups every generation: ``ShardGroup`` is one ``ProcessGroup``
+  (a Python subclass, registered with c10d as the default group, so ``DeviceMesh`` and
+  ``fully_shard`` accept it) that forwards every collective to the current generation's
+  backend. It also keeps faults out of the script: FSDP2's collectives run inside the
+  script's forward and backward, where an exception would end the process; a collective
+  that fails, times out or is abandoned (a newer plan: the abort flag) is recorded and
+  returned as done (its output is garbage), later ones return at once, and ``Session.step``
+  discards the step (``failure``). A pod keeps its shard position for life (its model was
+  sharded for it), so the group's rank and size never change.
+* the **position group** (the R ranks holding shard ``i``, an ``AbortableGroup``): the
+  gradient sum across replicas of this shard (FSDP2 sums inside the replica, its divide
+  factor set to 1).
+* the generation's **world group** (all ranks, as unsharded): the loss, ``s.all_reduce``
+  and the state handoff, whose sources the broker picks among the same shard position.
+
+Not verified: NCCL (no multi-GPU machine here); the NCCL path waits with ``Work.wait``
+(stream order) and relies on the communicator abort, the gloo path waits in slices.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed import distributed_c10d as c10d
 
+from services.common import logs
+
+log = logs.get("agent")
 _TYPES = {"gloo": dist.ProcessGroup.BackendType.GLOO,
           "nccl": dist.ProcessGroup.BackendType.NCCL}
+# the collectives c10d's functions call on a group (torch 2.13); each goes to the backend
+_OPS = ("all_gather_single", "all_gather_single_coalesced", "allgather", "allgather_coalesced",
+        "allgather_into_tensor_coalesced", "allreduce", "allreduce_coalesced", "barrier",
+        "broadcast", "gather", "reduce", "reduce_scatter", "reduce_scatter_single",
+        "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "scatter",
+        "alltoall", "all_to_all_single", "_allgather_base", "_reduce_scatter_base")
 
 
-class SwappableGroup:
-    """One process group for the life of the process; its backend is replaced per generation.
+class _Done(dist.Work):
+    """The stand-in for a collective of a failed generation: complete, output untouched."""
 
-    ``rank``/``size``: this pod's shard index and the shard count of its replica.
-    ``device_type``: "cpu" (gloo) or "cuda" (NCCL). The first ``swap`` must come before the
-    mesh is used. Only one per process: it becomes c10d's default group (do not call
-    ``init_process_group`` in a Ceaseless script).
-    """
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return False
+
+
+class _Guarded(dist.Work):
+    """A collective of the shard group: ``wait`` gives up on abort, failure or timeout and
+    records why in the group instead of raising into the script's forward/backward."""
+
+    def __init__(self, group: "ShardGroup", work: Any, what: str) -> None:
+        super().__init__()
+        self._g, self._w, self._what = group, work, what
+        self._gen = group.generation
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._g._wait(self._w, self._what, self._gen)
+        return True
+
+    def is_completed(self) -> bool:
+        try:
+            return bool(self._w.is_completed()) or self._g.failure is not None
+        except Exception:
+            return True
+
+    def get_future(self) -> Any:
+        return self._w.get_future()
+
+
+def _make_op(name: str) -> Callable[..., Any]:
+    def op(self: "ShardGroup", *args: Any, **kwargs: Any) -> Any:
+        return self._call(name, args, kwargs)
+    op.__name__ = name
+    return op
+
+
+class ShardGroup(dist.ProcessGroup):
+    """The process group FSDP2 is bound to: rank ``rank`` of ``size`` (this pod's shard
+    position in its replica), its collectives forwarded to the generation's backend.
+
+    Only one per process: it becomes c10d's default group (do not call
+    ``init_process_group`` in a Ceaseless script). Before the first generation a
+    placeholder backend refuses every collective (sharding the model needs none)."""
 
     def __init__(self, rank: int, size: int, device_type: str = "cpu",
                  name: str = "ceaseless-shard") -> None:
@@ -48,43 +106,213 @@ class SwappableGroup:
         if c10d.is_initialized():
             raise RuntimeError("a default process group exists already (init_process_group?): "
                                "a Ceaseless script must not create its own")
-        self.rank, self.size, self.device_type, self.name = rank, size, device_type, name
-        self.backend: Any = None
-        # the group's own store is never used for collectives (each backend has its
-        # generation's store): a local one keeps it independent of the bus
-        self.pg = dist.ProcessGroup(dist.HashStore(), rank, size)
-        self.pg._set_group_name(name)
-        torch._C._distributed_c10d._register_process_group(name, self.pg)
+        super().__init__(rank, size)
+        self._rank, self._size, self.device_type, self._name = rank, size, device_type, name
+        self._lock = threading.Lock()
+        self.generation = 0
+        self._inner: Any = None        # the generation's plain ProcessGroup (its backend)
+        self._ag: Any = None           # AbortableGroup over the same backend: waits, abort
+        self._abort: threading.Event | None = None
+        self._timeout_s, self._slice_s = 30.0, 0.05
+        self._extend: Callable[[], float | None] | None = None
+        self.failure: str | None = None
+        opts = FakeProcessGroup.Options()
+        opts.error_on_collective = True
+        self._inner = self._plain(FakeProcessGroup._create_internal(rank, size, opts), "gloo",
+                                  f"{name}-unjoined")
+        torch._C._distributed_c10d._register_process_group(name, self)
         w = c10d._world
-        w.pg_map[self.pg] = (device_type, None)
-        w.pg_names[self.pg] = name
-        w.pg_group_ranks[self.pg] = {i: i for i in range(size)}
-        w.pg_backend_config[self.pg] = f"{device_type}:{'nccl' if device_type == 'cuda' else 'gloo'}"
-        c10d._update_default_pg(self.pg)
+        w.pg_map[self] = (device_type, None)
+        w.pg_names[self] = name
+        w.pg_group_ranks[self] = {i: i for i in range(size)}
+        w.pg_backend_config[self] = f"{device_type}:{'nccl' if device_type == 'cuda' else 'gloo'}"
+        c10d._update_default_pg(self)
         self._mesh: Any = None
 
-    def swap(self, store: dist.Store, timeout_s: float = 30.0, backend: str | None = None) -> Any:
-        """Connect the ranks of the new generation over ``store`` (a fresh prefix per
-        generation) and route the group's collectives to them. Returns the previous backend
-        (None the first time) for the caller to abort and park."""
-        from .groups import make_group
+    # what c10d and DeviceMesh ask of a group
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
 
-        backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
-        new = make_group(store, self.rank, self.size, timeout_s, backend)
-        old, self.backend = self.backend, new
-        dev = torch.device(self.device_type)
-        self.pg._register_backend(dev, _TYPES[backend], new)
-        self.pg._set_default_backend(_TYPES[backend])
-        self.pg._set_group_name(self.name)  # (names the new backend too: the mesh finds it)
+    def name(self) -> str:  # type: ignore[override]
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+    def _get_backend(self, device: Any) -> Any:  # type: ignore[override]
+        return self._inner._get_backend(device)
+
+    def _plain(self, backend: Any, kind: str, name: str) -> dist.ProcessGroup:
+        pg = dist.ProcessGroup(dist.HashStore(), self._rank, self._size)
+        pg._register_backend(torch.device(self.device_type), _TYPES[kind], backend)
+        pg._set_default_backend(_TYPES[kind])
+        pg._set_group_name(name)
+        return pg
+
+    # ------------------------------------------------------------------ generations
+    def swap(self, backend: Any, generation: int, abort: threading.Event, *,
+             timeout_s: float = 30.0, slice_s: float = 0.05,
+             extend: Callable[[], float | None] | None = None, kind: str | None = None) -> Any:
+        """Route the group's collectives to ``backend`` (built by ``groups.make_group`` over
+        the generation's store, this pod at rank ``self.rank()``) from now on, and clear the
+        failure. Returns the previous generation's ``AbortableGroup`` (None the first time)
+        for the caller to close."""
+        from .collectives import AbortableGroup
+
+        kind = kind or ("nccl" if self.device_type == "cuda" else "gloo")
+        with self._lock:
+            old = self._ag
+            self._inner = self._plain(backend, kind, f"{self._name}-g{generation}")
+            self._ag = AbortableGroup(backend, slice_s=slice_s, timeout_s=timeout_s)
+            self._abort, self._timeout_s, self._slice_s = abort, timeout_s, slice_s
+            self._extend = extend
+            self.generation, self.failure = generation, None
         return old
+
+    def fail(self, why: str) -> None:
+        """Give up on this generation's backend (a newer plan): collectives return at once."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = why
+            ag = self._ag
+        if ag is not None:
+            ag.abort()
+
+    def close(self) -> None:
+        with self._lock:
+            ag, self._ag = self._ag, None
+        if ag is not None:
+            ag.close()
 
     def mesh(self) -> Any:
         """The 1-D ``DeviceMesh`` ("shard") to pass to ``fully_shard(module, mesh=...)``."""
-        if self.backend is None:
-            raise RuntimeError("swap() in a backend before the mesh is used")
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._mesh = DeviceMesh.from_group(self.pg, self.device_type,
-                                               mesh_dim_names=("shard",))
+            self._mesh = DeviceMesh.from_group(self, self.device_type, mesh_dim_names=("shard",))
         return self._mesh
+
+    # ------------------------------------------------------------------ collectives
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        if self.generation == 0:
+            raise RuntimeError("the sharded model is used before this pod joined the job: "
+                               "run it inside `for step in s.steps(...)`")
+        if self.failure is not None:
+            return _Done()
+        try:
+            work = getattr(self._inner, name)(*args, **kwargs)
+        except Exception as e:
+            self._failed(f"{name} could not start: {str(e)[:300]}")
+            return _Done()
+        return _Guarded(self, work, name)
+
+    def _wait(self, work: Any, what: str, generation: int) -> None:
+        from .collectives import Aborted, PeerError
+
+        ag = self._ag
+        if self.failure is not None or generation != self.generation or ag is None:
+            return
+        try:
+            if ag.backend == "nccl":
+                work.wait()  # stream order; an abort of the communicator ends it
+            else:
+                ag.wait_all([work], self._abort, f"FSDP {what}", timeout_s=self._timeout_s,
+                            extend=self._extend)
+        except (Aborted, PeerError) as e:
+            self._failed(str(e)[:300])
+        except Exception as e:
+            self._failed(f"FSDP {what} failed: {str(e)[:300]}")
+
+    def _failed(self, why: str) -> None:
+        if self.failure is None:
+            log.info("shard group failed: the step will be discarded", reason=why)
+        self.fail(why)
+
+
+for _name in _OPS:
+    setattr(ShardGroup, _name, _make_op(_name))
+
+
+class Sharding:
+    """This pod's place in a sharded job: its shard position (fixed once known), the shard
+    group FSDP2 uses and the position group for the cross-replica gradient sum."""
+
+    def __init__(self, shard_size: int, position: int, device_type: str = "cpu") -> None:
+        self.k, self.position = shard_size, position
+        self.group = ShardGroup(position, shard_size, device_type)
+        self.pos_group: Any = None  # AbortableGroup of the generation (R ranks)
+        self.backend_kind = "nccl" if device_type == "cuda" else "gloo"
+
+    def check(self, plan: Any, rank: int) -> None:
+        if plan.shard_size != self.k:
+            raise RuntimeError(f"plan {plan.generation} has shard size {plan.shard_size}, this "
+                               f"pod's model is sharded {self.k} ways (`ceaseless up "
+                               "--shard-size` and the script must agree)")
+        if rank % self.k != self.position:
+            raise RuntimeError(f"plan {plan.generation} moves this pod from shard position "
+                               f"{self.position} to {rank % self.k}: a member keeps its "
+                               "position (a bug in the scaler)")
+
+    def build(self, store_for: Callable[[str], Any], plan: Any, rank: int,
+              abort: threading.Event, cfg: Any) -> Any:
+        """Start building this generation's shard and position groups (background threads);
+        returns a ``finish()`` that waits for both (abort-aware) and installs them."""
+        from .groups import _Background, make_group
+
+        k, g = self.k, plan.generation
+        j, i = divmod(rank, k)
+        R = plan.world_size // k
+        kind = self.backend_kind
+        t = cfg.collective_timeout
+        shard_job = _Background(lambda: make_group(store_for(f"g{g}.s{j}."), i, k, t, kind),
+                                f"shard-group-r{rank}")
+        pos_job = _Background(lambda: make_group(store_for(f"g{g}.p{i}."), j, R, t, kind),
+                              f"pos-group-r{rank}")
+
+        def finish(extend: Callable[[], float | None] | None = None) -> None:
+            from .collectives import AbortableGroup, Aborted
+
+            for job in (shard_job, pos_job):
+                while not job.done.wait(cfg.collective_slice):
+                    if abort.is_set():
+                        shard_job.abandon()
+                        pos_job.abandon()
+                        raise Aborted(f"rendezvous of the shard groups of generation {g} "
+                                      "abandoned: abort requested")
+                if job.error is not None:
+                    raise job.error
+            old = self.group.swap(shard_job.result, g, abort, timeout_s=t,
+                                  slice_s=cfg.collective_slice, extend=extend, kind=kind)
+            if old is not None:
+                old.close()
+            self.close_pos()
+            self.pos_group = AbortableGroup(pos_job.result, slice_s=cfg.collective_slice,
+                                            bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+
+        def abandon() -> None:
+            shard_job.abandon()
+            pos_job.abandon()
+        finish.abandon = abandon  # type: ignore[attr-defined]
+        return finish
+
+    def close_pos(self) -> None:
+        if self.pos_group is not None:
+            try:
+                self.pos_group.close()
+            except Exception:
+                pass
+            self.pos_group = None
+
+
+def gradient_divide_factor_one(modules: list[torch.nn.Module]) -> int:
+    """FSDP2 averages gradients over the replica by default; Ceaseless' loss is already
+    scaled to the global batch (``s.backward``), so inside a replica they are summed, as
+    across replicas. Returns how many FSDP modules there are."""
+    from torch.distributed.fsdp import FSDPModule
+
+    n = 0
+    for mod in modules:
+        for sub in mod.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_gradient_divide_factor(1.0)
+                n += 1
+    return n
+

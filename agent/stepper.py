@@ -87,6 +87,8 @@ class Stepper:
         skip = self.state.unscale(params)  # fp16 GradScaler: unscaled; skip on inf/nan
         self.skipped = skip
         self._synced(params, max_grad_norm, grad_hook, skip)
+        if self._shard_failed():  # the clip's norm went over the shard group
+            return None
         # what spares replay: the gradients after the clip and the hook (which may replace
         # them), taken before zero-grad drops them; only when a spare follows
         sent = ([p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
@@ -119,8 +121,19 @@ class Stepper:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         sync = self._grad_sync()
         args = self.collective_args()
+        sh = m.sharding
         try:
-            if sync is not None:
+            if sh is not None:
+                if self._shard_failed():
+                    return False
+                # FSDP summed the replica's gradients into this rank's shards during the
+                # backward; add the other replicas' (the same shard position), then the loss
+                local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+                sh.pos_group.allreduce_(local, rt.abort, slice_s=cfg.collective_slice,
+                                        timeout_s=cfg.collective_timeout, **args)
+                m.group.allreduce_([loss_t], rt.abort, slice_s=cfg.collective_slice,
+                                   timeout_s=cfg.collective_timeout, **args)
+            elif sync is not None:
                 for p, g in zip(params, grads):
                     if p.grad is None:
                         p.grad = g
@@ -190,6 +203,20 @@ class Stepper:
             work /= m.world_size
         with torch.no_grad():
             tensor.copy_(work)
+        return True
+
+    def _shard_failed(self) -> bool:
+        """Sharded: a collective of FSDP's (in the forward, backward or the clip) failed or
+        was abandoned this step: the step is discarded (the shard group said why)."""
+        sh = self.m.sharding if self.m is not None else None
+        if sh is None or sh.group.failure is None:
+            return False
+        if self.rt.abort.is_set():
+            self.discard("aborted: a newer plan arrived")
+        else:
+            self.rt.report_sync(ReportKind.peer_error, sh.group.failure[:500], timeout=0.5)
+            self.discard(f"peer error in the shard group: {sh.group.failure[:200]}",
+                         Phase.FAILED)
         return True
 
     def collective_args(self) -> dict[str, Any]:

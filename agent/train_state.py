@@ -28,6 +28,8 @@ class TrainState:
         # learning-rate factor (the plan's lr_factor, ramped over lr_warmup_steps): part of
         # the state, so a replacement continues the same ramp
         self.lr_factor = 1.0
+        # sharded models: (replica, shard position) of this rank's shards; None unsharded
+        self.shard: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ what is registered
     def register(self, **objs: Any) -> None:

@@ -225,18 +225,23 @@ def main(argv: list[str] | None = None) -> None:
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     model = build_model(a.model, vocab, dropout=a.dropout).to(getattr(torch, a.dtype))
     model = model.to(dev)  # built on the CPU first: the same initial weights on any device
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     n_params = sum(p.numel() for p in model.parameters())
     amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.amp]
     if amp is not None and a.dtype != "float32":
         raise SystemExit(f"--amp {a.amp} needs --dtype float32 (autocast lowers float32 ops)")
     with agent.Session.from_env(global_batch_size=a.global_batch_size, seed=a.seed) as s:
+        # `ceaseless up --shard-size K`: FSDP2 over each replica of K ranks (each block, then
+        # the whole model); unsharded, the model comes back as it is. Before the optimizer.
+        model = s.shard(model, *getattr(model, "blocks", ()))
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
         s.register(model=model, optimizer=opt, scheduler=sched)
         if a.amp == "fp16":  # registered: s.backward scales, s.step unscales/skips/updates
             s.register(scaler=torch.amp.GradScaler(dev.type, init_scale=a.init_scale,
                                                    growth_interval=a.growth_interval))
         ema = None
+        if a.ema > 0 and s.shard_size > 1:
+            raise SystemExit("--ema: not with a sharded model (the copy would be sharded too)")
         if a.ema > 0:
             import copy
 

@@ -60,7 +60,7 @@ class ElasticLoader:
             self._batch_fn = None
         self._collate = collate_fn or torch.utils.data.default_collate
         self._pin = bool(pin_memory) and torch.cuda.is_available()
-        self._step, self._rank, self._world = 0, 0, 1
+        self._step, self._rank, self._world, self._shard = 0, 0, 1, 1
         self._ks: range = order.rank_range(1, 0, self.micro_batch_size)
         self._cursor = 0
         self._gen = 0
@@ -99,17 +99,21 @@ class ElasticLoader:
         """Micro-batch indices this rank computes in every step (for the current plan)."""
         return self._ks
 
-    def seek(self, step: int, rank: int | None = None, world_size: int | None = None) -> None:
-        """Position at ``step`` for ``rank`` of ``world_size`` (defaults: unchanged). O(1)."""
+    def seek(self, step: int, rank: int | None = None, world_size: int | None = None,
+             shard_size: int | None = None) -> None:
+        """Position at ``step`` for ``rank`` of ``world_size`` in replicas of ``shard_size``
+        (defaults: unchanged). O(1)."""
         if step < 0:
             raise DataError(f"step {step} is negative")
         rank = self._rank if rank is None else int(rank)
         world = self._world if world_size is None else int(world_size)
-        ks = self.order.rank_range(world, rank, self.micro_batch_size)
+        k = self._shard if shard_size is None else int(shard_size)
+        ks = self.order.rank_range(world, rank, self.micro_batch_size, k)
         if not ks:
             raise DataError(f"{self.num_micro} micro-batches cannot be spread over {world} ranks")
         with self._cond:
             self._step, self._rank, self._world, self._ks = int(step), rank, world, ks
+            self._shard = k
             self._cursor = 0
             self._gen += 1
             keep = set(self._upcoming(self.prefetch + len(ks)))
@@ -294,11 +298,12 @@ class BatchSource:
                                     pin_memory=pin) if isinstance(dataset, TokenDataset) else None
         self._ahead: Iterator[tuple[int, Any]] | None = None
 
-    def begin(self, step: int, rank: int, world_size: int) -> None:
+    def begin(self, step: int, rank: int, world_size: int, shard_size: int = 1) -> None:
         """This rank's micro-batches of ``step`` come next."""
         self._ahead = None
-        if self.loader is not None and self.order.rank_range(world_size, rank, self.m):
-            self.loader.seek(step, rank, world_size)
+        if self.loader is not None and self.order.rank_range(world_size, rank, self.m,
+                                                             shard_size):
+            self.loader.seek(step, rank, world_size, shard_size)
             self._ahead = iter(self.loader)
 
     def get(self, step: int, k: int) -> Any:

@@ -120,9 +120,10 @@ class GlobalOrder:
         ks = self.rank_range(world_size, rank, micro_batch_size)
         return [(k, self.indices(step, k, micro_batch_size)) for k in ks]
 
-    def rank_range(self, world_size: int, rank: int, micro_batch_size: int) -> range:
+    def rank_range(self, world_size: int, rank: int, micro_batch_size: int,
+                   shard_size: int = 1) -> range:
         M = num_micro_batches(self.global_batch_size, micro_batch_size)
-        return micro_batch_range(M, world_size, rank)
+        return micro_batch_range(M, world_size, rank, shard_size)
 
     # ---- permutations -----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""One rank of a two-rank FSDP2 job on a ``SwappableGroup`` (tests/test_sharded.py).
+"""One rank of a two-rank FSDP2 job on a ``ShardGroup`` (tests/test_sharded.py).
 
     python -m tests.helpers.fsdp_swap RANK PORT SWAP_AT OUT
 
@@ -17,13 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from agent.sharded import SwappableGroup
+import threading
+
+from agent.groups import make_group
+from agent.sharded import ShardGroup
 from agent.state import snapshot
 
 rank, port, swap_at, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=__import__("datetime").timedelta(seconds=30))
-group = SwappableGroup(rank, 2)
-group.swap(dist.PrefixStore("g1.", store), timeout_s=30)
+group = ShardGroup(rank, 2)
+abort = threading.Event()
+group.swap(make_group(dist.PrefixStore("g1.", store), rank, 2, 30), 1, abort)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 for layer in (model[0], model[2], model):
@@ -44,7 +48,7 @@ def train(step: int) -> float:
 losses, snap = [], None
 for step in range(6):
     if step == swap_at:
-        old = group.swap(dist.PrefixStore("g2.", store), timeout_s=30)
+        old = group.swap(make_group(dist.PrefixStore("g2.", store), rank, 2, 30), 2, abort)
         old.abort()  # the old generation's backend is gone: nothing may still use it
     if step == 3:  # the committed state after step 2, this rank's shards only
         snap = snapshot({"model": model, "optimizer": opt})
