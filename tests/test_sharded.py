@@ -61,3 +61,27 @@ def test_fsdp2_trains_across_a_backend_swap_bitwise(tmp_path):
     # the two ranks trained on different data and still agree on the full parameters
     assert plain[0]["losses"] != plain[1]["losses"]
     assert all(torch.equal(plain[0]["params"][k], plain[1]["params"][k]) for k in plain[0]["params"])
+
+
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_a_peer_failing_mid_step_does_not_raise_into_the_script(tmp_path, mode):
+    """FSDP2's collectives run inside the script's forward and backward: a peer that dies
+    (or hangs until a newer plan sets the abort flag) must not raise there. The shard group
+    records the failure (``Session.step`` then discards the step) and returns at once."""
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / f"{mode}.json"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.fsdp_fault", str(r),
+                               str(port), mode, str(out if r == 0 else tmp_path / "r1.json")],
+                              cwd=REPO, env=env) for r in range(2)]
+    try:
+        assert procs[0].wait(timeout=120) == 0
+    finally:
+        for p in procs:  # by PID, never by name
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    got = __import__("json").loads(out.read_text())
+    assert got["failure"], got
+    if mode == "hang":  # ended by the abort flag (1 s), not by the 20 s timeout
+        assert got["took"] < 10, got
