@@ -494,6 +494,30 @@ def _default_data(fallback: Path) -> Path:
     return corpus.ensure(fallback, n_tokens=2_000_000, seed=0)
 
 
+def param_digests(finals: list[dict[str, Any]]) -> tuple[set[str], bool]:
+    """The final parameters' digest(s) of a job from its members' result files, and whether
+    the members agree. Unsharded: every member's sha256 of the whole model. Sharded (a
+    result names its ``shard``: replica, position): each rank hashed its own shards, so the
+    replicas must agree per position, and the job's digest is one sha256 over the positions'
+    digests in order (equal for two runs with equal parameters and the same shard size)."""
+    if not any(r.get("shard") for r in finals):
+        digests = {r["param_sha256"] for r in finals}
+        return digests, len(digests) <= 1
+    import hashlib
+
+    by_pos: dict[int, set[str]] = {}
+    for r in finals:
+        pos = r["shard"][1] if r.get("shard") else -1
+        by_pos.setdefault(pos, set()).add(r["param_sha256"])
+    consistent = all(len(v) == 1 for v in by_pos.values()) and -1 not in by_pos
+    if not consistent:
+        return {f"{p}:{d}" for p, v in by_pos.items() for d in v}, False
+    h = hashlib.sha256()
+    for p in sorted(by_pos):
+        h.update(f"{p}:{next(iter(by_pos[p]))};".encode())
+    return {h.hexdigest()}, True
+
+
 def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
              reason: str) -> dict[str, Any]:
     results = []
@@ -503,7 +527,7 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         except (OSError, ValueError):
             pass
     finals = [r for r in results if r.get("final_step") is not None]
-    digests = {r["param_sha256"] for r in finals}
+    digests, consistent = param_digests(finals)
     final_step = max((r["final_step"] for r in finals), default=None)
     losses: dict[str, float] = {}
     for r in results:
@@ -524,7 +548,7 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
     summary = {
         "exit_code": code, "reason": reason, "final_step": final_step,
         "param_sha256": digests.pop() if len(digests) == 1 else None,
-        "param_sha256_consistent": len({r["param_sha256"] for r in finals}) <= 1,
+        "param_sha256_consistent": consistent,
         "lost_steps": sum(r.lost_steps for r in obs.recoveries),
         "incidents": incidents, "pod_exits": exits,
         "generation": obs.plan.generation if obs.plan else 0,
