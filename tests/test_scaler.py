@@ -560,3 +560,22 @@ async def test_sharded_fault_drops_a_replica_and_capacity_adds_whole_replicas(en
     g3 = env.plans[-1]
     assert members(g3) == {0: "w2", 1: "w3", 2: "n0", 3: "n1"} and g3.replicas == 2
     assert g3.apply_step is not None
+
+
+def test_cli_up_refuses_bad_shard_sizes_and_status_shows_replicas(capsys):
+    from services.cli import _render_status, main as cli_main
+
+    for argv, msg in ((["--workers", "3", "--shard-size", "2"], "not a multiple of --shard-size 2"),
+                      (["--workers", "4", "--shard-size", "2", "--global-batch-size", "12",
+                        "--micro-batch-size", "4"], "not a multiple of the shard size 2"),
+                      (["--workers", "4", "--shard-size", "0"], "at least 1")):
+        try:
+            rc = cli_main(["up", *argv])
+        except SystemExit as e:
+            rc = e.code
+        assert rc == 2 and msg in capsys.readouterr().err, argv
+    cfg = PolicyConfig(workers=4, shard_size=2, global_batch_size=32, micro_batch_size=4)
+    plan = json.loads(initial_plan(["a", "b", "c", "d"], [], cfg).model_dump_json())
+    text = _render_status({"job": "j", "services": {}, "plan": plan, "plan_revision": 1})
+    assert "world size 4 = replicas 2 x shards 2" in text, text
+    assert "scale: 2 replica(s) of 2 ranks, target 2" in text, text
