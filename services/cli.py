@@ -62,9 +62,18 @@ def cmd_up(args: argparse.Namespace) -> int:
                      save_params=args.save_params, start_timeout=args.start_timeout,
                      gpus_per_pod=args.gpus_per_pod, actuator=args.actuator,
                      ray_address=args.ray_address, ray_cpus_per_pod=args.ray_cpus_per_pod,
-                     bus_host=args.bus_host)
+                     bus_host=args.bus_host, shard_size=args.shard_size)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
+        return 2
+    k = opts.shard_size
+    if k < 1:
+        print("ceaseless up: --shard-size must be at least 1", file=sys.stderr)
+        return 2
+    if opts.workers % k:
+        print(f"ceaseless up: --workers {opts.workers} is not a multiple of --shard-size {k}: "
+              f"the job runs whole replicas of {k} ranks (try --workers "
+              f"{max(k, opts.workers // k * k)})", file=sys.stderr)
         return 2
     from schemas.timeouts import agent_timeouts_from_env, check_timeouts
 
@@ -83,8 +92,16 @@ def cmd_up(args: argparse.Namespace) -> int:
                           scale_up_snooze_s=opts.scale_up_snooze)
         if opts.policy:
             opts.policy = str(Path(opts.policy).resolve())
-        if opts.workers > pol.max_replicas:
-            raise ValueError(f"--workers {opts.workers} exceeds max_replicas {pol.max_replicas}")
+        if opts.workers // k > pol.max_replicas:
+            what = f"--workers {opts.workers}" + (
+                f" ({opts.workers // k} replicas of {k})" if k > 1 else "")
+            raise ValueError(f"{what} exceeds max_replicas {pol.max_replicas}")
+        if k > 1:  # the batch must split into whole replicas (the scaler would refuse it)
+            from services.scaler.policy import PolicyConfig
+
+            PolicyConfig.from_policy(pol, workers=opts.workers,
+                                     global_batch_size=opts.global_batch_size,
+                                     micro_batch_size=opts.micro_batch_size, shard_size=k)
         if opts.actuator == "local":
             from services.actuator.gpus import GpuAssigner, visible_gpus
 
@@ -133,8 +150,11 @@ def _render_status(st: dict[str, Any]) -> str:
     plan = st.get("plan")
     if plan:
         members = sorted(plan["members"], key=lambda m: m["rank"])
+        k = plan.get("shard_size", 1)
+        shards = f" = replicas {plan['world_size'] // k} x shards {k}" if k > 1 else ""
         lines.append(f"plan generation {plan['generation']} (revision {st.get('plan_revision')}): "
-                     f"world size {plan['world_size']}, global batch {plan['global_batch_size']} "
+                     f"world size {plan['world_size']}{shards}, "
+                     f"global batch {plan['global_batch_size']} "
                      f"= {plan['micro_batch_size']} x {sum(plan['shares'].values())} micro-batches, "
                      f"reason: {plan['reason']}")
         lines.append("  ranks: " + ", ".join(f"{m['rank']}={m['pod']}" for m in members))
@@ -185,9 +205,11 @@ def _render_status(st: dict[str, Any]) -> str:
                      f"{pol['global_batch_size']} (constant)")
     if plan or sc.get("scale"):
         scale = sc.get("scale") or {}
-        target = scale.get("target", plan["world_size"] if plan else "?")
-        cur = plan["world_size"] if plan else 0
-        lines.append(f"scale: {cur} replica(s), target {target}"
+        k = plan.get("shard_size", 1) if plan else 1
+        target = scale.get("target", plan["world_size"] // k if plan else "?")
+        cur = plan["world_size"] // k if plan else 0
+        lines.append(f"scale: {cur} replica(s){f' of {k} ranks' if k > 1 else ''}, "
+                     f"target {target}"
                      + (f" (last request: {scale['reason']})" if scale.get("reason") else ""))
         if plan:
             lines.append(f"  last change: generation {plan['generation']}: {plan['reason']}")
@@ -327,8 +349,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run a local cluster: nats, services, workers, spares")
-    up.add_argument("--workers", type=int, default=3)
+    up.add_argument("--workers", type=int, default=3,
+                    help="ranks to train on (with --shard-size K: a multiple of K)")
     up.add_argument("--spares", type=int, default=1)
+    up.add_argument("--shard-size", type=int, default=1, metavar="K",
+                    help="sharded models: replicas of K ranks (FSDP inside a replica); "
+                         "replica counts (min/max replicas, capacity, priority) count "
+                         "replicas (default 1: unsharded)")
     up.add_argument("--steps", type=int, default=100)
     up.add_argument("--job", default="demo")
     up.add_argument("--run-dir")

@@ -75,6 +75,9 @@ class UpOptions:
     ray_address: str | None = "auto"
     ray_cpus_per_pod: float = 0.1
     bus_host: str | None = None  # None: 127.0.0.1, with Ray this machine's Ray node IP
+    # Ranks per replica of a sharded model (issue 21; FSDP inside a replica): ``workers``
+    # counts ranks (a multiple of it), replica counts count replicas of this many ranks.
+    shard_size: int = 1
 
 
 class ServiceSupervisor:
@@ -242,7 +245,8 @@ async def run(opts: UpOptions) -> int:
                    *_opt("--max-replicas", opts.max_replicas),
                    *_opt("--policy", opts.policy),
                    *_opt("--scale-up-snooze", opts.scale_up_snooze),
-                   *_opt("--start-timeout", opts.start_timeout)],
+                   *_opt("--start-timeout", opts.start_timeout),
+                   *(["--shard-size", str(opts.shard_size)] if opts.shard_size > 1 else [])],
         "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
                            "--stall-timeout", str(opts.stall_timeout),
                            # the pods inherit this environment: the monitor must know the
@@ -264,6 +268,8 @@ async def run(opts: UpOptions) -> int:
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            # the agents' own stall watchdog acts at the monitor's stall timeout
            "CEASELESS_STALL_TIMEOUT": str(opts.stall_timeout),
+           # the agent shards its model over the ranks of a replica (1: unsharded)
+           "CEASELESS_SHARD_SIZE": str(opts.shard_size),
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
     if opts.checkpoint_dir:
         env.update(CEASELESS_CHECKPOINT_DIR=str(Path(opts.checkpoint_dir).resolve()),

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 class Cluster:
     def __init__(self, run_dir: Path, workers: int, spares: int, steps: int,
                  extra: list[str] | None = None, cmd: list[str] | None = None,
-                 timeout: float = 240.0, replace: bool = False) -> None:
+                 timeout: float = 240.0, replace: bool = False, shard_size: int = 1) -> None:
         self.run_dir = run_dir
         self.argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
                      "--workers", str(workers), "--spares", str(spares), "--steps", str(steps),
@@ -35,7 +35,9 @@ class Cluster:
                      "--start-timeout", "120",
                      # Replacement pods are `up`'s default; runs that compare plans and world
                      # sizes with a fixed pool of spares opt in (replace=True).
-                     *([] if replace else ["--no-replace"]), *(extra or [])]
+                     *([] if replace else ["--no-replace"]),
+                     *(["--shard-size", str(shard_size)] if shard_size > 1 else []),
+                     *(extra or [])]
         if cmd:
             self.argv += ["--", *cmd]
         self.proc: subprocess.Popen | None = None

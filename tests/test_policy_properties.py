@@ -50,7 +50,7 @@ def _check_plan(p: Plan, cfg: PolicyConfig) -> None:
     pods = [m.pod for m in p.members]
     assert ranks == list(range(p.world_size))            # ranks 0..W-1, no duplicates
     assert len(set(pods)) == len(pods)                    # members unique
-    assert cfg.min_replicas <= p.world_size <= cfg.max_replicas
+    assert cfg.min_replicas <= p.replicas <= cfg.max_replicas      # (= world size, k == 1)
     assert p.global_batch_size == cfg.global_batch_size  # the global batch never changes
     assert sum(p.shares.values()) == num_micro_batches(p.global_batch_size, p.micro_batch_size)
     assert not set(p.spares) & set(pods)
@@ -172,3 +172,198 @@ def test_a_release_naming_pods_takes_those_pods():
     assert sum(new.shares.values()) * new.micro_batch_size == plan.global_batch_size
     new = scale_plan(plan, 2, [], cfg, apply_step=7)  # nobody named: the highest rank
     assert {m.rank: m.pod for m in new.members} == {0: "w0", 1: "w1"}
+
+
+# ----------------------------------------------------------------------------- sharded (issue 21)
+@st.composite
+def sharded_scenario(draw):
+    """A plan of R replicas of k ranks (k in 1..4), spares, and a set of failed pods."""
+    k = draw(st.integers(1, 4))
+    micro = draw(st.integers(1, 4))
+    reps = draw(st.integers(1, 5))
+    rows = draw(st.integers(reps, 12))               # micro-batch rows (per shard)
+    min_rep = draw(st.integers(1, reps))
+    cfg = PolicyConfig(workers=reps * k, min_replicas=min_rep, max_replicas=8,
+                       global_batch_size=micro * rows * k, micro_batch_size=micro, shard_size=k)
+    ws = [f"w{i:02d}" for i in range(reps * k + draw(st.integers(0, 2)))]
+    sp = [f"s{i}" for i in range(draw(st.integers(0, 2 * k + 1)))]
+    plan = initial_plan(ws, sp, cfg)
+    assert isinstance(plan, Plan)
+    return cfg, plan
+
+
+def _check_sharded(p: Plan, cfg: PolicyConfig, prev: Plan | None = None) -> None:
+    k = cfg.shard_size
+    _check_plan(p, cfg)
+    assert p.shard_size == k and p.world_size % k == 0
+    assert cfg.min_replicas <= p.replicas <= cfg.max_replicas
+    for r in p.shares:                                   # equal shares inside a replica
+        assert p.shares[r] == p.shares[r - r % k]
+    covered = [i for r in range(p.world_size)
+               for i in micro_batch_range(cfg.num_micro, p.world_size, r, k)]
+    assert covered == list(range(cfg.num_micro))
+    if prev is not None:                                 # members keep their shard position
+        old = {m.pod: m.rank for m in prev.members}
+        for m in p.members:
+            if m.pod in old:
+                assert m.rank % k == old[m.pod] % k, (m, old[m.pod])
+
+
+@given(sharded_scenario(), st.data())
+def test_sharded_fault_decisions(sc, data):
+    cfg, plan = sc
+    k = cfg.shard_size
+    _check_sharded(plan, cfg)
+    pods = [m.pod for m in plan.members]
+    failed = data.draw(st.sets(st.sampled_from(pods + ["ghost"]), min_size=1))
+    alive = data.draw(st.sets(st.sampled_from(plan.spares), max_size=len(plan.spares))
+                      if plan.spares else st.just(set()))
+    out = on_fault(plan, failed, alive, cfg, incident="inc-s")
+    old = {m.rank: m.pod for m in plan.members}
+    dead = {p for p in old.values() if p in failed}
+    if not dead:
+        assert out is None
+        return
+    holed = {r // k for r, p in old.items() if p in failed}
+    if isinstance(out, Wait):
+        assert len(dead) > len(alive) and "waiting for capacity" in out.reason
+        return
+    _check_sharded(out, cfg, plan)
+    new = {m.rank: m.pod for m in out.members}
+    assert out.generation == plan.generation + 1
+    assert not set(new.values()) & failed                 # no failed pod in the plan
+    assert set(out.fenced) >= dead and not set(out.fenced) & (set(old.values()) - dead)
+    released = set(old.values()) - dead - set(new.values())
+    assert not released & set(out.spares)                 # released members are not spares
+    assert not released & set(out.fenced)
+    promoted = set(new.values()) - set(old.values())
+    assert promoted <= alive
+    dropped = plan.replicas - out.replicas
+    if len(dead) <= len(alive):                           # enough spares: replace in place
+        assert dropped == 0 and not released
+        assert all(new[r] == p for r, p in old.items() if p not in failed)
+    # every survivor of a replica that stays is kept; released ones come from holed replicas
+    for r, p in old.items():
+        if p in released:
+            assert r // k in holed
+    # the released + the failed of dropped replicas are whole replicas
+    assert len(released) + len([p for p in dead if p not in promoted]) >= dropped * k - len(
+        promoted)
+    assert len(set(new.values())) == out.world_size
+    # the next fault is handled too
+    nxt = on_fault(out, {new[0]}, set(), cfg)
+    assert nxt is not None
+    if isinstance(nxt, Plan):
+        _check_sharded(nxt, cfg, out)
+
+
+@given(sharded_scenario(), st.integers(1, 8), st.integers(0, 100), st.data())
+def test_sharded_scale_plans(sc, target, step, data):
+    cfg, plan = sc
+    k = cfg.shard_size
+    spares = [f"x{i}" for i in range(data.draw(st.integers(0, 3 * k)))]
+    leave = data.draw(st.sets(st.sampled_from([m.pod for m in plan.members]), max_size=2))
+    new = scale_plan(plan, target, spares, cfg, apply_step=step, leave=leave)
+    if new is None:
+        assert desired_size(plan.replicas, target, len(spares) // k, cfg) == plan.replicas
+        return
+    _check_sharded(new, cfg, plan)
+    old = {m.pod for m in plan.members}
+    pods = {m.pod for m in new.members}
+    assert new.world_size in [n * k for n in cfg.sizes()]
+    if new.replicas > plan.replicas:
+        assert new.replicas <= target and old <= pods
+        assert len(pods - old) == new.world_size - plan.world_size
+    else:
+        gone = old - pods
+        assert len(gone) == plan.world_size - new.world_size   # whole replicas leave
+        assert not gone & set(new.spares)                      # released, not spares
+        # a replica holding a named pod leaves before an unnamed one
+        named_reps = {plan.rank_of(p) // k for p in leave}
+        if len(named_reps) <= plan.replicas - new.replicas:
+            assert not set(leave) & pods
+
+
+@given(sharded_scenario(), st.integers(1, 4), st.integers(0, 9))
+def test_sharded_releases_count_replicas(sc, count, n_idle):
+    cfg, plan = sc
+    k = cfg.shard_size
+    idle = [f"i{j}" for j in range(n_idle)]
+    d = on_release(plan.replicas, plan.replicas, count, idle, cfg)
+    if isinstance(d, Refused):
+        return
+    assert len(d.stop_spares) % k == 0
+    assert len(d.stop_spares) // k + d.shrink_by == count
+    assert d.target == plan.replicas - d.shrink_by >= cfg.min_replicas
+
+
+def test_sharded_config_validation():
+    import pytest
+    with pytest.raises(ValueError, match="not a multiple of the shard size 2"):
+        PolicyConfig(workers=3, shard_size=2, global_batch_size=64, micro_batch_size=8)
+    with pytest.raises(ValueError, match="micro-batches, not a multiple of the shard size 3"):
+        PolicyConfig(workers=3, shard_size=3, global_batch_size=64, micro_batch_size=8)
+    cfg = PolicyConfig(workers=6, shard_size=2, global_batch_size=64, micro_batch_size=8,
+                       min_replicas=1, max_replicas=8)
+    assert cfg.target_replicas == 3 and cfg.target_workers == 6 and cfg.sizes() == [1, 2, 3, 4]
+
+
+def _cfg(reps: int, k: int, **kw) -> PolicyConfig:
+    return PolicyConfig(workers=reps * k, shard_size=k, global_batch_size=96,
+                        micro_batch_size=4, **kw)
+
+
+def test_2x2_one_spare_replaces_in_place():
+    cfg = _cfg(2, 2)
+    plan = initial_plan(["w0", "w1", "w2", "w3"], ["s0"], cfg)
+    assert plan.shard_size == 2 and plan.replicas == 2 and plan.spares == ["s0"]
+    out = on_fault(plan, "w1", ["s0"], cfg)
+    assert {m.rank: m.pod for m in out.members} == {0: "w0", 1: "s0", 2: "w2", 3: "w3"}
+    assert out.fenced == ["w1"] and out.spares == [] and out.reason == "replace w1 with s0"
+
+
+def test_2x2_without_spare_drops_the_replica_and_moves_the_other():
+    cfg = _cfg(2, 2)
+    plan = initial_plan(["w0", "w1", "w2", "w3"], [], cfg)
+    out = on_fault(plan, "w1", [], cfg)
+    assert {m.rank: m.pod for m in out.members} == {0: "w2", 1: "w3"}
+    assert out.world_size == 2 and out.replicas == 1
+    assert out.fenced == ["w1"] and out.spares == []        # w0 released: neither
+    assert "w0 released" in out.reason and "replica 1 (w2, w3) moves to replica 0" in out.reason
+    assert sum(out.shares.values()) * 4 == 96
+
+
+def test_3x2_kill_rank_0_without_spare_moves_replica_2_into_slots_0_1():
+    cfg = _cfg(3, 2)
+    plan = initial_plan([f"w{i}" for i in range(6)], [], cfg)
+    out = on_fault(plan, "w0", [], cfg)
+    assert {m.rank: m.pod for m in out.members} == {0: "w4", 1: "w5", 2: "w2", 3: "w3"}
+    assert "w1" not in out.spares and "w1" not in out.fenced
+
+
+def test_sharded_spares_complete_replicas_fewest_holes_first():
+    """Two replicas hurt (replica 0: two holes, replica 1: one), one spare: it completes
+    replica 1; replica 0 is dropped (no spare spent on it), replica 2 moves into its slots."""
+    cfg = _cfg(3, 2)
+    plan = initial_plan([f"w{i}" for i in range(6)], [], cfg)
+    out = on_fault(plan, {"w0", "w1", "w3"}, ["s0"], cfg)
+    assert {m.rank: m.pod for m in out.members} == {0: "w4", 1: "w5", 2: "w2", 3: "s0"}
+    # too few replicas would remain: wait
+    cfg2 = _cfg(3, 2, min_replicas=3)
+    assert isinstance(on_fault(plan, {"w0", "w3"}, ["s0"], cfg2), Wait)
+
+
+def test_sharded_scale_grows_and_shrinks_whole_replicas():
+    cfg = _cfg(2, 2, max_replicas=4)
+    plan = initial_plan(["w0", "w1", "w2", "w3"], [], cfg)
+    assert scale_plan(plan, 3, ["s0"], cfg, apply_step=5) is None   # 1 spare < k
+    up = scale_plan(plan, 3, ["s0", "s1", "s2"], cfg, apply_step=5)
+    assert up.world_size == 6 and up.spares == ["s2"] and up.apply_step == 5
+    assert [up.pod_of(r) for r in (4, 5)] == ["s0", "s1"]
+    down = scale_plan(up, 2, [], cfg, apply_step=9, leave=["w1"])
+    assert {m.rank: m.pod for m in down.members} == {0: "s0", 1: "s1", 2: "w2", 3: "w3"}
+    assert "w0" not in down.spares and "w1" not in down.spares
+    d = on_release(3, 3, 1, ["a", "b", "c"], cfg)
+    assert d.stop_spares == ("c", "b") and d.shrink_by == 0
+    d = on_release(3, 3, 2, ["a", "b", "c"], cfg)
+    assert d.stop_spares == ("c", "b") and d.shrink_by == 1 and d.target == 2

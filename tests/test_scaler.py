@@ -519,3 +519,63 @@ async def test_cli_inject_prints_the_scalers_answer(env, bus, nats_server):
     assert "below min_replicas 1" in out
     code, out = await run("capacity", "+1")
     assert code == 0 and "accepted: capacity add 1: target 1 -> 2 replicas" in out, out
+
+
+async def test_sharded_fault_drops_a_replica_and_capacity_adds_whole_replicas(env, bus):
+    """shard_size 2 (issue 21): 2 replicas of 2 ranks, no spare. A fault drops the hurt
+    replica whole (its survivor is released, not fenced, not a spare) and the other replica
+    moves into its slots with positions kept; a capacity add counts replicas (2 pods per
+    replica started) and grows by a whole replica."""
+    sc = await env.scaler(workers=4, shard_size=2, max_replicas=3,
+                          policy=ScalingPolicy(max_replicas=3, scale_up_snooze_s=0))
+    agents = {p: await env.agent(p) for p in ("w0", "w1", "w2", "w3")}
+    got = await _decisions(bus)
+    await until(lambda: env.plans, what="initial plan")
+    p1 = env.plans[0]
+    assert p1.shard_size == 2 and p1.replicas == 2 and members(p1) == {
+        0: "w0", 1: "w1", 2: "w2", 3: "w3"}
+    st = sc.status()
+    assert st["plan"]["shard_size"] == 2 and st["plan"]["replicas"] == 2
+    assert st["policy"]["shard_size"] == 2
+    agents["w1"].kill()
+    await env.fault("w1", 1)
+    await until(lambda: len(env.plans) >= 2, what="shrink plan")
+    p2 = env.plans[1]
+    assert members(p2) == {0: "w2", 1: "w3"} and p2.replicas == 1 and p2.shard_size == 2
+    assert p2.fenced == ["w1"] and "w0" not in p2.spares and "w0 released" in p2.reason
+    agents["w0"].state = AgentState.done  # a released member leaves (exit 0)
+    await agents["w0"].beat()
+    agents["w0"].kill()
+    await until(lambda: agents["w2"].rank == 0 and agents["w3"].rank == 1, what="moved")
+    await bus.publish(bus.subjects.capacity, Capacity(change="add", count=1, request_id="c1"))
+    await until(lambda: got, what="a decision")
+    assert got[0].accepted and got[0].target == 3, got[0]
+    start = [c for c in env.actuator if c.action.value == "start"]
+    assert len(start) == 1 and start[0].count == 2  # one replica = 2 pods
+    await env.agent("n0", Role.spare)
+    await asyncio.sleep(0.3)
+    assert len(env.plans) == 2  # one spare is not a replica: no grow
+    await env.agent("n1", Role.spare)
+    await until(lambda: len(env.plans) >= 3, what="grow plan")
+    g3 = env.plans[-1]
+    assert members(g3) == {0: "w2", 1: "w3", 2: "n0", 3: "n1"} and g3.replicas == 2
+    assert g3.apply_step is not None
+
+
+def test_cli_up_refuses_bad_shard_sizes_and_status_shows_replicas(capsys):
+    from services.cli import _render_status, main as cli_main
+
+    for argv, msg in ((["--workers", "3", "--shard-size", "2"], "not a multiple of --shard-size 2"),
+                      (["--workers", "4", "--shard-size", "2", "--global-batch-size", "12",
+                        "--micro-batch-size", "4"], "not a multiple of the shard size 2"),
+                      (["--workers", "4", "--shard-size", "0"], "at least 1")):
+        try:
+            rc = cli_main(["up", *argv])
+        except SystemExit as e:
+            rc = e.code
+        assert rc == 2 and msg in capsys.readouterr().err, argv
+    cfg = PolicyConfig(workers=4, shard_size=2, global_batch_size=32, micro_batch_size=4)
+    plan = json.loads(initial_plan(["a", "b", "c", "d"], [], cfg).model_dump_json())
+    text = _render_status({"job": "j", "services": {}, "plan": plan, "plan_revision": 1})
+    assert "world size 4 = replicas 2 x shards 2" in text, text
+    assert "scale: 2 replica(s) of 2 ranks, target 2" in text, text

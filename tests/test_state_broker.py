@@ -325,3 +325,57 @@ def test_decide_generation_one_from_the_scripts_own_checkpoint():
     later = decide_transfer(make_plan(["a", "b", "c"], generation=2),
                             {0: (9, "aa"), 1: (9, "bb"), 2: (9, "bb")}, high_water=9)
     assert later.digest == "bb" and later.sources == {0: [1, 2]}
+
+
+# ----------------------------------------------------------------------------- sharded (issue 21)
+def sharded_plan(n, k, generation=2):
+    return Plan(generation=generation, members=[Member(pod=f"p{r}", rank=r) for r in range(n)],
+                world_size=n, global_batch_size=n, micro_batch_size=1,
+                shares={r: 1 for r in range(n)}, shard_size=k)
+
+
+def test_sharded_recipient_gets_only_same_position_sources():
+    """2x2: rank 1 (shard 1) was replaced by a spare (step -1). It receives from rank 3, the
+    other holder of shard 1, never from the shard-0 ranks; nobody else receives."""
+    plan = sharded_plan(4, 2)
+    t = decide_transfer(plan, {0: (7, "a0"), 1: (-1, ""), 2: (7, "a0"), 3: (7, "a1")}, 7)
+    assert isinstance(t, Transfer)
+    assert t.restore_step == 7 and t.sources == {1: [3]} and t.digest == "a0"
+    # 3 replicas of 2, two new members (ranks 0 and 5): each from its own position, striped
+    plan = sharded_plan(6, 2)
+    t = decide_transfer(plan, {0: (-1, ""), 1: (7, "b"), 2: (7, "a"), 3: (7, "b"),
+                               4: (7, "a"), 5: (-1, "")}, 7)
+    assert t.sources == {0: [2, 4], 5: [1, 3]}
+    # a minority digest at a position receives from that position's majority
+    t = decide_transfer(plan, {0: (7, "a"), 1: (7, "b"), 2: (7, "a"), 3: (7, "x"),
+                               4: (7, "a"), 5: (7, "b")}, 7)
+    assert t.sources == {3: [1, 5]} and t.digest == "a"
+
+
+def test_sharded_state_lost_when_a_whole_position_is_behind():
+    plan = sharded_plan(4, 2, generation=5)
+    lost = decide_transfer(plan, {0: (9, "a"), 1: (8, "b"), 2: (9, "a"), 3: (-1, "")}, 9)
+    assert isinstance(lost, StateLost)
+    assert "no replica holds shard 1 at step 9" in lost.reason and lost.best_step == 9
+    # a position nobody reported
+    lost = decide_transfer(plan, {0: (9, "a"), 2: (9, "a")}, 9)
+    assert isinstance(lost, StateLost) and "shard 1" in lost.reason
+    # all at -1 after something was committed: lost, as unsharded
+    lost = decide_transfer(plan, {r: (-1, "") for r in range(4)}, 3)
+    assert isinstance(lost, StateLost) and lost.best_step == -1
+
+
+def test_sharded_generation_one():
+    plan = sharded_plan(6, 3, generation=1)
+    t = decide_transfer(plan, {r: (-1, "") for r in range(6)}, -1)
+    assert t.restore_step == -1 and t.sources == {3: [0], 4: [1], 5: [2]}
+    # the scripts restored a checkpoint: replica 0's shards are the job's
+    t = decide_transfer(plan, {0: (4, "a"), 1: (4, "b"), 2: (4, "c"), 3: (4, "a"),
+                               4: (4, "z"), 5: (-1, "")}, -1)
+    assert t.restore_step == 4 and t.digest == "a" and t.sources == {4: [1], 5: [2]}
+    # shards of different checkpoints: lost
+    lost = decide_transfer(plan, {0: (4, "a"), 1: (3, "b"), 2: (4, "c")}, -1)
+    assert isinstance(lost, StateLost) and "one checkpoint" in lost.reason
+    # unsharded plans are untouched by the sharded path
+    assert decide_transfer(make_plan(["a", "b"]), {0: (-1, ""), 1: (-1, "")}, -1).sources \
+        == {1: [0]}

@@ -36,7 +36,11 @@ def _policy_default(name: str) -> str:
 def parser():
     p = common_args("Ceaseless scaler: the single writer of membership plans")
     p.add_argument("--workers", type=int, default=2,
-                   help="desired initial replicas (default 2)")
+                   help="desired initial ranks: replicas x --shard-size (default 2)")
+    p.add_argument("--shard-size", type=int, default=1,
+                   help="ranks per replica of a sharded model (FSDP inside a replica); "
+                        "replica counts (policy, requests) count replicas of this many ranks "
+                        "(default 1: unsharded)")
     g = p.add_argument_group("scaling policy (flags override --policy / $CEASELESS_POLICY)")
     g.add_argument("--policy", help="TOML (or YAML) policy file, see schemas/policy.py")
     g.add_argument("--min-replicas", type=int, help=_policy_default("min_replicas"))
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         pol = policy_from_args(args)
         PolicyConfig.from_policy(pol, workers=args.workers,
                                  global_batch_size=args.global_batch_size,
-                                 micro_batch_size=args.micro_batch_size)
+                                 micro_batch_size=args.micro_batch_size,
+                                 shard_size=args.shard_size)
         if args.lease_ttl <= 0 or args.fault_timeout <= 0:
             raise ValueError("--lease-ttl and --fault-timeout must be positive")
     except ValueError as e:
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
                       global_batch_size=args.global_batch_size,
                       micro_batch_size=args.micro_batch_size, lease_ttl=args.lease_ttl,
                       start_timeout=args.start_timeout, fault_timeout=args.fault_timeout,
-                      fence_timeout=args.fence_timeout, scaler_id=args.scaler_id))
+                      fence_timeout=args.fence_timeout, scaler_id=args.scaler_id,
+                      shard_size=args.shard_size))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,15 @@ planned transition at a step boundary.
 Ranks stay stable: a spare takes the failed rank's number; when shrinking, the highest
 ranks move into the holes so the ranks stay ``0..W-1``. The global batch never changes;
 ``schemas.batching.shares`` spreads its micro-batches over the ranks.
+
+Sharded models (``shard_size`` k > 1, issue 21): the job is ``R`` replicas of k ranks; rank
+``r`` is replica ``r // k`` at shard position ``r % k``. Every replica count here (targets,
+min/max_replicas, ``sizes()``, per-scale lr factors, request counts) counts replicas, and a
+plan only ever adds or drops whole replicas. A member keeps its shard position for ever
+(``rank % k`` never changes while it stays a member): holes are filled by spares (which have
+no position yet), and a replica moves whole into a dropped replica's slots. Members of a
+dropped replica that did not fail are released (neither spares nor fenced: they exit).
+With k == 1 every function behaves as it did before sharding.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ class PolicyConfig:
     max_replicas: int = 64
     global_batch_size: int = 64
     micro_batch_size: int = 8
+    # Ranks per replica (FSDP inside a replica); ``workers`` counts ranks, every replica
+    # count (min/max_replicas, targets, sizes) counts replicas of ``shard_size`` ranks.
+    shard_size: int = 1
     # The elastic part of the policy; None: defaults with min/max_replicas above.
     scaling: ScalingPolicy | None = field(default=None, compare=False)
 
@@ -42,21 +54,33 @@ class PolicyConfig:
             raise ValueError("min/max_replicas differ from the scaling policy's; build the "
                              "config with PolicyConfig.from_policy")
         m = num_micro_batches(self.global_batch_size, self.micro_batch_size)
+        k = self.shard_size
+        if k < 1:
+            raise ValueError(f"shard_size must be >= 1, not {k}")
+        if m % k:
+            raise ValueError(f"the global batch has {m} micro-batches, not a multiple of the "
+                             f"shard size {k}: every rank of a replica computes as many "
+                             "micro-batches as the others")
+        if self.workers % k:
+            raise ValueError(f"workers {self.workers} is not a multiple of the shard size {k} "
+                             "(whole replicas only)")
+        m //= k  # micro-batch rows: one per replica at least
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"need 1 <= min_replicas ({self.min_replicas}) <= "
                              f"max_replicas ({self.max_replicas})")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
         if self.min_replicas > m:
-            raise ValueError(f"min_replicas {self.min_replicas} exceeds the {m} micro-batches "
-                             "of the global batch")
+            per = f" per shard (shard size {k})" if k > 1 else ""
+            raise ValueError(f"min_replicas {self.min_replicas} exceeds the {m} micro-batches"
+                             f"{per} of the global batch")
 
     @classmethod
     def from_policy(cls, policy: ScalingPolicy, *, workers: int, global_batch_size: int,
-                    micro_batch_size: int) -> "PolicyConfig":
+                    micro_batch_size: int, shard_size: int = 1) -> "PolicyConfig":
         return cls(workers=workers, min_replicas=policy.min_replicas,
                    max_replicas=policy.max_replicas, global_batch_size=global_batch_size,
-                   micro_batch_size=micro_batch_size, scaling=policy)
+                   micro_batch_size=micro_batch_size, shard_size=shard_size, scaling=policy)
 
     @property
     def policy(self) -> ScalingPolicy:
@@ -64,17 +88,25 @@ class PolicyConfig:
         return self.scaling
 
     def sizes(self) -> list[int]:
-        """The replica counts the policy allows that the global batch can be spread over."""
-        return self.policy.sizes(limit=self.num_micro)
+        """The replica counts the policy allows that the global batch can be spread over
+        (at most ``num_micro // shard_size``: every replica computes one row at least)."""
+        return self.policy.sizes(limit=self.num_micro // self.shard_size)
 
     @property
     def num_micro(self) -> int:
         return num_micro_batches(self.global_batch_size, self.micro_batch_size)
 
     @property
+    def target_replicas(self) -> int:
+        """The initial replica count: ``workers // shard_size`` capped by max_replicas and
+        the micro-batch rows."""
+        k = self.shard_size
+        return max(1, min(self.workers // k, self.max_replicas, self.num_micro // k))
+
+    @property
     def target_workers(self) -> int:
-        """The initial world size: ``workers`` capped by max_replicas and the micro-batches."""
-        return max(1, min(self.workers, self.max_replicas, self.num_micro))
+        """The initial world size in ranks: ``target_replicas * shard_size``."""
+        return self.target_replicas * self.shard_size
 
 
 @dataclass(frozen=True)
@@ -88,8 +120,9 @@ def make_plan(generation: int, members: dict[int, str], *, global_batch_size: in
               micro_batch_size: int, spares: Iterable[str] = (), reason: str = "",
               incident: str | None = None, fenced: Iterable[str] = (),
               lr_factor: float = 1.0, apply_step: int | None = None,
-              lr_warmup_steps: int = 0) -> Plan:
-    """A validated plan; ``members`` maps rank -> pod and must cover 0..W-1."""
+              lr_warmup_steps: int = 0, shard_size: int = 1) -> Plan:
+    """A validated plan; ``members`` maps rank -> pod and must cover 0..W-1 (W a multiple
+    of ``shard_size``)."""
     w = len(members)
     member_pods = set(members.values())
     return Plan(
@@ -98,7 +131,7 @@ def make_plan(generation: int, members: dict[int, str], *, global_batch_size: in
         world_size=w,
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
-        shares=shares(num_micro_batches(global_batch_size, micro_batch_size), w),
+        shares=shares(num_micro_batches(global_batch_size, micro_batch_size), w, shard_size),
         lr_factor=lr_factor,
         reason=reason,
         incident=incident,
@@ -106,6 +139,7 @@ def make_plan(generation: int, members: dict[int, str], *, global_batch_size: in
         fenced=_bounded(fenced),
         apply_step=apply_step,
         lr_warmup_steps=lr_warmup_steps,
+        shard_size=shard_size,
         ts=0.0,
     )
 
@@ -125,19 +159,24 @@ def initial_plan(workers: Iterable[str], spares: Iterable[str], cfg: PolicyConfi
     ``workers``: live worker-role pods waiting for a plan; ``spares``: live spare-role pods.
     With ``cfg.workers`` workers (capped by max_replicas and the micro-batch count) the first
     ones by pod id get ranks 0..N-1 and the rest become spares; after the start timeout
-    (``timed_out``) any number >= min_replicas will do.
+    (``timed_out``) any number >= min_replicas will do. Sharded (k = ``cfg.shard_size``):
+    ``R * k`` workers for ``R = cfg.target_replicas`` (after the timeout: as many whole
+    replicas as there are workers, at least min_replicas); the rest are spares.
     """
     ws = sorted(set(workers))
+    k = cfg.shard_size
     want = cfg.target_workers
-    if len(ws) < want and not (timed_out and len(ws) >= cfg.min_replicas):
-        more = f", or {cfg.min_replicas} after the start timeout" if not timed_out else ""
+    if len(ws) < want and not (timed_out and len(ws) // k >= cfg.min_replicas):
+        more = f", or {cfg.min_replicas * k} after the start timeout" if not timed_out else ""
         return Wait(f"waiting for workers: {len(ws)} of {want} alive{more}")
-    chosen = ws[:want]
-    extra = ws[want:]
+    n = min(want, len(ws) // k * k)
+    chosen = ws[:n]
+    extra = ws[n:]
     return make_plan(
         1, dict(enumerate(chosen)),
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
-        spares=[*extra, *spares], reason="initial", lr_factor=cfg.policy.lr_factor(len(chosen)))
+        spares=[*extra, *spares], reason="initial", lr_factor=cfg.policy.lr_factor(n // k),
+        shard_size=k)
 
 
 def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str],
@@ -149,51 +188,100 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
     order); holes left when spares run out are closed by shrinking (the highest ranks move
     into them) if at least ``min_replicas`` stay; otherwise wait for capacity. A plan that
     would still contain a failed pod is never produced.
+
+    Sharded (k = ``plan.shard_size`` > 1): holes are counted per replica. When the spares
+    cannot fill every hole, the spares complete as many replicas as they can -- replicas
+    with the fewest holes first, then the lowest replica index (with k == 1 this is the
+    rule above) -- and every replica still holding a hole is dropped whole: no spare is
+    spent on it, its surviving members are released (in neither members, spares nor
+    fenced: they exit). The highest-numbered intact replicas then move whole into the
+    dropped slots below the new world size (rank ``r`` of replica ``s`` goes to
+    ``r - (s - d) * k`` for destination replica ``d``: shard positions are kept), so the
+    ranks stay ``0..W-1``. Wait when fewer than min_replicas replicas would remain.
     """
     failed_set = {failed} if isinstance(failed, str) else set(failed)
     by_rank = {m.rank: m.pod for m in plan.members}
     dead = sorted(r for r, p in by_rank.items() if p in failed_set)
     if not dead:
         return None
+    k = plan.shard_size
+    n_rep = plan.replicas
     dead_pods = [by_rank[r] for r in dead]
     excluded = set(by_rank.values()) | failed_set | set(plan.fenced)
     pool = sorted(set(alive_spares) - excluded)
+    holed: dict[int, list[int]] = {}
+    for r in dead:
+        holed.setdefault(r // k, []).append(r)
+    # Complete as many replicas as the spares allow: fewest holes first, then lowest index.
+    fill, dropped, left = set(), [], len(pool)
+    for j in sorted(holed, key=lambda j: (len(holed[j]), j)):
+        if len(holed[j]) <= left:
+            fill.add(j)
+            left -= len(holed[j])
+        else:
+            dropped.append(j)
+    dropped.sort()
     members = {r: p for r, p in by_rank.items() if r not in dead}
     replaced: list[str] = []
-    holes: list[int] = []
     for r in dead:
-        if pool:
+        if r // k in fill:
             spare = pool.pop(0)
             members[r] = spare
             replaced.append(f"{by_rank[r]} with {spare}")
-        else:
-            holes.append(r)
     fenced = [*plan.fenced, *dead_pods]
     common = dict(global_batch_size=plan.global_batch_size,
                   micro_batch_size=plan.micro_batch_size, incident=incident, fenced=fenced,
-                  lr_warmup_steps=cfg.policy.lr_warmup_steps)
-    if not holes:
+                  lr_warmup_steps=cfg.policy.lr_warmup_steps, shard_size=k)
+    if not dropped:
         return make_plan(plan.generation + 1, members, spares=pool,
                          reason="replace " + ", ".join(replaced),
-                         lr_factor=cfg.policy.lr_factor(len(members)), **common)
-    new_ws = plan.world_size - len(holes)
-    if new_ws < max(1, cfg.min_replicas):
+                         lr_factor=cfg.policy.lr_factor(len(members) // k), **common)
+    holes = [r for j in dropped for r in holed[j]]
+    new_rep = n_rep - len(dropped)
+    new_ws = new_rep * k
+    if new_rep < max(1, cfg.min_replicas):
+        if k == 1:
+            return Wait(
+                f"waiting for capacity: {', '.join(by_rank[r] for r in holes)} failed, no "
+                f"live spare, and shrinking to {new_ws} would go below min_replicas "
+                f"{cfg.min_replicas}")
         return Wait(
-            f"waiting for capacity: {', '.join(by_rank[r] for r in holes)} failed, no live "
-            f"spare, and shrinking to {new_ws} would go below min_replicas {cfg.min_replicas}")
-    # Shrink: ranks >= new_ws move (highest first) into the holes below new_ws.
-    low_holes = sorted(r for r in holes if r < new_ws)
-    movers = sorted((r for r in members if r >= new_ws), reverse=True)
+            f"waiting for capacity: {', '.join(by_rank[r] for r in holes)} failed, not enough "
+            f"live spares to complete replica(s) {', '.join(map(str, dropped))}, and dropping "
+            f"them would leave {new_rep} replica(s) of {k}, below min_replicas "
+            f"{cfg.min_replicas}")
+    released = [by_rank[r] for j in dropped for r in range(j * k, j * k + k)
+                if r not in holed[j]]
+    for j in dropped:
+        for r in range(j * k, j * k + k):
+            members.pop(r, None)
+    # Whole replicas >= new_rep move (highest first) into the dropped slots below new_rep.
+    low = [j for j in dropped if j < new_rep]
+    movers = sorted((j for j in range(new_rep, n_rep) if j not in dropped), reverse=True)
     moves = []
-    for hole, src in zip(low_holes, movers):
-        members[hole] = members.pop(src)
-        moves.append(f"rank {src} ({members[hole]}) moves to rank {hole}")
+    for dst, src in zip(low, movers):
+        for i in range(k):
+            members[dst * k + i] = members.pop(src * k + i)
+        if k == 1:
+            moves.append(f"rank {src} ({members[dst]}) moves to rank {dst}")
+        else:
+            moves.append(f"replica {src} ({', '.join(members[dst * k + i] for i in range(k))})"
+                         f" moves to replica {dst} (ranks {src * k}-{src * k + k - 1} -> "
+                         f"{dst * k}-{dst * k + k - 1})")
     parts = [f"replace {', '.join(replaced)}"] if replaced else []
-    parts.append(f"shrink: {', '.join(by_rank[r] for r in holes)} failed, no live spare"
-                 + (f", {'; '.join(moves)}" if moves else "")
-                 + f", world size {plan.world_size} -> {new_ws}")
+    if k == 1:
+        parts.append(f"shrink: {', '.join(by_rank[r] for r in holes)} failed, no live spare"
+                     + (f", {'; '.join(moves)}" if moves else "")
+                     + f", world size {plan.world_size} -> {new_ws}")
+    else:
+        parts.append(f"shrink: {', '.join(by_rank[r] for r in holes)} failed, not enough live "
+                     f"spares for replica(s) {', '.join(map(str, dropped))}: dropped"
+                     + (f", {', '.join(released)} released" if released else "")
+                     + (f", {'; '.join(moves)}" if moves else "")
+                     + f", world size {plan.world_size} -> {new_ws} ({n_rep} -> {new_rep} "
+                     f"replicas of {k})")
     return make_plan(plan.generation + 1, members, spares=pool, reason="; ".join(parts),
-                     lr_factor=cfg.policy.lr_factor(new_ws), **common)
+                     lr_factor=cfg.policy.lr_factor(new_rep), **common)
 
 
 # ----------------------------------------------------------------------------- elastic
@@ -217,50 +305,69 @@ class TargetChange:
 
 def on_capacity_add(target: int, count: int, cfg: PolicyConfig) -> TargetChange | Refused:
     """``count`` new slots: the target grows by ``count`` up to ``max_replicas`` (and the
-    number of micro-batches); the new pods join as spares and are promoted up to it."""
+    number of micro-batches); the new pods join as spares and are promoted up to it.
+    Sharded: ``count`` and the target are replicas (the scaler starts ``count * k`` pods)
+    and the micro-batch limit is ``num_micro // k``."""
     top = max(cfg.sizes() or [cfg.min_replicas])
     if target >= top:
+        k = cfg.shard_size
+        batch = (f"{cfg.num_micro} micro-batches" if k == 1 else
+                 f"{cfg.num_micro} micro-batches = {cfg.num_micro // k} per shard of {k}")
         return Refused(f"capacity add {count}: already at the largest allowed replica count "
-                       f"{top} (max_replicas {cfg.max_replicas}, {cfg.num_micro} micro-batches)")
+                       f"{top} (max_replicas {cfg.max_replicas}, {batch})")
     new = min(top, target + count)
     capped = f" (capped at {top})" if target + count > top else ""
     return TargetChange(new, f"capacity add {count}: target {target} -> {new} replicas{capped}")
 
 
-def on_release(world_size: int, target: int, count: int, idle_spares: Iterable[str],
+def on_release(replicas: int, target: int, count: int, idle_spares: Iterable[str],
                cfg: PolicyConfig, what: str = "release",
                pods: Iterable[str] = ()) -> TargetChange | Refused:
     """Give back ``count`` replicas: idle spares first (highest pod ids), then the highest
     ranks. With ``pods`` named (the pods of a node being drained) only those: the named idle
     spares are stopped and the rest of the count leaves as a shrink (``scale_plan``'s
     ``leave`` names the members that go). Refused when the members left would be fewer than
-    ``min_replicas`` or not a replica count the policy allows."""
+    ``min_replicas`` or not a replica count the policy allows.
+
+    ``replicas`` is the current replica count (the world size when unsharded). Sharded
+    (k = ``cfg.shard_size``): k idle spares make one replica-equivalent; the idle spares
+    (named ones only, if any are named) are stopped in whole groups of k, highest pod ids
+    first, up to ``count`` groups (a remainder of fewer than k stays idle); the rest of the
+    count leaves as whole member replicas (``scale_plan``: replicas holding a named pod
+    first, then the highest)."""
+    k = cfg.shard_size
     named = set(pods)
     idle = sorted((p for p in idle_spares if not named or p in named), reverse=True)
-    stop = tuple(idle[:count])
-    shrink = count - len(stop)
+    groups = min(count, len(idle) // k)
+    stop = tuple(idle[:groups * k])
+    shrink = count - groups
     if shrink == 0:
-        return TargetChange(min(target, max(world_size, cfg.min_replicas)),
+        return TargetChange(min(target, max(replicas, cfg.min_replicas)),
                             f"{what} {count}: stopping idle spare(s) {', '.join(stop)}",
                             stop_spares=stop)
-    new = world_size - shrink
+    new = replicas - shrink
+    have = f"only {len(stop)} idle spare(s)" + (f" ({groups} replica(s) of {k})" if k > 1
+                                                else "")
     if new < cfg.min_replicas:
-        return Refused(f"{what} {count}: only {len(stop)} idle spare(s); shrinking {world_size} "
+        return Refused(f"{what} {count}: {have}; shrinking {replicas} "
                        f"-> {new} replicas would go below min_replicas {cfg.min_replicas}")
     if new not in cfg.sizes():
         return Refused(f"{what} {count}: {new} replicas is not an allowed replica count "
                        f"(allowed: {', '.join(map(str, cfg.sizes()))})")
     spares_part = f"stopping idle spare(s) {', '.join(stop)}, " if stop else ""
-    return TargetChange(new, f"{what} {count}: {spares_part}world size {world_size} -> {new}",
+    size = (f"world size {replicas} -> {new}" if k == 1 else
+            f"replicas {replicas} -> {new} (world size {replicas * k} -> {new * k})")
+    return TargetChange(new, f"{what} {count}: {spares_part}{size}",
                         stop_spares=stop, shrink_by=shrink)
 
 
-def desired_size(world_size: int, target: int, n_spares: int, cfg: PolicyConfig) -> int:
+def desired_size(replicas: int, target: int, n_spares: int, cfg: PolicyConfig) -> int:
     """The largest allowed replica count within the target and the pods at hand (members +
-    live spares); the current size if none is."""
-    limit = min(target, world_size + n_spares)
+    live spares); the current size if none is. Sharded: ``replicas`` and ``n_spares``
+    count replicas (pass ``plan.replicas`` and ``len(spares) // k``)."""
+    limit = min(target, replicas + n_spares)
     ok = [n for n in cfg.sizes() if n <= limit]
-    return max(ok) if ok else world_size
+    return max(ok) if ok else replicas
 
 
 def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: PolicyConfig, *,
@@ -271,36 +378,54 @@ def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: Policy
     Growing promotes live spares (pod-id order) into ranks W..; shrinking drops the members
     named in ``leave`` first (a release that named them: a node being drained), then the
     highest ranks (their slots are released, they do not become spares); the highest ranks
-    that stay move into the holes, so the ranks stay ``0..W-1``. Other ranks stay put."""
-    w = plan.world_size
+    that stay move into the holes, so the ranks stay ``0..W-1``. Other ranks stay put.
+
+    Sharded (k = ``plan.shard_size`` > 1): ``target`` counts replicas; growing appends whole
+    replicas of k spares (fewer than k spares at hand: no new replica); shrinking drops
+    whole replicas (one holding a pod named in ``leave`` first, then the highest) and moves
+    the highest remaining replicas whole into the dropped slots (shard positions kept)."""
+    k = plan.shard_size
+    w, n_rep = plan.world_size, plan.replicas
     members_now = {m.pod for m in plan.members}
     pool = sorted(set(alive_spares) - members_now - set(plan.fenced))
-    new_w = desired_size(w, target, len(pool), cfg)
-    if new_w == w:
+    new_rep = desired_size(n_rep, target, len(pool) // k, cfg)
+    if new_rep == n_rep:
         return None
+    new_w = new_rep * k
     by_rank = {m.rank: m.pod for m in plan.members}
+    sized = f"{w} -> {new_w}" if k == 1 else (
+        f"{n_rep} -> {new_rep} replicas of {k} (world size {w} -> {new_w})")
     if new_w > w:
         joiners = pool[:new_w - w]
         members = {**by_rank, **{w + i: p for i, p in enumerate(joiners)}}
         spares = pool[new_w - w:]
-        what = f"grow {w} -> {new_w}: {', '.join(joiners)} join"
+        what = f"grow {sized}: {', '.join(joiners)} join"
     else:
         named = set(leave)
-        order = sorted(by_rank, key=lambda r: (by_rank[r] not in named, -r))
-        gone = set(order[:w - new_w])
-        leaving = [by_rank[r] for r in sorted(gone)]
-        members = {r: p for r, p in by_rank.items() if r < new_w and r not in gone}
-        movers = sorted((r for r in by_rank if r >= new_w and r not in gone), reverse=True)
+        has_named = {j: any(by_rank[j * k + i] in named for i in range(k))
+                     for j in range(n_rep)}
+        order = sorted(range(n_rep), key=lambda j: (not has_named[j], -j))
+        gone = set(order[:n_rep - new_rep])
+        leaving = [by_rank[r] for r in sorted(by_rank) if r // k in gone]
+        members = {r: p for r, p in by_rank.items() if r < new_w and r // k not in gone}
+        movers = sorted((j for j in range(new_rep, n_rep) if j not in gone), reverse=True)
         moves = []
-        for hole, src in zip(sorted(r for r in range(new_w) if r not in members), movers):
-            members[hole] = by_rank[src]
-            moves.append(f"rank {src} ({by_rank[src]}) moves to rank {hole}")
+        for dst, src in zip(sorted(j for j in range(new_rep) if j in gone), movers):
+            for i in range(k):
+                members[dst * k + i] = by_rank[src * k + i]
+            if k == 1:
+                moves.append(f"rank {src} ({by_rank[src]}) moves to rank {dst}")
+            else:
+                moves.append(f"replica {src} "
+                             f"({', '.join(by_rank[src * k + i] for i in range(k))}) moves to "
+                             f"replica {dst}")
         spares = pool
-        what = f"shrink {w} -> {new_w}: {', '.join(leaving)} leave" + (
+        what = f"shrink {sized}: {', '.join(leaving)} leave" + (
             f", {'; '.join(moves)}" if moves else "")
     return make_plan(plan.generation + 1, members, global_batch_size=plan.global_batch_size,
                      micro_batch_size=plan.micro_batch_size, spares=spares,
                      reason=f"{what} at step {apply_step}" + (f" ({reason})" if reason else ""),
                      incident=incident, fenced=plan.fenced,
-                     lr_factor=cfg.policy.lr_factor(new_w),
-                     lr_warmup_steps=cfg.policy.lr_warmup_steps, apply_step=apply_step)
+                     lr_factor=cfg.policy.lr_factor(new_rep),
+                     lr_warmup_steps=cfg.policy.lr_warmup_steps, apply_step=apply_step,
+                     shard_size=k)

@@ -87,17 +87,20 @@ class Scaler(Service):
                  fault_timeout: float = DEFAULTS["fault_timeout"],
                  fence_timeout: float = FENCE_TIMEOUT, tick_interval: float = 0.05,
                  scaler_id: str | None = None, policy: ScalingPolicy | None = None,
-                 actuator_timeout: float = 5.0) -> None:
+                 actuator_timeout: float = 5.0, shard_size: int = 1) -> None:
         super().__init__(bus)
+        # shard_size k > 1 (issue 21): ``workers`` counts ranks, every replica count (target,
+        # min/max_replicas, request counts) counts replicas of k ranks (plan.replicas).
         if policy is None:
             self.cfg = PolicyConfig(workers=workers, min_replicas=min_replicas,
                                     max_replicas=max_replicas,
                                     global_batch_size=global_batch_size,
-                                    micro_batch_size=micro_batch_size)
+                                    micro_batch_size=micro_batch_size, shard_size=shard_size)
         else:
             self.cfg = PolicyConfig.from_policy(policy, workers=workers,
                                                 global_batch_size=global_batch_size,
-                                                micro_batch_size=micro_batch_size)
+                                                micro_batch_size=micro_batch_size,
+                                                shard_size=shard_size)
         self.actuator_timeout = actuator_timeout
         self.scale: ScaleState | None = None   # cache of KV ``scale``
         self.scale_revision: int | None = None
@@ -157,7 +160,8 @@ class Scaler(Service):
         self.spawn(self._lease_loop())
         self.spawn(self._tick_loop())
         self.log.info("scaler started", generation=self.plans.generation,
-                      workers=self.cfg.workers, min_replicas=self.cfg.min_replicas)
+                      workers=self.cfg.workers, min_replicas=self.cfg.min_replicas,
+                      shard_size=self.cfg.shard_size)
 
     async def stop(self) -> None:
         await self.feed.stop()
@@ -345,11 +349,11 @@ class Scaler(Service):
             await self._request(env.subject, msg.request_id,
                                 lambda plan, target: policy.on_capacity_add(target, msg.count,
                                                                             self.cfg),
-                                start=msg.count, why=why)
+                                start=msg.count * self.cfg.shard_size, why=why)
         else:
             await self._request(env.subject, msg.request_id,
                                 lambda plan, target: policy.on_release(
-                                    plan.world_size, target, msg.count,
+                                    plan.replicas, target, msg.count,
                                     self.alive_spares(plan), self.cfg, what="capacity remove"),
                                 release=msg.count, why=why)
 
@@ -357,7 +361,7 @@ class Scaler(Service):
         why = f" (priority {msg.priority}{': ' + msg.reason if msg.reason else ''})"
         await self._request(env.subject, msg.request_id,
                             lambda plan, target: policy.on_release(
-                                plan.world_size, target, msg.release, self.alive_spares(plan),
+                                plan.replicas, target, msg.release, self.alive_spares(plan),
                                 self.cfg, what="release", pods=msg.pods),
                             release=msg.release, why=why, pods=msg.pods)
 
@@ -459,7 +463,7 @@ class Scaler(Service):
     def _target(self, plan: Plan) -> int:
         if self.scale is not None:
             return self.scale.target
-        return max(plan.world_size, self.cfg.target_workers)
+        return max(plan.replicas, self.cfg.target_replicas)
 
     async def _load_scale(self) -> None:
         try:
@@ -548,6 +552,12 @@ class Scaler(Service):
                     "reason": f"initial (plan key was deleted after generation {last})"})
             await self._commit(d, None, [])
             return
+        if plan.shard_size != self.cfg.shard_size:
+            # never mix: members were sharded for the stored plan's positions
+            self._note_wait(f"the stored plan has shard_size {plan.shard_size} but this "
+                            f"scaler runs with --shard-size {self.cfg.shard_size}; restart it "
+                            f"with --shard-size {plan.shard_size}")
+            return
         self._reconcile(plan, now)
         for pod in [p for p in self.pending if plan.rank_of(p) is None]:
             del self.pending[pod]  # handled by a plan (possibly another scaler's)
@@ -601,11 +611,12 @@ class Scaler(Service):
         await self._releases(plan, now)
         target = self._target(plan)
         spares = self.alive_spares(plan, now)
-        want = policy.desired_size(plan.world_size, target, len(spares), self.cfg)
-        if want == plan.world_size:
+        want = policy.desired_size(plan.replicas, target,
+                                   len(spares) // self.cfg.shard_size, self.cfg)
+        if want == plan.replicas:
             return
         snooze = self.cfg.policy.scale_up_snooze_s
-        if want > plan.world_size and time.time() - plan.ts < snooze:
+        if want > plan.replicas and time.time() - plan.ts < snooze:
             self._note_wait(f"scale-up to {want} snoozed until {snooze:g}s after the last "
                             "change")
             self._kick_later(snooze - (time.time() - plan.ts))
@@ -624,7 +635,7 @@ class Scaler(Service):
                 and self.scale is not None:
             for r in self.scale.releases:  # named pods to the release that named them
                 mine = [p for p in leaving if p in r.pods]
-                need = r.count - len(r.freed) - len(r.leaving)
+                need = self._pods_of(r) - len(r.freed) - len(r.leaving)
                 take = (mine + [p for p in leaving if p not in mine])[:max(0, need)]
                 r.leaving += take
                 leaving = [p for p in leaving if p not in take]
@@ -692,8 +703,8 @@ class Scaler(Service):
                                      "timeout; stopping it", pod=pod, request_id=r.request_id)
                     self.spawn(self._actuate(ActuatorCommand(
                         action=ActuatorAction.stop, pod=pod, reason="graceful shutdown timeout")))
-            unassigned = r.count - len(r.freed) - len(r.leaving)
-            if not r.leaving and (unassigned <= 0 or plan.world_size <= st.target):
+            unassigned = self._pods_of(r) - len(r.freed) - len(r.leaving)
+            if not r.leaving and (unassigned <= 0 or plan.replicas <= st.target):
                 took = time.time() - r.since
                 await self._answer(r.subject, r.request_id, True,
                                    f"released: {', '.join(r.freed) or 'no pod'} free after "
@@ -705,6 +716,10 @@ class Scaler(Service):
         if changed:
             st.releases = keep
             await self._store_scale(st)
+
+    def _pods_of(self, r: PendingRelease) -> int:
+        """The pods a release frees: ``count`` replicas of ``shard_size`` pods each."""
+        return r.count * self.cfg.shard_size
 
     async def _last_generation(self) -> int:
         """The highest plan generation in the KV history of ``plan`` (0 if none)."""
@@ -816,7 +831,8 @@ class Scaler(Service):
             "plan": None if plan is None else {
                 "generation": plan.generation, "revision": self.plans.revision,
                 "members": {m.rank: m.pod for m in plan.members},
-                "world_size": plan.world_size, "shares": plan.shares, "reason": plan.reason,
+                "world_size": plan.world_size, "shard_size": plan.shard_size,
+                "replicas": plan.replicas, "shares": plan.shares, "reason": plan.reason,
                 "incident": plan.incident, "spares": plan.spares, "fenced": plan.fenced[-16:],
             },
             "plan_problem": self.plans.problem or None,
@@ -835,7 +851,8 @@ class Scaler(Service):
             "plans_written": self.plans_written,
             "cas_conflicts": self.cas_conflicts,
             "ignored": dict(self.ignored),
-            "policy": {"workers": self.cfg.workers, "min_replicas": self.cfg.min_replicas,
+            "policy": {"workers": self.cfg.workers, "shard_size": self.cfg.shard_size,
+                       "min_replicas": self.cfg.min_replicas,
                        "max_replicas": self.cfg.max_replicas,
                        "global_batch_size": self.cfg.global_batch_size,
                        "micro_batch_size": self.cfg.micro_batch_size,

@@ -62,6 +62,8 @@ def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water
     ``rank -> (step, digest)``. None if nobody reported."""
     if not reported:
         return None
+    if plan.shard_size > 1:
+        return _decide_sharded(plan, reported, high_water, incident)
     steps = {r: s for r, (s, _) in sorted(reported.items())}
     restore = max(steps.values())
     ranks = sorted(m.rank for m in plan.members)
@@ -99,6 +101,91 @@ def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water
                     for i, r in enumerate(recipients)}
     return Transfer(generation=plan.generation, restore_step=restore, sources=plan_sources,
                     steps=steps, digest=digest, incident=incident)
+
+
+def _majority(top: list[int], reported: dict[int, tuple[int, str]]) -> str:
+    """The digest most of ``top`` hold; ties: the lowest rank's digest wins."""
+    votes = Counter(reported[r][1] for r in top)
+    return max(votes, key=lambda d: (votes[d], -min(r for r in top if reported[r][1] == d)))
+
+
+def _stripe(recipients: list[int], sources: list[int]) -> dict[int, list[int]]:
+    n = len(sources)
+    k = min(n, MAX_SOURCES)
+    return {r: [sources[(i + j) % n] for j in range(k)] for i, r in enumerate(recipients)}
+
+
+def _decide_sharded(plan: Plan, reported: dict[int, tuple[int, str]], high_water: int,
+                    incident: str | None) -> Transfer | StateLost:
+    """``decide_transfer`` for a sharded plan (k = ``plan.shard_size`` > 1, issue 21): rank
+    ``r`` holds shard ``r % k``, so the decision is made per shard position ``i``.
+
+    ``restore_step`` is the highest committed step over all reporters. For every position
+    the sources are the reporters at that position holding ``restore_step`` with that
+    position's majority digest; a recipient at position ``i`` gets only sources of position
+    ``i`` (striped over up to MAX_SOURCES, rotated). A position without a reporter at
+    ``restore_step`` means that shard of the state is gone: ``StateLost`` naming it.
+    Generation 1 at step -1: position ``i``'s source is rank ``i`` (replica 0), else the
+    lowest reporting rank at that position. Generation 1 with a restored step: per position,
+    the same source and the reporters there holding its step and digest (every position's
+    source must hold the same step: one checkpoint). ``Transfer.digest`` is position 0's
+    (informational: every position has its own)."""
+    k = plan.shard_size
+    g = plan.generation
+    steps = {r: s for r, (s, _) in sorted(reported.items())}
+    restore = max(steps.values())
+    at: dict[int, list[int]] = {i: [] for i in range(k)}
+    for r in sorted(reported):
+        at[r % k].append(r)
+
+    def lost(reason: str) -> StateLost:
+        return StateLost(generation=g, incident=incident, best_step=restore,
+                         reason=reason + f" (shard size {k}, generation {g})")
+
+    if restore == -1 and high_water >= 0:
+        return StateLost(
+            generation=g, incident=incident, best_step=-1,
+            reason=(f"no member of generation {g} holds committed state (all at step -1) but "
+                    f"step {high_water} was committed before: the state died with the previous "
+                    "members; restart from a checkpoint or from scratch"))
+    sources: dict[int, list[int]] = {}
+    digests: dict[int, str] = {}
+    for i in range(k):
+        if not at[i]:
+            return lost(f"no replica holds shard {i} at step {restore}: no member at shard "
+                        f"position {i} reported")
+        if g == 1 or restore == -1:
+            # the first generation (or nothing committed yet): replica 0's shard, as rank 0
+            # is the source unsharded; members holding the same step and digest need nothing
+            src = i if i in reported else at[i][0]
+            first = sources[0][0] if i else src
+            if reported[src][0] != reported[first][0]:
+                return lost(f"shard {i} (rank {src}) holds step {reported[src][0]} but shard 0 "
+                            f"(rank {first}) holds step {reported[first][0]}: the shards were "
+                            "not restored from one checkpoint")
+            if restore == -1:
+                sources[i], digests[i] = [src], reported[src][1]
+            else:
+                sources[i] = [r for r in at[i] if reported[r] == reported[src]]
+                digests[i] = reported[src][1]
+            continue
+        top = [r for r in at[i] if reported[r][0] == restore]
+        if not top:
+            best = max(reported[r][0] for r in at[i])
+            return lost(f"no replica holds shard {i} at step {restore} (the members at shard "
+                        f"position {i} hold step {best} at most)")
+        digests[i] = _majority(top, reported)
+        sources[i] = [r for r in top if reported[r][1] == digests[i]]
+    restore_step = reported[sources[0][0]][0]
+    plan_sources: dict[int, list[int]] = {}
+    for i in range(k):
+        src = set(sources[i])
+        recipients = [m.rank for m in sorted(plan.members, key=lambda m: m.rank)
+                      if m.rank % k == i and m.rank not in src]
+        plan_sources.update(_stripe(recipients, sources[i]))
+    return Transfer(generation=g, restore_step=restore_step,
+                    sources=dict(sorted(plan_sources.items())), steps=steps, digest=digests[0],
+                    incident=incident)
 
 
 class StateBroker(Service):
