@@ -225,9 +225,18 @@ def test_sharded_fault_decisions(sc, data):
         assert out is None
         return
     holed = {r // k for r, p in old.items() if p in failed}
+    # the most replicas the spares can complete: those with the fewest holes first
+    n_holes = sorted(sum(1 for i in range(k) if old[j * k + i] in failed) for j in holed)
+    done, left = 0, len(alive)
+    for h in n_holes:
+        if h <= left:
+            done, left = done + 1, left - h
+    remaining = plan.replicas - (len(holed) - done)
     if isinstance(out, Wait):
         assert len(dead) > len(alive) and "waiting for capacity" in out.reason
+        assert remaining < cfg.min_replicas
         return
+    assert out.replicas == remaining
     _check_sharded(out, cfg, plan)
     new = {m.rank: m.pod for m in out.members}
     assert out.generation == plan.generation + 1
@@ -250,6 +259,14 @@ def test_sharded_fault_decisions(sc, data):
     assert len(released) + len([p for p in dead if p not in promoted]) >= dropped * k - len(
         promoted)
     assert len(set(new.values())) == out.world_size
+    # replicas move whole, and only from above the new size into lower slots
+    where = {}
+    for r, p in new.items():
+        if p in old.values():
+            o = next(x for x, q in old.items() if q == p)
+            where.setdefault(o // k, set()).add(r // k)
+            assert r == o or (o // k >= out.replicas and r < o)
+    assert all(len(v) == 1 for v in where.values())
     # the next fault is handled too
     nxt = on_fault(out, {new[0]}, set(), cfg)
     assert nxt is not None

@@ -17,6 +17,7 @@ from services.common.bus import Bus
 from services.health_monitor import HealthMonitor
 from services.scaler import Scaler
 from services.state_broker import StateBroker, decide_transfer
+from services.state_broker.broker import Committed
 from harness import until
 
 
@@ -379,3 +380,23 @@ def test_sharded_generation_one():
     # unsharded plans are untouched by the sharded path
     assert decide_transfer(make_plan(["a", "b"]), {0: (-1, ""), 1: (-1, "")}, -1).sources \
         == {1: [0]}
+
+
+def test_sharded_broker_waits_for_a_live_holder_of_a_missing_shard():
+    """2x2, restore step 9: rank 1 reported 8, rank 3 (the other holder of shard 1) has not
+    reported the generation yet but is alive at step 9: it is waited for (deciding without
+    it would declare shard 1 lost). Unsharded plans keep the old rule (a higher step only)."""
+    class NoBus:
+        subjects = None
+
+    b = StateBroker(NoBus())
+    now = time.time()
+    plan = Plan(generation=3, members=[Member(pod=f"p{r}", rank=r) for r in range(4)],
+                world_size=4, global_batch_size=4, micro_batch_size=1,
+                shares={r: 1 for r in range(4)}, shard_size=2)
+    b.pods["p3"] = Committed(generation=2, step=9, digest="d", rank=3, ts=now)
+    reported = {0: (9, "a"), 1: (8, "b"), 2: (9, "a")}
+    assert b._holders_missing(plan, reported) == ["p3"]
+    assert b._holders_missing(plan, {0: (9, "a"), 1: (9, "b"), 2: (9, "a")}) == []
+    flat = plan.model_copy(update={"shard_size": 1})
+    assert b._holders_missing(flat, reported) == []

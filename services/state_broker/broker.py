@@ -330,14 +330,18 @@ class StateBroker(Service):
         return got, missing
 
     def _holders_missing(self, plan: Plan, reported: dict[int, tuple[int, str]]) -> list[str]:
-        """Missing members that are alive and hold more committed state than any reporter."""
+        """Missing members that are alive and hold more committed state than any reporter
+        (sharded: or the restore step at a shard position where no reporter holds it)."""
         best = max((st for st, _ in reported.values()), default=-1)
+        k = plan.shard_size
+        held = {r % k for r, (st, _) in reported.items() if st == best}
         now = time.time()
         out = []
         for m in plan.members:
             c = self.pods.get(m.pod)
-            if c is not None and c.generation < plan.generation and c.step > best \
-                    and now - c.ts <= self.live_s:
+            if c is not None and c.generation < plan.generation and now - c.ts <= self.live_s \
+                    and (c.step > best or (k > 1 and best >= 0 and c.step == best
+                                           and m.rank % k not in held)):
                 out.append(m.pod)
         return out
 
