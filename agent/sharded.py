@@ -313,6 +313,8 @@ def gradient_divide_factor_one(modules: list[torch.nn.Module]) -> int:
         for sub in mod.modules():
             if isinstance(sub, FSDPModule):
                 sub.set_gradient_divide_factor(1.0)
+                # a plain SUM (gloo has no PREMUL_SUM; a factor of 1 needs no scaling)
+                sub.set_force_sum_reduction_for_comms(True)
                 n += 1
     return n
 
