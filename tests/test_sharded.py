@@ -85,3 +85,50 @@ def test_a_peer_failing_mid_step_does_not_raise_into_the_script(tmp_path, mode):
     assert got["failure"], got
     if mode == "hang":  # ended by the abort flag (1 s), not by the 20 s timeout
         assert got["took"] < 10, got
+
+
+def test_sharded_batch_arithmetic():
+    """Every rank of a replica computes as many micro-batches as the others, the ranges
+    cover the global batch once, and k = 1 is the unsharded arithmetic."""
+    from schemas.batching import micro_batch_range, shares
+
+    for k in (1, 2, 3, 4):
+        for R in range(1, 6):
+            W = R * k
+            for M in range(k, 33, k):
+                if M // k < R:
+                    with pytest.raises(ValueError):
+                        shares(M, W, k)
+                    continue
+                sh = shares(M, W, k)
+                ranges = [micro_batch_range(M, W, r, k) for r in range(W)]
+                assert [len(x) for x in ranges] == [sh[r] for r in range(W)]
+                assert sorted(i for x in ranges for i in x) == list(range(M))
+                assert all(sh[r] == sh[r - r % k] for r in range(W))
+                if k == 1:
+                    assert sh == shares(M, W)
+    with pytest.raises(ValueError, match="multiple of the shard size"):
+        shares(6, 4, 4)          # 6 micro-batches over replicas of 4
+    with pytest.raises(ValueError, match="whole replicas"):
+        shares(8, 3, 2)          # 3 ranks are not whole replicas of 2
+
+
+def test_a_plan_names_whole_replicas_with_equal_shares():
+    from pydantic import ValidationError
+
+    from schemas.messages import Member, Plan
+
+    def plan(world, k, shares):
+        return Plan(generation=1, members=[Member(pod=f"w{r}", rank=r) for r in range(world)],
+                    world_size=world, global_batch_size=4 * sum(shares.values()),
+                    micro_batch_size=4, shares=shares, shard_size=k)
+
+    p = plan(4, 2, {0: 2, 1: 2, 2: 1, 3: 1})
+    assert (p.replicas, p.shard_of(3)) == (2, 1)
+    with pytest.raises(ValidationError, match="equal shares"):
+        plan(4, 2, {0: 2, 1: 1, 2: 1, 3: 1})
+    with pytest.raises(ValidationError, match="multiple of shard_size"):
+        plan(3, 2, {0: 1, 1: 1, 2: 1})
+    # an unsharded plan of an older agent (no shard_size) still validates
+    assert Plan.model_validate_json(plan(2, 1, {0: 1, 1: 1}).model_dump_json(
+        exclude={"shard_size"})).shard_size == 1
