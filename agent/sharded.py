@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed import distributed_c10d as c10d
 
 from services.common import logs
@@ -46,6 +45,26 @@ _OPS = ("all_gather_single", "all_gather_single_coalesced", "allgather", "allgat
         "broadcast", "gather", "reduce", "reduce_scatter", "reduce_scatter_single",
         "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "scatter",
         "alltoall", "all_to_all_single", "_allgather_base", "_reduce_scatter_base")
+
+
+def _check_torch() -> None:
+    """The parts of torch this needs (tested with 2.13): a clear error instead of a crash
+    deep inside FSDP2 on an older one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    need = [n for n in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
+            if not hasattr(FSDPModule, n)]
+    if not hasattr(dist.ProcessGroup, "all_gather_single"):
+        need.append("ProcessGroup.all_gather_single")
+    try:
+        from torch._C._distributed_c10d import FakeProcessGroup
+
+        FakeProcessGroup.Options().error_on_collective = True
+    except (ImportError, AttributeError):
+        need.append("FakeProcessGroup.Options.error_on_collective")
+    if need:
+        raise RuntimeError(f"sharded models need a newer torch than {torch.__version__} "
+                           f"(tested with 2.13; missing: {', '.join(need)})")
 
 
 class _Done(dist.Work):
@@ -106,6 +125,9 @@ class ShardGroup(dist.ProcessGroup):
         if c10d.is_initialized():
             raise RuntimeError("a default process group exists already (init_process_group?): "
                                "a Ceaseless script must not create its own")
+        _check_torch()
+        from torch._C._distributed_c10d import FakeProcessGroup
+
         super().__init__(rank, size)
         self._rank, self._size, self.device_type, self._name = rank, size, device_type, name
         self._lock = threading.Lock()

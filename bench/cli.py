@@ -43,7 +43,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "elastic": "capacity/priority events: join and release times, pause of the others",
         "goodput": "fixed-length run with a fault every K seconds: useful time / wall time",
         "liveness": "rank-0 SIGKILLs with a spare under CPU load, repeated: hangs, bitwise",
-        "healing": "replacement pods (refill, grow back) and last-resort checkpoints' cost"}
+        "healing": "replacement pods (refill, grow back) and last-resort checkpoints' cost",
+        "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -64,4 +65,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "goodput", "bench.goodput")
     _module(bsub, "liveness", "bench.liveness")
     _module(bsub, "healing", "bench.healing")
+    _module(bsub, "sharded", "bench.sharded")
     return p

@@ -1,6 +1,6 @@
 """Re-render a benchmark's docs/benchmarks.md section and SVG from its saved JSON:
 
-    python -m bench.render recovery|control-plane|init|goodput RESULT.json [--no-doc] [--svg PATH]
+    python -m bench.render recovery|control-plane|init|goodput|sharded RESULT.json [--no-doc] [--svg PATH]
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 MODULES = {"recovery": ("bench.recovery", "bench-recovery.svg"),
            "control-plane": ("bench.control_plane", "bench-control-plane.svg"),
            "init": ("bench.init_bench", "bench-init.svg"),
-           "goodput": ("bench.goodput", "bench-goodput.svg")}
+           "goodput": ("bench.goodput", "bench-goodput.svg"),
+           "sharded": ("bench.sharded", None)}  # a table only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if not a.no_doc:
         write_section(mod.SECTION, md)
+        if img is None:
+            return 0
         out = Path(a.svg) if a.svg else svg.IMG / img
         svg.write(out.name, mod.plot(res), out.parent)
     return 0
