@@ -99,7 +99,9 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
             raise
     m.group = AbortableGroup(pg, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
     if sharded is not None:
-        sharded()
+        from .solo import collective_args
+
+        sharded(collective_args(rt, g, cfg.collective_timeout, cfg.solo_max)["extend"])
         state.shard = divmod(rank, plan.shard_size)
     if inc is not None:
         inc.t_group = time.time()

@@ -28,6 +28,7 @@ Not verified: NCCL (no multi-GPU machine here); the NCCL path waits with ``Work.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -283,7 +284,10 @@ class Sharding:
         j, i = divmod(rank, k)
         R = plan.world_size // k
         kind = self.backend_kind
-        t = cfg.collective_timeout
+        # FSDP's ops carry no timeout of ours: the backend's outlasts the longest solo (as
+        # the world group's per-op timeout does); our sliced waits give up at the collective
+        # timeout, extended while a peer works alone (``Session.solo``)
+        t = cfg.collective_timeout + cfg.solo_max
         shard_job = _Background(lambda: make_group(store_for(f"g{g}.s{j}."), i, k, t, kind),
                                 f"shard-group-r{rank}")
         pos_job = _Background(lambda: make_group(store_for(f"g{g}.p{i}."), j, R, t, kind),
@@ -292,22 +296,27 @@ class Sharding:
         def finish(extend: Callable[[], float | None] | None = None) -> None:
             from .collectives import AbortableGroup, Aborted
 
+            deadline = time.monotonic() + cfg.collective_timeout
             for job in (shard_job, pos_job):
                 while not job.done.wait(cfg.collective_slice):
-                    if abort.is_set():
+                    if abort.is_set() or time.monotonic() > deadline:
                         shard_job.abandon()
                         pos_job.abandon()
-                        raise Aborted(f"rendezvous of the shard groups of generation {g} "
-                                      "abandoned: abort requested")
+                        if abort.is_set():
+                            raise Aborted(f"rendezvous of the shard groups of generation {g} "
+                                          "abandoned: abort requested")
+                        raise TimeoutError(f"the shard groups of generation {g} did not "
+                                           f"connect in {cfg.collective_timeout:.0f}s")
                 if job.error is not None:
                     raise job.error
-            old = self.group.swap(shard_job.result, g, abort, timeout_s=t,
+            old = self.group.swap(shard_job.result, g, abort,
+                                  timeout_s=cfg.collective_timeout,
                                   slice_s=cfg.collective_slice, extend=extend, kind=kind)
             if old is not None:
                 old.close()
             self.close_pos()
             self.pos_group = AbortableGroup(pos_job.result, slice_s=cfg.collective_slice,
-                                            bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+                                            timeout_s=cfg.collective_timeout, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
 
         def abandon() -> None:
             shard_job.abandon()
