@@ -200,6 +200,10 @@ class Session:
             self.m.install_sigterm()
             # Import now (heartbeats already run), not on a promoted spare's critical path.
             from . import collectives, handoff, state, store  # noqa: F401
+            if self.cfg.shard_size > 1:  # a promoted spare shards its model first: FSDP2
+                import torch.distributed.fsdp  # noqa: F401  (imports DTensor, the mesh...)
+
+                from . import sharded  # noqa: F401
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

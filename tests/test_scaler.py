@@ -138,8 +138,19 @@ async def env(nats_server, bus):
 
 
 async def kv_plans(bus: Bus) -> list[Plan]:
+    import nats.js.errors
+
     kv = await bus.kv()
-    hist = await kv.history(PLAN_KEY)
+    for attempt in range(5):
+        try:
+            hist = await kv.history(PLAN_KEY)
+            break
+        except nats.js.errors.NoKeysError:
+            # nats-py's history watcher can see its end-of-data marker before the entries
+            # on a loaded machine (seen once in a full run); the key exists: ask again
+            if attempt == 4:
+                raise
+            await asyncio.sleep(0.2)
     return [Plan.model_validate_json(e.value) for e in hist if e.value]
 
 

@@ -112,3 +112,50 @@ async def test_sharded_faults_end_bitwise_equal(tmp_path, ref):
     for x in xfers:
         for r, srcs in x["sources"].items():
             assert all(int(src) % 2 == int(r) % 2 for src in srcs), x
+
+
+async def test_sharded_replica_released_and_added_keeps_the_trajectory(tmp_path, ref):
+    """2 replicas of 2 -> 1 (a priority release of one replica: both its ranks leave at a
+    step boundary) -> 2 (capacity for one replica: two new pods join and receive their
+    shards from the remaining replica) -> 1 (a rank killed without a spare: its whole
+    replica is dropped, the other rank released). The global batch stays constant: the
+    losses and the parameters follow the fixed-size run within float64 rounding."""
+    import torch
+
+    from schemas.messages import Capacity, CapacityChange, Priority
+
+    steps = STEPS
+    async with Cluster(tmp_path / "el", 4, 0, steps, extra=ARGS, cmd=CMD) as c:
+        s = c.bus.subjects
+        await c.wait_rank_step(0, 10)
+        await c.bus.publish(s.priority, Priority(release=1, request_id="rel", reason="prod"))
+        await c.wait_for(lambda: c.plans and c.plans[-1].world_size == 2, 60, "1 replica")
+        await c.wait_rank_step(0, c.plans[-1].apply_step + 5)
+        await c.bus.publish(s.capacity, Capacity(change=CapacityChange.add, count=1,
+                                                 request_id="add"))
+        await c.wait_for(lambda: c.plans[-1].world_size == 4 and c.plans[-1].generation == 3,
+                         150, "2 replicas again")
+        # a fault without a spare: the failed rank's whole replica is dropped
+        h = await c.wait_rank_step(3, c.plans[-1].apply_step + 5)
+        os.kill(h.pid, signal.SIGKILL)
+        assert await c.finish() == 0, c.output()
+        el = c.summary()
+        plans = list(c.plans)
+    assert [p.world_size for p in plans] == [4, 2, 4, 2], [p.reason for p in plans]
+    assert all(p.apply_step is not None for p in plans[1:3])
+    assert all(p.shard_size == 2 for p in plans)
+    assert "dropped" in plans[3].reason and plans[3].incident, plans[3].reason
+    assert [i["kind"] for i in el["incidents"]] == ["crash"] and el["lost_steps"] == 0
+    assert el["pod_exits"][h.pod] == -9 and list(el["pod_exits"].values()).count(0) >= 3
+    assert el["final_step"] == steps - 1 and el["param_sha256_consistent"]
+    assert sorted(map(int, el["losses"])) == list(range(steps))
+    for k, v in el["losses"].items():
+        r = ref["losses"][k]
+        assert abs(v - r) <= 1e-9 * abs(r), (k, v, r)
+    # w0 (replica 0, shard 0) stayed throughout: its shards agree with the fixed-size run's
+    a = torch.load(tmp_path / "el" / "results" / "w0.pt")
+    b = torch.load(ref["dir"] / "results" / "w0.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (
+            k, (a[k] - b[k]).abs().max().item())
