@@ -371,6 +371,11 @@ def _s(x: Any, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f} s"
 
 
+def _ranks(layout: str) -> int:
+    r, k = layout.lower().split("x")
+    return int(r) * int(k)
+
+
 def markdown(res: dict[str, Any]) -> str:
     c = res["config"]
     names = list(res["layouts"])
@@ -416,6 +421,19 @@ def markdown(res: dict[str, Any]) -> str:
         row("join: bytes a joiner received", lambda L: _b(L["join"]["joiner_received"])),
     ]
     un = res.get("unsharded_gen1_sent_rank0")
+    cores = (res.get("machine") or {}).get("cores") or 0
+    over = [n for n in names if cores and _ranks(n) > cores]
+    notes = [
+        "Reading: the crash and join rows include the replacement's own preparation (a spare "
+        "learns its shard position when promoted, then shards its model and builds its "
+        "optimizer; the survivors wait for it in the rendezvous) and three groups per "
+        "generation (world, shard, position)."]
+    if over:
+        notes.append(f"Layouts {', '.join(over)} run more training processes than the "
+                     f"machine has cores ({cores}), beside NATS and three services that "
+                     "plain HSDP does not run: their step-time ratio measures CPU contention "
+                     "more than Ceaseless; the 1.03 target is for a machine with a core per "
+                     "rank.")
     return "\n".join([
         SECTION, "", machine_line(res["machine"]),
         f"Command: `{c['command'].strip()}`. Model `{c['model']}`, global batch "
@@ -429,7 +447,7 @@ def markdown(res: dict[str, Any]) -> str:
         "|---|" + "---|" * len(names), *rows, "",
         (f"Unsharded cross-check: rank 0's generation-1 snapshot of a 2 x 1 run is {_b(un)} "
          "(model only, as the sharded rows' snapshot).") if un else "",
-        ""]) + "\n"
+        "", " ".join(notes), ""]) + "\n"
 
 
 def run(a: argparse.Namespace) -> int:
