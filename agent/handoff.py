@@ -80,10 +80,16 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
         # the source) is likely a source: copy the state while the peers connect.
         if state.last_committed >= 0 or g == 1:
             meanwhile = lambda: snap.append(state.snapshot())  # noqa: E731
-    # sharded: the replica's shard group and the position group connect meanwhile
-    sharded = sh.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg) if sh is not None \
-        else None
-    if pre is not None and (pre.rank, pre.world_size) == (rank, plan.world_size):
+    # sharded: the replica's shard group and the position group connect meanwhile (a
+    # promoted spare started all three while its script sharded the model: EarlyJoin)
+    early = m.take_early_join(plan, rank, cfg.backend) if sh is not None else None
+    sharded = early.finish if early is not None else \
+        sh.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg) if sh is not None else None
+    if early is not None:
+        if meanwhile is not None:
+            meanwhile()
+        pg = early.world_group(rt.abort, cfg.collective_slice)
+    elif pre is not None and (pre.rank, pre.world_size) == (rank, plan.world_size):
         pg = pre.wait_group(rt.abort, cfg.collective_slice)
     else:
         if pre is not None:

@@ -136,6 +136,7 @@ class Membership:
         self._lr_from, self._lr_start = 1.0, 0
         self.sharding: Any = None           # sharded.Sharding once the position is known
         self._arrival: Any = None           # a plan naming this pod, seen by await_position
+        self.early: Any = None              # sharded.EarlyJoin of a promoted spare
         self.leader = ShadowLeader(rt, cfg, state)      # rank 0: streams to the spares
         self.follower = ShadowFollower(rt, cfg, state)  # a spare: follows rank 0
 
@@ -240,6 +241,30 @@ class Membership:
                                f"pod runs with {self.cfg.shard_size} (CEASELESS_SHARD_SIZE; "
                                "`ceaseless up --shard-size` sets both)")
         return plan.shard_of(plan.rank_of(self.cfg.pod))
+
+    def start_early_join(self, backend: str) -> None:
+        """(Sharded) A promoted spare connects its groups while the script shards its model
+        (``sharded.EarlyJoin``); not for the job's first generation, whose members may
+        still restore the script's own checkpoint before they report their step."""
+        a = self._arrival
+        if a is None or a.plan.generation <= 1 or self.generation > 0:
+            return
+        from .sharded import EarlyJoin
+
+        try:
+            self.early = EarlyJoin(self, a.plan, a.plan.rank_of(self.cfg.pod), backend)
+        except Exception as e:  # the ordinary way then
+            log.warning("early join not started", error=str(e)[:200])
+
+    def take_early_join(self, plan: Plan, rank: int, backend: str) -> Any:
+        e, self.early = self.early, None
+        if e is None:
+            return None
+        if (e.generation, e.rank, e.world_size, e.backend) != (
+                plan.generation, rank, plan.world_size, backend):
+            e.abandon()
+            return None
+        return e
 
     def recover(self) -> bool:
         """Wait for a plan that includes this pod and enter its generation (the first time:

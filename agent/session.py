@@ -148,6 +148,8 @@ class Session:
             dev = "cuda" if torch.cuda.is_available() and self._backend_override != "gloo" \
                 else "cpu"
             self.m.sharding = Sharding(self.shard_size, pos, self._shard_device or dev)
+            self.m.start_early_join(self._backend_override or (
+                "nccl" if self.m.sharding.backend_kind == "nccl" else "gloo"))
         return self.m.sharding.group.mesh()
 
     def shard(self, model: torch.nn.Module, *blocks: torch.nn.Module,

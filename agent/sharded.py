@@ -349,3 +349,43 @@ def gradient_divide_factor_one(modules: list[torch.nn.Module]) -> int:
                 n += 1
     return n
 
+
+
+class EarlyJoin:
+    """A spare promoted into a running sharded job: the generation's groups connect while
+    the script shards its model and builds its optimizer (the survivors would otherwise
+    wait for both in the rendezvous). Started by ``Session.mesh`` once the position is
+    known; ``handoff.enter`` takes it over. Only for a promotion (generation > 1), where
+    the pod holds nothing: it reports step -1 at once, as it would at ``enter``."""
+
+    def __init__(self, m: Any, plan: Any, rank: int, backend: str) -> None:
+        from schemas.messages import AgentState, Role
+
+        from .groups import _Background, make_group
+
+        rt, cfg = m.rt, m.cfg
+        g, W = plan.generation, plan.world_size
+        self.generation, self.rank, self.world_size, self.backend = g, rank, W, backend
+        rt.update(now=True, generation=g, rank=rank, role=Role.worker, step=-1, digest="",
+                  state=AgentState.recovering)
+        store = rt.stores.rendezvous(f"g{g}.")
+        self._world = _Background(
+            lambda: make_group(store, rank, W, cfg.collective_timeout, backend),
+            f"early-world-r{rank}")
+        self.finish = m.sharding.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg)
+
+    def world_group(self, abort: threading.Event, slice_s: float) -> Any:
+        from .collectives import Aborted
+
+        while not self._world.done.wait(slice_s):
+            if abort.is_set():
+                self.abandon()
+                raise Aborted("rendezvous abandoned: abort requested")
+        if self._world.error is not None:
+            self.finish.abandon()
+            raise self._world.error
+        return self._world.result
+
+    def abandon(self) -> None:
+        self._world.abandon()
+        self.finish.abandon()
