@@ -20,7 +20,7 @@ import pytest
 from harness import Cluster, log_events
 
 pytestmark = [pytest.mark.timeout(420)]
-STEPS = 80
+STEPS = 60
 ARGS = ["--shard-size", "2", "--save-params", "--scale-up-snooze", "0"]
 # float64: the elastic run changes the order of floating-point additions only
 CMD = [sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS),
@@ -80,12 +80,12 @@ async def test_sharded_faults_end_bitwise_equal(tmp_path, ref):
         os.kill(h.pid, signal.SIGKILL)                 # a shard rank
         await c.wait_for(lambda: c.plans and c.plans[-1].generation >= 2, 60, "plan 2")
         await _fresh_spare(c)                          # the replacement spare
-        h = await c.wait_rank_step(2, 30)
+        h = await c.wait_rank_step(2, 24)
         stopped.append(h.pid)
         os.kill(h.pid, signal.SIGSTOP)                 # a hang in the other replica
         await c.wait_for(lambda: c.plans[-1].generation >= 3, 60, "plan 3")
         await _fresh_spare(c)
-        h = await c.wait_rank_step(0, 55)
+        h = await c.wait_rank_step(0, 40)
         os.kill(h.pid, signal.SIGKILL)                 # rank 0
 
     try:
@@ -125,28 +125,40 @@ async def test_sharded_replica_released_and_added_keeps_the_trajectory(tmp_path,
     from schemas.messages import Capacity, CapacityChange, Priority
 
     steps = STEPS
-    async with Cluster(tmp_path / "el", 4, 0, steps, extra=ARGS, cmd=CMD) as c:
+    # two idle spares from the start: the capacity event promotes them at once (a cold start
+    # of two pods would take most of the run); the release names the replica's pods
+    async with Cluster(tmp_path / "el", 4, 2, steps, extra=ARGS, cmd=CMD) as c:
         s = c.bus.subjects
-        await c.wait_rank_step(0, 10)
-        await c.bus.publish(s.priority, Priority(release=1, request_id="rel", reason="prod"))
+        await c.wait_spares(2)
+        await c.wait_rank_step(0, 6)
+        gone = [c.plans[-1].pod_of(2), c.plans[-1].pod_of(3)]
+        await c.bus.publish(s.priority, Priority(release=1, pods=gone, request_id="rel",
+                                                 reason="prod"))
         await c.wait_for(lambda: c.plans and c.plans[-1].world_size == 2, 60, "1 replica")
-        await c.wait_rank_step(0, c.plans[-1].apply_step + 5)
+        await c.wait_rank_step(0, c.plans[-1].apply_step + 3)
         await c.bus.publish(s.capacity, Capacity(change=CapacityChange.add, count=1,
                                                  request_id="add"))
         await c.wait_for(lambda: c.plans[-1].world_size == 4 and c.plans[-1].generation == 3,
                          150, "2 replicas again")
         # a fault without a spare: the failed rank's whole replica is dropped
-        h = await c.wait_rank_step(3, c.plans[-1].apply_step + 5)
+        h = await c.wait_rank_step(3, c.plans[-1].apply_step + 3)
+        joined = [c.plans[-1].pod_of(2), c.plans[-1].pod_of(3)]
         os.kill(h.pid, signal.SIGKILL)
+        await c.wait_for(lambda: c.plans[-1].generation == 4, 60, "the replica dropped")
         assert await c.finish() == 0, c.output()
         el = c.summary()
         plans = list(c.plans)
-    assert [p.world_size for p in plans] == [4, 2, 4, 2], [p.reason for p in plans]
-    assert all(p.apply_step is not None for p in plans[1:3])
+    # (the capacity event also started two pods: once up, they grow the job back to its
+    # target, 2 replicas, if the run has not finished by then)
+    assert [p.world_size for p in plans][:4] == [4, 2, 4, 2], [p.reason for p in plans]
+    assert all(p.reason.startswith("grow") and p.world_size == 4 for p in plans[4:]), [
+        p.reason for p in plans]
+    assert all(p.apply_step is not None for p in plans[1:3] + plans[4:])
     assert all(p.shard_size == 2 for p in plans)
     assert "dropped" in plans[3].reason and plans[3].incident, plans[3].reason
     assert [i["kind"] for i in el["incidents"]] == ["crash"] and el["lost_steps"] == 0
-    assert el["pod_exits"][h.pod] == -9 and list(el["pod_exits"].values()).count(0) >= 3
+    assert el["pod_exits"][h.pod] == -9 and all(el["pod_exits"][p] == 0 for p in gone)
+    assert set(joined) == {"s0", "s1"}, joined  # the spares idle until the capacity event
     assert el["final_step"] == steps - 1 and el["param_sha256_consistent"]
     assert sorted(map(int, el["losses"])) == list(range(steps))
     for k, v in el["losses"].items():
