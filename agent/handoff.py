@@ -82,9 +82,11 @@ def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
             meanwhile = lambda: snap.append(state.snapshot())  # noqa: E731
     # sharded: the replica's shard group and the position group connect meanwhile (a
     # promoted spare started all three while its script sharded the model: EarlyJoin)
-    early = m.take_early_join(plan, rank, cfg.backend) if sh is not None else None
-    sharded = early.finish if early is not None else \
-        sh.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg) if sh is not None else None
+    early = sharded = None
+    if sh is not None:
+        early = m.take_early_join(plan, rank, cfg.backend)
+        sharded = early.finish if early is not None else \
+            sh.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg)
     if early is not None:
         if meanwhile is not None:
             meanwhile()

@@ -108,7 +108,9 @@ def write_result(run_dir: str | None, pod: str, rank: int | None, generation: in
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         res["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     if os.environ.get("CEASELESS_SAVE_PARAMS") == "1":  # exact values, for comparisons
-        params = {f"{n}.{k}": (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
+        from .state import local
+
+        params = {f"{n}.{k}": local(t).detach().cpu().clone()
                   for n, o in sorted(state.objs.items()) if isinstance(o, torch.nn.Module)
                   for k, t in o.state_dict().items()}
         tmp_pt = out / f".{pod}.pt.tmp"

@@ -145,11 +145,14 @@ class Session:
                 return None
             from .sharded import Sharding
 
-            dev = "cuda" if torch.cuda.is_available() and self._backend_override != "gloo" \
-                else "cpu"
-            self.m.sharding = Sharding(self.shard_size, pos, self._shard_device or dev)
-            self.m.start_early_join(self._backend_override or (
-                "nccl" if self.m.sharding.backend_kind == "nccl" else "gloo"))
+            from .groups import choose_backend
+
+            # the model's device (s.shard saw it), else where a model would go; the backend
+            # is chosen as the world group's will be (pods sharing a GPU: gloo)
+            dev = self._shard_device or ("cuda" if torch.cuda.is_available() else "cpu")
+            backend = choose_backend(dev, self._backend_override)
+            self.m.sharding = Sharding(self.shard_size, pos, dev, backend)
+            self.m.start_early_join(backend)
         return self.m.sharding.group.mesh()
 
     def shard(self, model: torch.nn.Module, *blocks: torch.nn.Module,
@@ -231,16 +234,6 @@ class Session:
     def register(self, **objs: Any) -> None:
         """Register the training state: anything with ``state_dict()``/``load_state_dict()``."""
         self.state.register(**objs)
-        if self.shard_size > 1 and self.m is not None:
-            from .membership import Phase
-            from .sharded import gradient_divide_factor_one
-
-            ended = self.m.phase in (Phase.FINISHED, Phase.RELEASED)  # never placed
-            if not ended and (self.m.sharding is None
-                              or not gradient_divide_factor_one(self.state.modules())):
-                raise ValueError("the job is sharded (shard size "
-                                 f"{self.shard_size}) but no registered module is: shard it "
-                                 "with s.shard(model, ...) before s.register")
         if self.cfg is not None:  # the job's backend follows the model (agent/device.py)
             from .device import resolve_backend
 
@@ -323,10 +316,27 @@ class Session:
         if not self.distributed:
             return True
         if self._joined is None:
+            self._check_sharded()
             self._joined = self.m.recover()
             if not self._joined:
                 self.m.leave()
         return self._joined
+
+    def _check_sharded(self) -> None:
+        """Before joining a sharded job: the registered model is sharded on ``s.mesh``, and
+        FSDP2 sums inside the replica (``sharded.gradient_divide_factor_one``)."""
+        if self.shard_size == 1:
+            return
+        from .membership import Phase
+        from .sharded import gradient_divide_factor_one
+
+        if self.m.phase in (Phase.FINISHED, Phase.RELEASED):
+            return  # the job ended before this pod was placed: nothing was sharded
+        if self.m.sharding is None or not gradient_divide_factor_one(self.state.modules()):
+            raise ValueError(f"the job is sharded (shard size {self.shard_size}) but no "
+                             "registered module is: shard the model with s.shard(model, ...) "
+                             "(or fully_shard(..., mesh=s.mesh)) and register it before the "
+                             "loop")
 
     def _local_steps(self, total: int) -> Iterator[int]:
         while self.last_committed + 1 < total:

@@ -258,11 +258,12 @@ class Sharding:
     """This pod's place in a sharded job: its shard position (fixed once known), the shard
     group FSDP2 uses and the position group for the cross-replica gradient sum."""
 
-    def __init__(self, shard_size: int, position: int, device_type: str = "cpu") -> None:
+    def __init__(self, shard_size: int, position: int, device_type: str = "cpu",
+                 backend: str = "gloo") -> None:
         self.k, self.position = shard_size, position
         self.group = ShardGroup(position, shard_size, device_type)
         self.pos_group: Any = None  # AbortableGroup of the generation (R ranks)
-        self.backend_kind = "nccl" if device_type == "cuda" else "gloo"
+        self.backend_kind = backend  # the world group's choice (groups.choose_backend)
 
     def check(self, plan: Any, rank: int) -> None:
         if plan.shard_size != self.k:

@@ -89,6 +89,12 @@ def _dtensor_type() -> Any:
     return DTensor
 
 
+def local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: a ``DTensor``'s local shard (FSDP2), any other tensor as is."""
+    DTensor = _dtensor_type()
+    return t.to_local() if DTensor and isinstance(t, DTensor) else t
+
+
 # ---------------------------------------------------------------------------- flat state
 @dataclass
 class FlatState:
@@ -318,8 +324,7 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
     parameters of ``model`` (or of a list of tensors). Equal states give equal digests; it is
     a heartbeat hint, not a proof (use ``checksum`` for that)."""
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
-    DTensor = _dtensor_type()
-    params = [p.to_local() if DTensor and isinstance(p, DTensor) else p for p in params]
+    params = [local(p) for p in params]
     total = sum(p.numel() for p in params)
     if not total:
         return hashlib.blake2b(b"", digest_size=8).hexdigest()

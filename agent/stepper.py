@@ -19,6 +19,7 @@ from schemas.messages import ReportKind
 from services.common import logs
 
 from .membership import Phase
+from .state import local
 from .train_state import TrainState
 
 log = logs.get("agent")
@@ -128,8 +129,7 @@ class Stepper:
                     return False
                 # FSDP summed the replica's gradients into this rank's shards during the
                 # backward; add the other replicas' (the same shard position), then the loss
-                local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-                sh.pos_group.allreduce_(local, rt.abort, slice_s=cfg.collective_slice,
+                sh.pos_group.allreduce_([local(g) for g in grads], rt.abort, slice_s=cfg.collective_slice,
                                         timeout_s=cfg.collective_timeout, **args)
                 m.group.allreduce_([loss_t], rt.abort, slice_s=cfg.collective_slice,
                                    timeout_s=cfg.collective_timeout, **args)

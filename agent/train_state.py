@@ -185,11 +185,13 @@ class TrainState:
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""
+        from .state import local
+
         h = hashlib.sha256()
         for name, m in sorted(((n, o) for n, o in self.objs.items()
                                if isinstance(o, torch.nn.Module)), key=lambda x: x[0]):
             for k, t in m.state_dict().items():
-                t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
+                t = local(t)  # FSDP2: this rank's shard
                 h.update(f"{name}.{k}".encode())
                 # reshape: a 0-dim tensor (BatchNorm's num_batches_tracked) has no byte view
                 h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

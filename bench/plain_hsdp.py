@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agent.data.order import order_for
+from agent.state import local
 from examples.train_gpt import ALL_MODELS, build_model, load_dataset, seq_len_of
 from schemas.batching import micro_batch_range, num_micro_batches
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    if hasattr(t, "to_local"):
-        t = t.to_local()
+    t = local(t)
     return t.numel() * t.element_size()
 
 
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
+
+    from agent.sharded import gradient_divide_factor_one
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,10 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     for b in getattr(model, "blocks", ()):
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for sub in model.modules():  # sums, as Ceaseless (the loss is scaled to the global batch)
-        if isinstance(sub, FSDPModule):
-            sub.set_gradient_divide_factor(1.0)
-            sub.set_force_sum_reduction_for_comms(True)
+    gradient_divide_factor_one([model])  # sums, as Ceaseless (the loss is scaled to B)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, a.steps))
     B, m = a.global_batch_size, a.micro_batch_size

@@ -26,10 +26,12 @@ async def until(pred, timeout: float = 5.0, what: str = "condition"):
 STEPS = 80  # long enough that heartbeats (0.25 s) see the fault step before the end
 
 
-async def run_job(tmp_path, name, workers, spares, fault=None, steps=STEPS, extra=None):
-    """One `ceaseless up` job of the default example; ``fault(cluster)`` runs once the spares
-    registered. Returns the summary with the plans seen on the bus."""
-    async with Cluster(tmp_path / name, workers, spares, steps, extra=extra) as c:
+async def run_job(tmp_path, name, workers, spares, fault=None, steps=STEPS, extra=None,
+                  cmd=None, replace=False):
+    """One `ceaseless up` job (of the default example unless ``cmd``); ``fault(cluster)`` runs
+    once the spares registered. Returns the summary with the plans seen on the bus."""
+    async with Cluster(tmp_path / name, workers, spares, steps, extra=extra, cmd=cmd,
+                       replace=replace) as c:
         if fault is not None:
             await c.wait_spares(spares)  # on a slow machine a spare may register late
             await fault(c)

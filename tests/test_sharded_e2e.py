@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from harness import Cluster, log_events
+from harness import Cluster, log_events, run_job
 
 pytestmark = [pytest.mark.timeout(420)]
 STEPS = 60
@@ -29,16 +29,7 @@ CMD = [sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS),
 
 
 async def _job(tmp_path, name, spares, fault=None, replace=False):
-    async with Cluster(tmp_path / name, 4, spares, STEPS, extra=ARGS, cmd=CMD,
-                       replace=replace) as c:
-        if fault is not None:
-            await c.wait_spares(spares)
-            await fault(c)
-        code = await c.finish()
-        assert code == 0, c.output()
-        s = c.summary()
-        s["plans"] = c.plans
-        return s
+    return await run_job(tmp_path, name, 4, spares, fault, STEPS, ARGS, CMD, replace)
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,23 @@ def make_plan(generation: int, members: dict[int, str], *, global_batch_size: in
     )
 
 
+def _move_replicas(members: dict[int, str], source: dict[int, str], dsts: Iterable[int],
+                   srcs: Iterable[int], k: int) -> list[str]:
+    """Whole replicas ``srcs[n]`` move into the free slots of replicas ``dsts[n]`` (rank
+    ``src*k+i`` -> ``dst*k+i``: every pod keeps its shard position); ``members`` is updated,
+    the pods are read from ``source``. Returns what moved, for the plan's reason."""
+    moves = []
+    for dst, src in zip(dsts, srcs):
+        pods = [source[src * k + i] for i in range(k)]
+        for i, pod in enumerate(pods):
+            members.pop(src * k + i, None)
+            members[dst * k + i] = pod
+        moves.append(f"rank {src} ({pods[0]}) moves to rank {dst}" if k == 1 else
+                     f"replica {src} ({', '.join(pods)}) moves to replica {dst} (ranks "
+                     f"{src * k}-{src * k + k - 1} -> {dst * k}-{dst * k + k - 1})")
+    return moves
+
+
 def _bounded(pods: Iterable[str]) -> list[str]:
     seen: dict[str, None] = {}
     for p in pods:
@@ -258,16 +275,7 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
     # Whole replicas >= new_rep move (highest first) into the dropped slots below new_rep.
     low = [j for j in dropped if j < new_rep]
     movers = sorted((j for j in range(new_rep, n_rep) if j not in dropped), reverse=True)
-    moves = []
-    for dst, src in zip(low, movers):
-        for i in range(k):
-            members[dst * k + i] = members.pop(src * k + i)
-        if k == 1:
-            moves.append(f"rank {src} ({members[dst]}) moves to rank {dst}")
-        else:
-            moves.append(f"replica {src} ({', '.join(members[dst * k + i] for i in range(k))})"
-                         f" moves to replica {dst} (ranks {src * k}-{src * k + k - 1} -> "
-                         f"{dst * k}-{dst * k + k - 1})")
+    moves = _move_replicas(members, members, low, movers, k)
     parts = [f"replace {', '.join(replaced)}"] if replaced else []
     if k == 1:
         parts.append(f"shrink: {', '.join(by_rank[r] for r in holes)} failed, no live spare"
@@ -409,16 +417,8 @@ def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: Policy
         leaving = [by_rank[r] for r in sorted(by_rank) if r // k in gone]
         members = {r: p for r, p in by_rank.items() if r < new_w and r // k not in gone}
         movers = sorted((j for j in range(new_rep, n_rep) if j not in gone), reverse=True)
-        moves = []
-        for dst, src in zip(sorted(j for j in range(new_rep) if j in gone), movers):
-            for i in range(k):
-                members[dst * k + i] = by_rank[src * k + i]
-            if k == 1:
-                moves.append(f"rank {src} ({by_rank[src]}) moves to rank {dst}")
-            else:
-                moves.append(f"replica {src} "
-                             f"({', '.join(by_rank[src * k + i] for i in range(k))}) moves to "
-                             f"replica {dst}")
+        moves = _move_replicas(members, by_rank,
+                               sorted(j for j in range(new_rep) if j in gone), movers, k)
         spares = pool
         what = f"shrink {sized}: {', '.join(leaving)} leave" + (
             f", {'; '.join(moves)}" if moves else "")

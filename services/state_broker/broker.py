@@ -87,18 +87,9 @@ def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water
         sources, digest = [source], reported[source][1]
     else:
         top = [r for r in sorted(reported) if reported[r][0] == restore]
-        votes = Counter(reported[r][1] for r in top)  # ties: the lowest rank's digest wins
-        digest = max(votes, key=lambda d: (votes[d], -min(r for r in top
-                                                           if reported[r][1] == d)))
+        digest = _majority(top, reported)
         sources = [r for r in top if reported[r][1] == digest]
-    recipients = [r for r in ranks if r not in sources]
-    n = len(sources)
-    # Each recipient stripes over up to MAX_SOURCES of them, rotated so that the recipients
-    # spread over every source. Not all n: a transfer naming every source for every
-    # recipient grows as recipients x sources (over NATS' 1 MB at ~700 x 700 ranks).
-    k = min(n, MAX_SOURCES)
-    plan_sources = {r: [sources[(i + j) % n] for j in range(k)]
-                    for i, r in enumerate(recipients)}
+    plan_sources = _stripe([r for r in ranks if r not in sources], sources)
     return Transfer(generation=plan.generation, restore_step=restore, sources=plan_sources,
                     steps=steps, digest=digest, incident=incident)
 
@@ -110,6 +101,9 @@ def _majority(top: list[int], reported: dict[int, tuple[int, str]]) -> str:
 
 
 def _stripe(recipients: list[int], sources: list[int]) -> dict[int, list[int]]:
+    """Each recipient stripes over up to MAX_SOURCES of the sources, rotated so that the
+    recipients spread over every source. Not all of them: a transfer naming every source for
+    every recipient grows as recipients x sources (over NATS' 1 MB at ~700 x 700 ranks)."""
     n = len(sources)
     k = min(n, MAX_SOURCES)
     return {r: [sources[(i + j) % n] for j in range(k)] for i, r in enumerate(recipients)}
