@@ -16,6 +16,7 @@ and w0-s0 (generation 2). The result is bitwise the fault-free run's (on loopbac
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -94,7 +95,15 @@ async def test_pods_in_namespaces_train_and_recover_across_addresses(tmp_path, n
         await c.wait_for(lambda: (h := c.hb.get("s0")) is not None and h.rank == 1
                          and h.generation >= 2 and h.step > at + 1, 60,
                          "s0 training in generation 2 as rank 1")
-        seen["A2"], seen["B2"] = _established(netns, a), _established(netns, b)
+        # `ss -p` can list a just-made socket before it can name its process (seen once: the
+        # new w0-s0 connection with no pid): sample again, briefly, until it names w0
+        for _ in range(20):
+            seen["A2"], seen["B2"] = _established(netns, a), _established(netns, b)
+            fresh = {(lo, pe) for lo, pe, pids in seen["A2"] if pid["w0"] in pids} - \
+                {(lo, pe) for lo, pe, pids in seen["A1"]}
+            if any(pe.rsplit(":", 1)[0] == b.addr for _, pe in fresh):
+                break
+            await asyncio.sleep(0.1)
         code = await c.finish()
         assert code == 0, c.output()
         s = c.summary()
