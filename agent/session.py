@@ -16,6 +16,9 @@ import json
 import os
 import random
 import time
+import traceback
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -37,6 +40,15 @@ from .train_state import TrainState
 __all__ = ["InjectedFault", "JobStateLost", "Session", "init"]
 log = logs.get("agent")
 STEP_STREAM = (1 << 63) + 1  # micro_seed's index for the start of a step (not a micro-batch)
+
+
+@dataclass
+class Rank0Hooks:
+    """``s.on_rank0``'s functions and whether this pod ran the set-up last (is rank 0)."""
+    setup: Callable[[], Any] | None
+    teardown: Callable[[], Any] | None
+    max_s: float
+    active: bool = False
 
 
 def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
@@ -78,6 +90,10 @@ class Session:
         self.total: int | None = None
         self._entered = False
         self._joined: bool | None = None      # join()'s outcome, once known
+        self._start: int | None = None        # the start given to the first join()/steps()
+        self._loop_prepared = False           # _before_loop ran (start, resume) once
+        self._rank0: Rank0Hooks | None = None  # s.on_rank0(...): set-up that follows rank 0
+        self._rank_warned = False
         self._batch_checked = 0               # the generation whose batch was checked
         self._sources: dict[tuple[int, int], Any] = {}  # (dataset, m) -> BatchSource
         self._inject = Injector(config)
@@ -120,13 +136,40 @@ class Session:
 
     last_committed = property(lambda self: self.state.last_committed)
     loss = property(lambda self: self.state.loss)  # the last committed step's global mean
-    # Honest ranks: in a job, a pod that is not a member (a spare, a pod before its first
-    # plan, a released one) has no rank (None). Single-process: rank 0 of 1.
-    rank = property(lambda self: self.m.rank if self.m else (None if self.cfg else 0))
-    world_size = property(lambda self: self.m.world_size if self.m else (None if self.cfg else 1))
+    # Honest ranks: a pod that is not a member (a spare, a pod before its first plan, a
+    # released one) has no rank (None). The same in one process, so a script that reads
+    # s.rank before s.join() behaves alone as it will in the cluster (issue 33): None
+    # until join()/steps(), then rank 0 of 1.
+    def _rank(self) -> int | None:
+        if self.m is not None:
+            return self.m.rank
+        return 0 if self.cfg is None and self._joined else None
+
+    def _ranks_read(self) -> None:
+        if self._joined is None and not self._rank_warned and self._entered:
+            self._rank_warned = True
+            warnings.warn("s.rank / s.world_size read before s.join(): None until this pod "
+                          "is a member, and a pod's rank can change after a fault. For "
+                          "rank-0 set-up use s.on_rank0(setup, teardown); for a rank "
+                          "before the loop, call s.join() first", stacklevel=3)
+
+    @property
+    def rank(self) -> int | None:
+        """This pod's rank while it is a member, else None (before ``s.join()``, a spare, a
+        released pod). It may change after a fault: read it where it is used."""
+        self._ranks_read()
+        return self._rank()
+
+    @property
+    def world_size(self) -> int | None:
+        self._ranks_read()
+        if self.m is not None:
+            return self.m.world_size
+        return 1 if self.cfg is None and self._joined else None
+
     generation = property(lambda self: self.m.generation if self.m else 0)
     group = property(lambda self: self.m.group if self.m else None)
-    is_member = property(lambda self: self.rank is not None,
+    is_member = property(lambda self: self._rank() is not None,
                          doc="True while this pod is a member of the job (has a rank).")
     shard_size = property(lambda self: self.cfg.shard_size if self.cfg else 1,
                           doc="Ranks per replica (``ceaseless up --shard-size``); 1: unsharded.")
@@ -212,6 +255,7 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._rank0_teardown()
         rt = self.runtime
         if rt is not None:
             if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
@@ -251,15 +295,16 @@ class Session:
         ``start``: the script restored its own checkpoint of step ``start - 1`` (model,
         optimizer, scheduler): the count, the data positions (a function of the step) and
         the learning-rate ramp continue from ``start``, not from 0."""
-        self._before_loop(start)
         self.total = total
+        if not self.join(start):
+            self._rank0_teardown()
+            return
         if not self.distributed:
             yield from self._local_steps(total)
             return
-        if not self.join():
-            return
         m, rt = self.m, self.runtime
         while self.last_committed + 1 < total:
+            self._follow_rank0()  # a recovery or a scale change may have moved rank 0
             s = self.last_committed + 1
             planned = m.planned_transition(s)
             if planned is None:
@@ -270,6 +315,7 @@ class Session:
             if planned is not None:
                 rt.end_step()
                 if not m.transition(planned):
+                    self._rank0_teardown()  # before leave(): a released pod may exit there
                     return m.leave()
                 continue
             self.current_step = s
@@ -283,6 +329,7 @@ class Session:
                 if m.phase not in DISCARDED:
                     raise RuntimeError("call s.step() exactly once per step")
                 if not m.after_discard():
+                    self._rank0_teardown()  # before leave(): a released pod may exit there
                     return m.leave()
         m.finish()
         self._ckpt.final(self.rank, self.state)
@@ -293,16 +340,22 @@ class Session:
         self._write_result()
 
     def _before_loop(self, start: int | None) -> None:
+        """Once per session (the first of ``join()`` / ``steps()``): the start step and
+        ``CEASELESS_RESUME_FROM``. Later calls only check that they name the same start."""
         if not self._entered:
             raise RuntimeError("use the session as a context manager: `with Session(...) as s:`")
-        if start is not None:
-            if start < 0:
-                raise ValueError(f"start must be >= 0 (got {start})")
-            if self._joined is not None and self.last_committed != start - 1:
-                raise RuntimeError("s.join() ran before the start step was known: pass the "
-                                   "same start to s.join(start=...) and s.steps(..., start=...)")
-            if self.last_committed == -1:
-                self.state.last_committed = start - 1  # what the script's own checkpoint holds
+        if start is not None and start < 0:
+            raise ValueError(f"start must be >= 0 (got {start})")
+        if self._loop_prepared:
+            # A promoted spare's last_committed is the job's step by now: compare the
+            # starts the script gave, not the state (issue 33: that check killed spares).
+            if (start or 0) != (self._start or 0):
+                raise RuntimeError(f"s.join(start={self._start}) and s.steps(start={start}) "
+                                   "disagree: pass the same start to both (or to neither)")
+            return
+        self._loop_prepared, self._start = True, start
+        if start and self.last_committed == -1:
+            self.state.last_committed = start - 1  # what the script's own checkpoint holds
         self._ckpt.resume(self.state)
 
     def join(self, start: int | None = None) -> bool:
@@ -310,17 +363,71 @@ class Session:
         its rank). A spare waits here, following the job, until it is promoted; False when
         the job finished (or released this pod) first: the pod is not a member, ``s.rank``
         is None and ``s.steps()`` yields nothing. ``s.steps()`` calls it; call it yourself
-        before the loop for setup that needs the rank (``if s.join() and s.rank == 0:
-        wandb.init(...)``). Single-process: True at once."""
+        before the loop for set-up that needs the rank now (a rank can change after a
+        fault: for rank-0 set-up prefer ``s.on_rank0``). ``start`` as in ``s.steps()``.
+        Single-process: True at once."""
         self._before_loop(start)
         if not self.distributed:
+            self._joined = True
+            self._follow_rank0()
             return True
         if self._joined is None:
             self._check_sharded()
             self._joined = self.m.recover()
             if not self._joined:
                 self.m.leave()
+        self._follow_rank0()
         return self._joined
+
+    def on_rank0(self, setup: Callable[[], Any] | None = None,
+                 teardown: Callable[[], Any] | None = None, max_s: float = 300.0) -> None:
+        """Rank-0 set-up that follows rank 0 (a logger, ``wandb.init``, an evaluation set):
+        ``setup()`` runs on whichever pod becomes rank 0, when it does (at ``s.join()``,
+        or at the step boundary where a recovery or a scale change made it rank 0), and
+        ``teardown()`` when it stops being rank 0 (released, back to the spare pool) and
+        when the session closes while it is. Both run on the training thread between
+        steps, inside ``s.solo(max_s)`` so that the peers wait for a slow set-up instead of
+        timing out. A ``setup`` that raises fails the pod like any error in the script; a
+        ``teardown`` that raises is logged and training goes on. Single-process: ``setup``
+        at ``s.join()`` (or ``s.steps()``), ``teardown`` at the end of the session."""
+        if setup is None and teardown is None:
+            raise ValueError("s.on_rank0 needs a setup or a teardown (or both)")
+        if self._rank0 is not None:
+            raise RuntimeError("s.on_rank0 was already called: register one set-up (call "
+                               "several functions from it)")
+        self._rank0 = Rank0Hooks(setup, teardown, max_s)
+        if self._joined:
+            self._follow_rank0()
+
+    def _follow_rank0(self) -> None:
+        """Run the rank-0 set-up or teardown if this pod's rank-0-ness changed (one
+        comparison per step otherwise)."""
+        h = self._rank0
+        if h is None or (self._rank() == 0) == h.active:
+            return
+        if not h.active:
+            h.active = True
+            if h.setup is not None:
+                log.info("rank-0 set-up", pod=self.pod, generation=self.generation)
+                with self.solo(max_s=min(h.max_s, self.cfg.solo_max) if self.cfg else None):
+                    h.setup()
+        else:
+            self._rank0_teardown()
+
+    def _rank0_teardown(self) -> None:
+        h = self._rank0
+        if h is None or not h.active:
+            return
+        h.active = False
+        if h.teardown is None:
+            return
+        log.info("rank-0 teardown", pod=self.pod)
+        try:
+            with self.solo(max_s=min(h.max_s, self.cfg.solo_max) if self.cfg else None):
+                h.teardown()
+        except Exception as e:  # a logger that fails to close must not stop training
+            log.warning("rank-0 teardown failed", error=f"{type(e).__name__}: {e}"[:500],
+                        traceback=traceback.format_exc()[-2000:])
 
     def _check_sharded(self) -> None:
         """Before joining a sharded job: the registered model is sharded on ``s.mesh``, and
@@ -430,7 +537,7 @@ class Session:
         discarded because of a fault (``s.steps()`` then recovers and repeats nothing).
 
         On the synchronised gradient (the global batch's mean, the same on every rank):
-        ``max_grad_norm`` clips it by its global L2 norm (``s.grad_norm`` holds the norm
+        ``max_grad_norm`` (0 or None: off) clips it by its global L2 norm (``s.grad_norm`` holds the norm
         before clipping, what one process computing the whole global batch gets, within
         rounding); then ``grad_hook(params)`` may change the gradients in place or replace
         them (anything else a script did before ``optimizer.step()``). Spares that follow the

@@ -169,8 +169,11 @@ class Stepper:
         """What a script does between the gradient sync and the update, done for it (not on
         a step the GradScaler skips: its gradients are not finite)."""
         self.grad_norm = None
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive (got {max_grad_norm})")
+        if max_grad_norm is not None and not max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (got {max_grad_norm}); 0 or None: "
+                             "no clipping")
+        if max_grad_norm == 0:  # nanoGPT's `grad_clip = 0.0`: clipping off
+            max_grad_norm = None
         if skip:
             self.grad_norm = math.inf if max_grad_norm is not None else None
             return

@@ -21,7 +21,107 @@ def test_a_script_under_torchrun_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("RANK")
     s = agent.Session.from_env(global_batch_size=8)  # one process: fine
-    assert (s.rank, s.world_size, s.is_member) == (0, 1, True)
+    with s:
+        assert s.join() and (s.rank, s.world_size, s.is_member) == (0, 1, True)
+
+
+def _clean_env(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("CEASELESS_")]:
+        monkeypatch.delenv(k)
+
+
+def _train(s, model, opt, data, total, start=None, **step_kw):
+    import torch
+
+    for _ in s.steps(total=total, start=start):
+        for x, y in s.batches(data, micro_batch_size=4):
+            s.backward(torch.nn.functional.mse_loss(model(x), y))
+        assert s.step(**step_kw)
+
+
+def test_one_process_ranks_are_none_before_join_as_in_a_job(monkeypatch):
+    """Issue 33: s.rank before the loop was 0 alone and None under `ceaseless up`, so
+    `master_process = s.rank == 0` worked alone and silently differed in the cluster. Now
+    it is None in both until s.join() (and reading it then warns, pointing at on_rank0)."""
+    import torch
+
+    import agent
+
+    _clean_env(monkeypatch)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    with agent.Session(global_batch_size=8) as s:
+        s.register(model=model, optimizer=opt)
+        with pytest.warns(UserWarning, match="on_rank0"):
+            assert s.rank is None
+        assert (s.world_size, s.is_member) == (None, False)
+        _train(s, model, opt, data, 2)
+        assert (s.rank, s.world_size, s.is_member) == (0, 1, True)
+
+
+def test_one_process_on_rank0_sets_up_at_join_and_tears_down_at_exit(monkeypatch):
+    """s.on_rank0(setup, teardown): alone, set-up once when the loop starts (the pod is
+    rank 0), teardown once when the session closes; bad calls refused."""
+    import torch
+
+    import agent
+
+    _clean_env(monkeypatch)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    calls = []
+    with agent.Session(global_batch_size=8) as s:
+        s.register(model=model, optimizer=opt)
+        s.on_rank0(lambda: calls.append(("setup", s.rank, s.last_committed)),
+                   lambda: calls.append(("teardown", s.rank)))
+        with pytest.raises(RuntimeError, match="already"):
+            s.on_rank0(lambda: None)
+        assert calls == []
+        _train(s, model, opt, data, 3)
+        assert calls == [("setup", 0, -1)]
+    assert calls == [("setup", 0, -1), ("teardown", 0)]
+    with pytest.raises(ValueError, match="setup or a teardown"):
+        agent.Session(global_batch_size=8).on_rank0()
+
+
+def test_one_process_join_and_steps_with_a_start_and_clip_zero(monkeypatch):
+    """s.join(start=k) then s.steps(start=k) (the README's patterns together) continue from
+    k; starts that disagree are refused with both named; s.step(max_grad_norm=0.0) is
+    clipping off (nanoGPT's grad_clip = 0.0), bit for bit the same as no argument."""
+    import torch
+
+    import agent
+
+    _clean_env(monkeypatch)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    params = []
+    for kw in ({}, {"max_grad_norm": 0.0}, {"max_grad_norm": None}):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with agent.Session(global_batch_size=8) as s:
+            s.register(model=model, optimizer=opt)
+            assert s.join(start=5)
+            seen = []
+            for step in s.steps(total=8, start=5):
+                seen.append(step)
+                for x, y in s.batches(data, micro_batch_size=4):
+                    s.backward(torch.nn.functional.mse_loss(model(x) * 100, y))
+                assert s.step(**kw)
+            assert seen == [5, 6, 7]
+            params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert all(torch.equal(params[0], p) for p in params[1:])
+    with agent.Session(global_batch_size=8) as s:
+        s.register(model=model, optimizer=opt)
+        assert s.join(start=3)
+        with pytest.raises(RuntimeError, match=r"s.join\(start=3\) and s.steps\(start=4\)"):
+            next(iter(s.steps(total=8, start=4)))
+    with agent.Session(global_batch_size=8) as s:
+        s.register(model=model, optimizer=opt)
+        with pytest.raises(ValueError, match=">= 0"):
+            _train(s, model, opt, data, 1, max_grad_norm=-1.0)
 
 
 def test_one_process_clips_and_reduces_as_a_job_would(monkeypatch):
