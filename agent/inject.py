@@ -62,6 +62,7 @@ class Injector:
             if inj.action == InjectAction.stall:
                 # the training thread blocks for good; heartbeats go on (the runtime's thread)
                 log.warning("injected stall: the training thread blocks from here", step=s)
+                rt.injected_stall = True
                 threading.Event().wait()
             if inj.action == InjectAction.kill:
                 os.kill(os.getpid(), signal.SIGKILL)

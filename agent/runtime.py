@@ -54,6 +54,7 @@ class Runtime:
         self.cfg = cfg
         self._cond = threading.Condition()
         self.abort = threading.Event()  # a newer plan than the joined generation exists
+        self.injected_stall = False     # set by Injector: its stall report says "(injected)"
         self._loop: asyncio.AbstractEventLoop | None = None
         self.bus: Bus | None = None
         self._kv: Any = None
@@ -383,6 +384,8 @@ class Runtime:
             step = self._hb.step
         if got is not None:
             msg, idle, limit = got
+            if self.injected_stall:  # a simulated machine fault, not the script's (repeats.py)
+                msg += " (injected)"
             log.warning("training thread stalled: reporting this pod hung",
                         idle_s=round(idle, 3), step=step, stall_timeout=limit)
             await self.report(ReportKind.stalled, msg)

@@ -51,6 +51,16 @@ class Rank0Hooks:
     active: bool = False
 
 
+def _describe(exc_type: type, exc: BaseException, tb: Any, limit: int = 2000) -> str:
+    """``Type: message`` on the first line, then the end of the traceback (its innermost
+    frames): the health monitor tells one bug on two pods from two faults by both, and
+    `ceaseless up` prints it."""
+    head = f"{exc_type.__name__}: {exc}".splitlines()[0][:300] if str(exc) else exc_type.__name__
+    body = "".join(traceback.format_exception(exc_type, exc, tb))
+    room = limit - len(head) - 1
+    return f"{head}\n{body[-room:]}" if room > 0 else head
+
+
 def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
     """A started Session without a ``with`` block (no re-indented script): closed when the
     interpreter exits. ``s = agent.init(global_batch_size=64)`` is
@@ -265,7 +275,7 @@ class Session:
                     log.warning("exception after training finished",
                                 error=f"{exc_type.__name__}: {exc}")
                 else:
-                    rt.report_sync(ReportKind.exception, f"{exc_type.__name__}: {exc}")
+                    rt.report_sync(ReportKind.exception, _describe(exc_type, exc, tb))
                     rt.update(state=AgentState.leaving)
             rt.stop()
         try:

@@ -212,6 +212,26 @@ class Fault(Message):
     reason: Text = ""
 
 
+class JobFailedKind(str, Enum):
+    script_error = "script_error"    # the same exception at the same step on a second pod
+    repeated_hang = "repeated_hang"  # a second pod hung at the step where another had hung
+
+
+class JobFailed(Message):
+    """The health monitor's verdict that a failure is the script's, not the machines' (issue
+    33): the same failure at the same step on a second pod. Recovering again would burn pod
+    after pod on it; the launcher stops the job (exit 1) and shows ``error``. Added
+    2026-12-05 on its own subject (``job_failed``): older consumers never see it."""
+    subject_kind: ClassVar[str] = "job_failed"
+    kind: JobFailedKind
+    step: Step                # the last committed step both pods held when they failed
+    generation: Generation    # of the second occurrence
+    pods: Annotated[list[PodId], Field(min_length=2, max_length=16)]
+    error: Text               # the script's error with its traceback, or what hung
+    hint: Text = ""
+    ts: Timestamp = Field(default_factory=now)
+
+
 class Member(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     pod: PodId
@@ -402,5 +422,5 @@ class ActuatorReply(Message):
 BY_KIND: dict[str, type[Message]] = {
     m.subject_kind: m
     for m in (Heartbeat, Report, Recovery, Fault, Plan, Transfer, StateLost, Decision,
-              Capacity, Priority, Inject, Lifecycle, ActuatorCommand, HealthView)
+              Capacity, Priority, Inject, Lifecycle, ActuatorCommand, HealthView, JobFailed)
 }

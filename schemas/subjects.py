@@ -61,6 +61,11 @@ class Subjects:
         return f"{self.base}.state_lost"
 
     @property
+    def job_failed(self) -> str:
+        """Health monitor -> launcher, operator: the failure is the script's (``JobFailed``)."""
+        return f"{self.base}.job_failed"
+
+    @property
     def decision(self) -> str:
         """Scaler's answer to capacity/priority requests (accepted or refused, with why)."""
         return f"{self.base}.decision"
@@ -98,7 +103,7 @@ class Subjects:
         """Subjects kept in the job's JetStream stream (everything but heartbeats)."""
         return [
             self.report(), self.recovery, self.fault, self.plan, self.transfer,
-            self.state_lost, self.decision, self.capacity, self.priority, self.inject,
+            self.state_lost, self.job_failed, self.decision, self.capacity, self.priority, self.inject,
             self.lifecycle(),
         ]
 

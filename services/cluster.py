@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
-from schemas.messages import AgentState, Fault, Heartbeat, Plan, Recovery, Role, StateLost
+from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
+                              StateLost)
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
 from services.common import logs
@@ -134,6 +135,7 @@ class Observer:
         self.faults: list[Fault] = []
         self.recoveries: list[Recovery] = []
         self.lost: StateLost | None = None
+        self.failed: JobFailed | None = None  # the health monitor: the failure is the script's
         self.events: list[str] = []
 
     async def attach(self, bus: Bus) -> None:
@@ -143,6 +145,7 @@ class Observer:
         await bus.subscribe(s.fault, Fault, self._fault)
         await bus.subscribe(s.recovery, Recovery, self._recovery)
         await bus.subscribe(s.state_lost, StateLost, self._lost)
+        await bus.subscribe(s.job_failed, JobFailed, self._failed)
 
     async def _plan(self, p: Plan, env: Envelope) -> None:
         if self.plan is None or p.generation > self.plan.generation:
@@ -163,6 +166,11 @@ class Observer:
         if r.downtime is not None:
             self.events.append(f"recovered {r.incident}: rank {r.rank} ({r.pod}) back at step "
                                f"{r.restore_step + 1}, downtime {r.downtime:.3f}s")
+
+    async def _failed(self, m: JobFailed, env: Envelope) -> None:
+        if self.failed is None:
+            self.failed = m
+            self.events.append(f"JOB FAILED: {m.hint}")
 
     async def _lost(self, m: StateLost, env: Envelope) -> None:
         self.lost = m
@@ -365,6 +373,9 @@ async def run(opts: UpOptions) -> int:
                 last_table = time.monotonic()
                 print(obs.table(opts.global_batch_size) + "\n", file=out, flush=True)
             plan = obs.plan
+            if obs.failed is not None:  # before state_lost: a bug, which no restart mends
+                code, reason = 1, f"stopped: {obs.failed.hint}"
+                break
             if obs.lost is not None:
                 code, reason = 2, f"training state lost: {obs.lost.reason}"
                 break
@@ -409,12 +420,15 @@ async def run(opts: UpOptions) -> int:
         sup.stop_all()
         srv.stop()
     print(f"ceaseless up: {reason} (exit {code})", file=out, flush=True)
+    if obs.failed is not None:
+        _show_script_failure(obs.failed, opts, run_dir, out)
     if summary.get("final_step") is not None:
         print(f"  final step {summary['final_step']}, params sha256 "
               f"{(summary.get('param_sha256') or '')[:16]}…, incidents "
               f"{len(summary['incidents'])}, lost steps {summary['lost_steps']}", file=out)
     print(f"  summary: {run_dir / 'summary.json'}", file=out, flush=True)
-    if _total_loss(code, exits) and opts.checkpoint_dir and opts.auto_resume > 0:
+    if (obs.failed is None and _total_loss(code, exits) and opts.checkpoint_dir
+            and opts.auto_resume > 0):
         return await _resume_after_loss(opts, run_dir, summary, out, code)
     return code
 
@@ -445,6 +459,25 @@ async def _checkpoint_before_stopping(bus: Bus, ckdir: Path, out: Any, info: Any
                 pass
         await asyncio.sleep(0.2)
     print(f"  no final checkpoint within {wait_s:g}s; stopping anyway", file=out, flush=True)
+
+
+def _show_script_failure(f: JobFailed, opts: UpOptions, run_dir: Path, out: Any) -> None:
+    """The script's own error (its traceback as the pod sent it) or the repeated hang, in
+    `up`'s output, with where the committed state can be taken from."""
+    what = "error" if f.kind.value == "script_error" else "hang"
+    print(f"  the same {what} at step {f.step + 1} on {' and '.join(f.pods)}; logs: "
+          f"{run_dir / 'logs'}", file=out)
+    for line in f.error.rstrip().splitlines():
+        print(f"  | {line}", file=out)
+    ck = None
+    if opts.checkpoint_dir:
+        from agent import checkpoint
+
+        ck = checkpoint.latest(opts.checkpoint_dir)
+    print(f"  newest last-resort checkpoint: {ck}; fix the script and start again with "
+          f"--resume {opts.checkpoint_dir}" if ck else
+          "  no last-resort checkpoint (--checkpoint-dir): a fixed script starts from step 0 "
+          "or from your own checkpoint", file=out, flush=True)
 
 
 def _total_loss(code: int, exits: dict[str, int]) -> bool:
@@ -560,6 +593,7 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "generation": obs.plan.generation if obs.plan else 0,
         "world_size": obs.plan.world_size if obs.plan else 0,
         "losses": dict(sorted(losses.items(), key=lambda kv: int(kv[0]))),
+        "job_failed": obs.failed.model_dump(mode="json") if obs.failed is not None else None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

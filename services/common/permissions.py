@@ -7,7 +7,7 @@ actuator and the CLI: inject, capacity, priority). What each may publish:
 * agent: its heartbeats, reports and recovery summaries; the c10d store bucket; the KV key
   ``done``; read access to the plan key. Never ``plan``, ``inject``, ``capacity``,
   ``priority``, ``fault`` or the ``plan`` key.
-* health_monitor: ``fault``, ``health`` (its view of the heartbeats).
+* health_monitor: ``fault``, ``health`` (its view of the heartbeats), ``job_failed``.
   state_broker: ``transfer``, ``state_lost``.
 * scaler: ``plan``, ``decision``, actuator requests, and the KV keys ``plan``,
   ``scaler_lease`` and ``scale`` (the only writer of membership and of the target size).
@@ -62,7 +62,7 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
         sub = _COMMON_SUB + [s.plan, s.transfer, s.state_lost, s.inject, s.all]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     own = {
-        "health_monitor": [s.fault, s.health],
+        "health_monitor": [s.fault, s.health, s.job_failed],
         "state_broker": [s.transfer, s.state_lost],
         "scaler": [s.plan, s.decision, s.actuator, f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
                    f"$KV.{kv}.{SCALE_KEY}"],

@@ -42,13 +42,16 @@ from typing import Any, Iterable
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, Lifecycle,
-                              LifecycleEvent, Plan, Report, ReportKind, Role)
+from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, JobFailed,
+                              JobFailedKind, Lifecycle, LifecycleEvent, Plan, Report,
+                              ReportKind, Role)
 from services.common.bounded import BoundedSet
 from services.common.bus import Bus, Envelope
 from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
 from services.common.plans import PlanFollower
 from services.common.service import Service
+
+from .repeats import Failure, RepeatDetector
 
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
@@ -117,6 +120,9 @@ class HealthMonitor(Service):
         self._last_stall_check = 0.0
         self.waiting: dict[str, Waiting] = {}   # members reporting a collective wait
         self._all_waiting_logged = 0            # generation last logged with nobody absent
+        # the same failure at the same step on a second pod: the script's (repeats.py)
+        self.repeats = RepeatDetector()
+        self.job_failed: JobFailed | None = None
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = (ViewPublisher(bus, self.log, self._heard, view_interval)
                      if view_interval else None)
@@ -287,17 +293,25 @@ class HealthMonitor(Service):
                 self._ignore(env.subject, "exception after the pod was done: not a fault",
                              level="warning", pod=r.pod, error=r.error[:200])
                 return
-            await self._declare(r.pod, FaultKind.exception,
-                                last_seen=v.last_seen if v else r.ts, since=r.ts,
-                                reason=f"{r.report.value}: {r.error}"[:2000])
+            # the fault names the error; its traceback (the agent sends one) goes with a
+            # job_failed verdict, if any, and stays in the pod's log
+            error = (r.error.strip().splitlines() or [""])[0]
+            if await self._declare(r.pod, FaultKind.exception,
+                                   last_seen=v.last_seen if v else r.ts, since=r.ts,
+                                   reason=f"{r.report.value}: {error}"[:2000]) \
+                    and r.report == ReportKind.exception:
+                await self._repeated(Failure(r.pod, "exception", self.generation, r.step,
+                                             r.error))
         elif r.report == ReportKind.stalled:
             if r.pod in self.faulted or not self._is_member(r.pod):
                 self._ignore(env.subject, "stall report of a pod that is not a watched member",
                              pod=r.pod)
                 return
             v = self.pods.get(r.pod)
-            await self._declare(r.pod, FaultKind.hang, last_seen=v.last_seen if v else r.ts,
-                                since=r.ts, reason=f"reported by its own watchdog: {r.error}"[:2000])
+            if await self._declare(r.pod, FaultKind.hang, last_seen=v.last_seen if v else r.ts,
+                                   since=r.ts,
+                                   reason=f"reported by its own watchdog: {r.error}"[:2000]):
+                await self._repeated(Failure(r.pod, "hang", self.generation, r.step, r.error))
         elif r.report == ReportKind.peer_error:
             await self._suspect(r, env)
         else:
@@ -411,10 +425,11 @@ class HealthMonitor(Service):
                         and (o.generation, o.step) > (v.generation, v.step)
                         and v.last_hb > o.last_advance]
             if advanced:
-                await self._declare(
-                    v.pod, FaultKind.hang, last_seen=v.last_seen, since=v.last_advance_wall,
-                    reason=f"step {v.step} not advanced for {now - v.last_advance:.3f}s while "
-                           f"{', '.join(sorted(advanced)[:8])} advanced")
+                why = (f"step {v.step} not advanced for {now - v.last_advance:.3f}s while "
+                       f"{', '.join(sorted(advanced)[:8])} advanced")
+                if await self._declare(v.pod, FaultKind.hang, last_seen=v.last_seen,
+                                       since=v.last_advance_wall, reason=why):
+                    await self._repeated(Failure(v.pod, "hang", self.generation, v.step, why))
 
     async def _check_absent(self, now: float, plan: Plan | None) -> None:
         """Members wait in a collective that another member, alive, does not enter: once one
@@ -452,11 +467,12 @@ class HealthMonitor(Service):
                                  waited=round(waited, 3))
             return
         for v in absent:
-            await self._declare(
-                v.pod, FaultKind.hang, last_seen=v.last_seen, since=time.time() - waited,
-                reason=f"alive ({v.state.value}, generation {v.generation}, step {v.step}) but "
-                       f"not in the collective that {first} has waited in for {waited:.3f}s "
-                       f"({len(live)} member(s) waiting)")
+            why = (f"alive ({v.state.value}, generation {v.generation}, step {v.step}) but "
+                   f"not in the collective that {first} has waited in for {waited:.3f}s "
+                   f"({len(live)} member(s) waiting)")
+            if await self._declare(v.pod, FaultKind.hang, last_seen=v.last_seen,
+                                   since=time.time() - waited, reason=why):
+                await self._repeated(Failure(v.pod, "hang", self.generation, v.step, why))
 
     def _solo(self, v: PodView, now: float) -> bool:
         """The member works alone by its own declaration (``Session.solo``): within its
@@ -470,12 +486,34 @@ class HealthMonitor(Service):
         return False
 
     # ------------------------------------------------------------------ faults
+    async def _repeated(self, f: Failure) -> None:
+        """A second pod failing as another did at the same step: the script's bug. Said
+        once per job on ``job_failed``; the launcher stops the job (no more pods burnt)."""
+        first = self.repeats.observe(f)
+        if first is None or self.job_failed is not None:
+            return
+        hang = f.kind == "hang"
+        kind = JobFailedKind.repeated_hang if hang else JobFailedKind.script_error
+        hint = (f"step {f.step + 1} stood still on {first.pod} and again on {f.pod}: work on "
+                "one member longer than the collective timeout (an evaluation, a save) "
+                "belongs in `with s.solo(max_s=...)`" if hang else
+                f"{first.pod} and {f.pod} raised the same error at step {f.step + 1}: a bug in "
+                "the script, not a fault to recover from")
+        msg = JobFailed(kind=kind, step=f.step, generation=self.generation,
+                        pods=[first.pod, f.pod], error=f.error[-2048:], hint=hint[:2048])
+        self.job_failed = msg
+        self.log.error("the failure is the script's: the job should stop", kind=kind.value,
+                       step=f.step, pods=[first.pod, f.pod], error=f.error[:300])
+        await self.bus.publish(self.bus.subjects.job_failed, msg,
+                               msg_id=f"job-failed-{kind.value}-{f.step}")
+
     async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
-                       reason: str, role: Role | None = None) -> None:
+                       reason: str, role: Role | None = None) -> bool:
+        """Publish the fault of ``pod`` (once per pod and incident): True when it did."""
         gen = self.generation
         incident = f"inc-{pod}-g{gen}"
         if incident in self.incidents or pod in self.faulted:
-            return
+            return False
         self.incidents.add(incident)
         self.faulted.add(pod)
         v = self.pods.pop(pod, None)
@@ -515,6 +553,7 @@ class HealthMonitor(Service):
                              detection_latency=round(latency, 4), reason=reason[:200])
             await self.bus.publish(self.bus.subjects.fault, fault, msg_id=incident,
                                    ctx=trace.set_span_in_context(span))
+        return True
 
     # ------------------------------------------------------------------ status
     def _health(self, v: PodView, now: float) -> str:
@@ -537,6 +576,8 @@ class HealthMonitor(Service):
         lat = sorted(self.latencies)
         return {
             "generation": self.generation,
+            "job_failed": (self.job_failed.model_dump(mode="json")
+                           if self.job_failed is not None else None),
             "pods": {
                 v.pod: {"role": v.role.value, "member": v.pod in members, "gen": v.generation,
                         "generation": v.generation, "rank": v.rank, "step": v.step,
