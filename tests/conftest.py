@@ -9,6 +9,25 @@ from services.common.bus import Bus
 from services.common.natsserver import NatsServer, write_credentials
 
 
+# The unit tier (`python -m pytest -m unit`, about 2 minutes on 2 cores): one part at a time,
+# against a real nats-server where it needs a bus, never a whole `ceaseless up`. Everything
+# else (clusters, real faults, benchmarks' smoke runs) is the full suite's.
+UNIT_FILES = {
+    "test_bus.py", "test_checkpoint.py", "test_collectives.py", "test_data_loader.py",
+    "test_data_prepare.py", "test_gpus.py", "test_grad_sync.py", "test_health_monitor.py",
+    "test_heartbeat_feed.py", "test_layers.py", "test_membership.py", "test_permissions.py",
+    "test_policy_file.py", "test_policy_properties.py", "test_repeats.py", "test_scaler.py",
+    "test_schemas_timeouts.py", "test_session_local.py", "test_state_broker.py",
+    "test_store.py", "test_trace_cli.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in UNIT_FILES:
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture
 def nats_server(tmp_path):
     creds = write_credentials(tmp_path / "creds.json")
