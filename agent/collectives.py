@@ -36,16 +36,7 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_SLICE_S = 0.05
 
 
-class Aborted(Exception):
-    """The caller's abort event was set (a newer plan, a fault): the operation was abandoned."""
-
-
-class PeerError(Exception):
-    """A collective failed: a peer reset the connection, it timed out, or the group broke."""
-
-
-class CollectiveTimeout(PeerError):
-    """A collective ran past its timeout: every peer that could fail it was alive."""
+from .vocab import Aborted, CollectiveTimeout, PeerError  # noqa: E402,F401  (their home)
 
 
 def on_wire(t: Tensor, device: torch.device) -> Tensor:

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .vocab import Aborted
+
 DEFAULT_SLICE_S = 0.05
 
 # ---------------------------------------------------------------------------- group creation
@@ -172,7 +174,6 @@ def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: t
     thread and the caller waits in slices; an abandoned build finishes (or fails) on its own
     and its group, if any, is parked, never used. ``meanwhile`` (optional) runs on the
     calling thread while the group is being built (e.g. snapshotting the state to send)."""
-    from .collectives import Aborted  # (collectives imports this module at its top)
 
     job = _Background(lambda: make_group(store, rank, world_size, timeout_s, backend, **kw),
                       f"make-group-r{rank}")

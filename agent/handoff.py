@@ -11,24 +11,40 @@ Rank 0 then starts streaming to the plan's spares (``shadow_roles.ShadowLeader``
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from schemas.messages import AgentState, Plan, Role
 from services.common import logs
 
 from .shadow_roles import why_not
-
-if TYPE_CHECKING:
-    from .membership import Membership
+from .vocab import JobStateLost
 
 log = logs.get("agent")
 
 
-def enter(m: "Membership", plan: Plan, plan_ctx: Any, first: bool,
+class Entrant(Protocol):
+    """What entering a generation needs of the pod's ``membership.Membership`` (typed here,
+    not imported: membership imports this module)."""
+
+    rt: Any
+    cfg: Any
+    state: Any
+    timeline: Any
+    group: Any
+    sharding: Any
+    follower: Any
+    leader: Any
+
+    def take_early_join(self, plan: Plan, rank: int, backend: str) -> Any: ...
+    def joined(self, plan: Plan, rank: int | None) -> None: ...
+    def restored(self, plan: Plan, restore_step: int) -> None: ...
+    def close_group(self) -> None: ...
+
+
+def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
           keep_grads: bool = False) -> None:
     """Enter ``plan``'s generation (raises on failure: the caller counts attempts)."""
     from .collectives import Aborted, AbortableGroup, make_group_abortable
-    from .membership import JobStateLost
     from .state import recv_state, send_state
 
     rt, cfg, state, tl = m.rt, m.cfg, m.state, m.timeline

@@ -19,95 +19,25 @@ generation (rendezvous and state handoff) is ``handoff.enter``.
 
 from __future__ import annotations
 
-import enum
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from schemas.batching import lr_factor_at
-from schemas.messages import AgentState, Heartbeat, Plan, ReportKind, Role
+from schemas.messages import AgentState, Plan, ReportKind, Role
 from services.common import logs
 
 from .config import FALLBACK_EXIT_CODE, AgentConfig
+from .handoff import enter
 from .incident import Timeline
+from .prejoin import Prejoin
 from .shadow_roles import END_WAIT_S, ShadowFollower, ShadowLeader
 from .train_state import TrainState
+from .vocab import _MOVES, Arrival, JobStateLost, Phase
 
 log = logs.get("agent")
-
-
-class JobStateLost(RuntimeError):
-    """No member holds the committed state: training cannot go on."""
-
-
-class Phase(enum.Enum):
-    OUTSIDE = "outside"          # started; no plan has named this pod yet
-    RECOVERING = "recovering"    # waiting for a plan that includes this pod, or entering it
-    SPARE = "spare"              # in the spare pool (following the job when it can)
-    MEMBER = "member"            # holds a rank in the current generation
-    INTERRUPTED = "interrupted"  # a member whose step was discarded: recovers next
-    FAILED = "failed"            # an attempt failed: the wait for a newer plan is bounded
-    REDO = "redo"                # entered a newer generation during a step gone stale
-    RELEASED = "released"        # a planned shrink released this pod's slot
-    FINISHED = "finished"        # the job finished (as a member, or before promotion)
-
-
-_MOVES: dict[Phase, set[Phase]] = {
-    Phase.OUTSIDE: {Phase.RECOVERING},
-    Phase.RECOVERING: {Phase.MEMBER, Phase.SPARE, Phase.RELEASED, Phase.FINISHED,
-                       Phase.RECOVERING},
-    Phase.SPARE: {Phase.RECOVERING, Phase.MEMBER, Phase.FINISHED, Phase.RELEASED, Phase.SPARE},
-    Phase.MEMBER: {Phase.INTERRUPTED, Phase.FAILED, Phase.REDO, Phase.RECOVERING, Phase.SPARE,
-                   Phase.RELEASED, Phase.FINISHED},
-    Phase.INTERRUPTED: {Phase.RECOVERING, Phase.FAILED},
-    Phase.FAILED: {Phase.RECOVERING},
-    Phase.REDO: {Phase.MEMBER},
-    Phase.RELEASED: set(),
-    Phase.FINISHED: set(),
-}
-# a member whose step was thrown away, for one reason or another
-DISCARDED = (Phase.INTERRUPTED, Phase.FAILED, Phase.REDO)
-
-
-class Verdict(enum.Enum):
-    NOTHING = "nothing"  # not for the running step (none, stale, or due at a later boundary)
-    ABORT = "abort"      # discard the step in flight and recover
-    RESUME = "resume"    # finish the step and all-reduce it in the new group (prejoin.py)
-
-
-@dataclass(frozen=True)
-class StepView:
-    """What the runtime knows of the training thread when a plan arrives."""
-
-    joined_generation: int
-    step_in_flight: int | None
-    in_collective: bool
-    aborted: bool
-    world_size: int
-    prejoining: bool
-    hb: Heartbeat
-
-
-def plan_arrival(plan: Plan, v: StepView, cfg: AgentConfig) -> Verdict:
-    """A plan newer than the joined generation arrived while the training thread works. A
-    planned (elastic) plan is entered at its step boundary, unless this pod already started
-    a step at or past it (its peers entered the plan there: the step's collective would
-    only time out). A fault plan aborts the step, unless it can be resumed in place."""
-    if v.joined_generation <= 0 or plan.generation <= v.joined_generation:
-        return Verdict.NOTHING  # before the first join the training thread waits for plans
-    if plan.apply_step is not None:
-        late = v.step_in_flight is not None and v.step_in_flight >= plan.apply_step
-        return Verdict.ABORT if late else Verdict.NOTHING
-    if v.prejoining:  # a second fault plan during the step: the ordinary way
-        return Verdict.ABORT
-    from .prejoin import can_resume
-
-    return Verdict.RESUME if can_resume(cfg, plan, v.hb, v.joined_generation, v.world_size,
-                                        v.step_in_flight, v.in_collective,
-                                        v.aborted) else Verdict.ABORT
 
 
 def export_ranks(rank: int | None, world_size: int | None) -> None:
@@ -126,6 +56,10 @@ class Membership:
 
     def __init__(self, cfg: AgentConfig, rt: Any, state: TrainState, timeline: Timeline) -> None:
         self.cfg, self.rt, self.state, self.timeline = cfg, rt, state, timeline
+        # Membership decides to join ahead; the runtime's thread starts it under its lock
+        # when a plan arriving during a step may be resumed in place (vocab.plan_arrival).
+        rt.start_prejoin = lambda plan, rank, step, digest: Prejoin(rt, plan, rank, step,
+                                                                    digest)
         self.phase = Phase.OUTSIDE
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -270,7 +204,6 @@ class Membership:
         """Wait for a plan that includes this pod and enter its generation (the first time:
         join the job). False when the job finished, or released this pod, first."""
         from .collectives import Aborted, PeerError
-        from .handoff import enter
         from .state import StateMismatch
 
         rt = self.rt
@@ -332,7 +265,6 @@ class Membership:
         """The next plan that includes this pod (an ``Arrival`` of kind "plan"); "done" or
         "released" when the job finished or released this pod first; None when ``timeout``
         passed."""
-        from .runtime import Arrival
 
         rt, pod = self.rt, self.cfg.pod
         deadline = None if timeout is None else time.monotonic() + timeout

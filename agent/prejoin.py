@@ -23,26 +23,12 @@ import threading
 import time
 from typing import Any
 
-from schemas.messages import AgentState, Heartbeat, Plan, Role
+from schemas.messages import AgentState, Plan, Role
 from services.common import logs
 
 from .collectives import Aborted, _park, make_group_abortable
 
 log = logs.get("agent")
-
-
-def can_resume(cfg: Any, plan: Plan, hb: Heartbeat, joined_generation: int, world_size: int,
-               step: int | None, in_collective: bool, aborted: bool) -> bool:
-    """A fault plan arriving while step ``step`` is computed may be resumed in place: it
-    keeps this pod's rank and the world size, the step has not reached its collective, and
-    steps are short enough that the replacement's wait stays well inside the collective
-    timeout (no median step time yet: no resume)."""
-    if not cfg.resume_in_place or plan.apply_step is not None or step is None \
-            or in_collective or aborted or hb.rank is None \
-            or plan.rank_of(cfg.pod) != hb.rank or hb.generation != joined_generation \
-            or hb.step != step - 1 or plan.world_size != world_size:
-        return False
-    return hb.step_time is not None and hb.step_time <= cfg.collective_timeout / 4
 
 
 class Prejoin:
@@ -133,7 +119,7 @@ def resume_in_place(m: Any, s: int, pre: Prejoin) -> bool:
     ordinary way, or the pod is already in the new generation and repeats the step)."""
     from .collectives import Aborted, PeerError
     from .handoff import enter
-    from .membership import Phase
+    from .vocab import Phase
 
     rt, cfg = m.rt, m.cfg
     rank, world = m.rank, m.world_size

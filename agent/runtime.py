@@ -18,7 +18,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from opentelemetry import context as otel_context
@@ -31,22 +30,12 @@ from services.common.bus import Bus, Credentials, Envelope, decode
 
 from .buckets import Bucket
 from .config import AgentConfig
+from .vocab import Arrival, StepView, Verdict, plan_arrival
 from .watchdog import Watchdog
 
 log = logs.get("agent")
 DONE_KEY = "done"
 CHECKPOINT_REQUEST_KEY = "checkpoint_request"
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """What the training thread's wait returned (``Runtime.next_plan``/``wait_transfer``)."""
-
-    kind: str            # "plan" | "done" | "shadow" | "transfer" | "lost" | "abort"
-    plan: Plan | None = None
-    ctx: Any = None
-    transfer: Transfer | None = None
-    lost: StateLost | None = None
 
 
 class Runtime:
@@ -82,6 +71,9 @@ class Runtime:
         self._collective_since: float | None = None
         # a newer generation being joined while the current step is computed (prejoin.py)
         self._prejoin: Any = None
+        # Membership's: start joining ``plan`` ahead while the step finishes (prejoin.py);
+        # called under the lock when plan_arrival says RESUME
+        self.start_prejoin: Callable[[Plan, int, int, str], Any] | None = None
         self._world_size = 0  # of the joined generation
         # the training thread's signs of progress (a step boundary, a collective, a join)
         self._watchdog = Watchdog(cfg)
@@ -194,7 +186,6 @@ class Runtime:
             if self._plan is not None and plan.generation <= self._plan.generation:
                 return  # stale or replayed
             self._plan, self._plan_ctx, self._plan_at = plan, ctx, time.time()
-            from .membership import StepView, Verdict, plan_arrival
 
             view = StepView(joined_generation=self._joined_generation,
                             step_in_flight=self._step_in_flight,
@@ -205,11 +196,11 @@ class Runtime:
             if verdict is not Verdict.NOTHING and self._prejoin is not None:
                 self._prejoin.drop()  # a second plan during the step: the ordinary way
                 self._prejoin = None
+            if verdict is Verdict.RESUME and self.start_prejoin is None:
+                verdict = Verdict.ABORT  # nobody to join ahead (no Membership): the plain way
             if verdict is Verdict.RESUME:
-                from .prejoin import Prejoin
-
-                self._prejoin = Prejoin(self, plan, self._hb.rank, self._step_in_flight - 1,
-                                        self._hb.digest)
+                self._prejoin = self.start_prejoin(plan, self._hb.rank,
+                                                   self._step_in_flight - 1, self._hb.digest)
                 log.info("fault plan while computing: finishing the step for the new "
                          "generation", generation=plan.generation, step=self._step_in_flight)
             elif verdict is Verdict.ABORT:

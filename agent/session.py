@@ -32,10 +32,11 @@ from .config import AgentConfig, refuse_foreign_launcher
 from .data.order import micro_seed
 from .incident import Timeline
 from .inject import InjectedFault, Injector
-from .membership import DISCARDED, JobStateLost, Membership
+from .membership import Membership
 from .outputs import Checkpoints, write_result
 from .stepper import Stepper
 from .train_state import TrainState
+from .vocab import DISCARDED, JobStateLost
 
 __all__ = ["InjectedFault", "JobStateLost", "Session", "init"]
 log = logs.get("agent")
@@ -444,7 +445,7 @@ class Session:
         FSDP2 sums inside the replica (``sharded.gradient_divide_factor_one``)."""
         if self.shard_size == 1:
             return
-        from .membership import Phase
+        from .vocab import Phase
         from .sharded import gradient_divide_factor_one
 
         if self.m.phase in (Phase.FINISHED, Phase.RELEASED):

@@ -18,7 +18,7 @@ import torch
 from schemas.messages import ReportKind
 from services.common import logs
 
-from .membership import Phase
+from .vocab import Phase
 from .state import local
 from .train_state import TrainState
 

@@ -16,7 +16,8 @@ import torch
 
 from agent.config import AgentConfig
 from agent.incident import Timeline
-from agent.membership import Membership, Phase, StepView, Verdict, plan_arrival
+from agent.membership import Membership
+from agent.vocab import Phase, StepView, Verdict, plan_arrival
 from agent.runtime import Runtime
 from agent.train_state import TrainState
 from schemas.messages import AgentState, Heartbeat, Member, Plan, Role, Transfer

@@ -1,0 +1,91 @@
+"""The agent's layering (issue 29), checked on the source: no import cycle inside `agent/`
+(imports inside functions and under TYPE_CHECKING count), nothing from `services/` (the
+training library must not depend on the control plane), and modules small enough to read."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = ROOT / "agent"
+MAX_LINES = 500
+MAX_SESSION_LINES = 450
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in AGENT.rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return mods
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports, anywhere in its body, as dotted names."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from . import x` names module x; `from .m import y` names module m
+            out.update(f"{mod}.{a.name}" for a in node.names)
+            if node.module:
+                out.add(mod)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {n: {i for i in _imports(n, p) if i in mods and i != n and i != "agent"}
+            for n, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_the_agent():
+    assert _cycles(_graph()) == []
