@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -473,6 +474,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    # The CLI's own log lines (`up`'s supervisor, a bus warning) go to stderr: stdout is the
+    # command's output (`ceaseless status --json | jq`).
+    from services.common import logs
+
+    logs.configure(None, os.environ.get("CEASELESS_LOG_LEVEL", "info"), json=False)
     return int(args.func(args) or 0)
 
 
