@@ -101,8 +101,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             from services.scaler.policy import PolicyConfig
 
             PolicyConfig.from_policy(pol, workers=opts.workers,
-                                     global_batch_size=opts.global_batch_size,
-                                     micro_batch_size=opts.micro_batch_size, shard_size=k)
+                                     global_batch_size=opts.batch[0],
+                                     micro_batch_size=opts.batch[1], shard_size=k)
         if opts.actuator == "local":
             from services.actuator.gpus import GpuAssigner, visible_gpus
 
@@ -357,11 +357,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="sharded models: replicas of K ranks (FSDP inside a replica); "
                          "replica counts (min/max replicas, capacity, priority) count "
                          "replicas (default 1: unsharded)")
-    up.add_argument("--steps", type=int, default=100)
+    up.add_argument("--steps", type=int, default=100,
+                    help="the example's step count (a script of your own, `-- CMD`, runs "
+                         "its own)")
     up.add_argument("--job", default="demo")
     up.add_argument("--run-dir")
-    up.add_argument("--global-batch-size", type=int, default=32)
-    up.add_argument("--micro-batch-size", type=int, default=4)
+    up.add_argument("--global-batch-size", type=int, default=None,
+                    help="samples per step the plans are sized for (default: the training "
+                         "script's own, taken from it once it runs; the example gets 32)")
+    up.add_argument("--micro-batch-size", type=int, default=None,
+                    help="samples per micro-batch (default: the script's; the example's 4)")
     from schemas.policy import ScalingPolicy
 
     pol = {k: f.default for k, f in ScalingPolicy.model_fields.items()}
