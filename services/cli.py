@@ -163,13 +163,21 @@ def _render_status(st: dict[str, Any]) -> str:
         if sc:
             same = (sc["global_batch_size"], sc["micro_batch_size"]) == (
                 plan["global_batch_size"], plan["micro_batch_size"])
+            source = ((st["services"].get("scaler") or {}).get("policy") or {}).get(
+                "batch_source")
+            if same:
+                note = ""
+            elif source in ("script", "default"):  # `up` was given no batch
+                note = ("; the plan was made before the script's batch was known, the next "
+                        "ones are sized for it")
+            else:
+                note = ("; the plan was sized for another batch: pass the script's to "
+                        "`ceaseless up` (--global-batch-size, --micro-batch-size), or "
+                        "neither flag")
             lines.append(f"  script: global batch {sc['global_batch_size']} = "
                          f"{sc['micro_batch_size']} x "
                          f"{sc['global_batch_size'] // sc['micro_batch_size']} micro-batches, "
-                         f"{sc['total']} steps (pod {sc['pod']})"
-                         + ("" if same else "; the plan was sized for another batch: pass "
-                            "the script's to `ceaseless up` (--global-batch-size, "
-                            "--micro-batch-size)"))
+                         f"{sc['total']} steps (pod {sc['pod']})" + note)
         if plan.get("spares"):
             lines.append("  spares: " + ", ".join(plan["spares"]))
     else:

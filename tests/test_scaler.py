@@ -256,6 +256,13 @@ async def test_plans_after_the_script_is_known_take_its_batch(env, bus, from_scr
                     what="script's batch adopted")
         assert sc.status()["policy"]["batch_source"] == "script"
         assert sc.cfg.num_micro == 12
+        from services.cli import _render_status
+
+        text = _render_status({"job": "test", "services": {"scaler": sc.status()},
+                               "plan": json.loads(p1.model_dump_json()), "script": {
+                                   "global_batch_size": 24, "micro_batch_size": 2,
+                                   "total": 301, "pod": "w0"}})
+        assert "the next ones are sized for it" in text and "another batch" not in text, text
     else:
         await asyncio.sleep(0.3)
         assert sc.status()["policy"]["batch_source"] == "flags"
