@@ -434,7 +434,8 @@ async def run(opts: UpOptions) -> int:
             ray_act.close()
         if obs.script is None:  # a short job may end between two polls
             await _read_script(bus, obs, opts)
-        if finished_w and (what := _finished(finished_w, _run_steps(run_dir))):
+        if finished_w and not interrupted and (
+                what := _finished(finished_w, _run_steps(run_dir))):
             reason = what + after
         summary = _summary(run_dir, obs, exits, code, reason)
         sup.stopping = True
