@@ -434,6 +434,8 @@ async def run(opts: UpOptions) -> int:
             ray_act.close()
         if obs.script is None:  # a short job may end between two polls
             await _read_script(bus, obs, opts)
+            for ev in obs.events[shown:]:
+                print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
         if finished_w and not interrupted and (
                 what := _finished(finished_w, _run_steps(run_dir))):
             reason = what + after
@@ -473,10 +475,11 @@ def _what_runs(opts: UpOptions) -> str:
 async def _read_script(bus: Bus, obs: Observer, opts: UpOptions) -> None:
     """KV `script` (rank 0 writes it at its first step): show what the script runs, and
     warn, in up's own output, when up's batch flags size the plans for another batch."""
+    async def get() -> bytes:
+        return (await (await bus.kv()).get(SCRIPT_KEY)).value or b""
+
     try:
-        kv = await bus.kv()
-        entry = await asyncio.wait_for(kv.get(SCRIPT_KEY), 1.0)
-        info = ScriptInfo.model_validate_json(entry.value or b"")
+        info = ScriptInfo.model_validate_json(await asyncio.wait_for(get(), 1.0))
     except Exception:  # not written yet (KeyNotFoundError), a bus hiccup, a bad value
         return
     obs.script = info
