@@ -69,6 +69,10 @@ class AgentConfig:
     # Sharded models: replicas of this many ranks, each rank one shard of the model and
     # optimizer (FSDP2 over ``Session.mesh``; ``ceaseless up --shard-size``). 1: unsharded.
     shard_size: int = 1
+    # `ceaseless up` was given no batch (--global-batch-size / --micro-batch-size): the
+    # scaler takes the script's (KV ``script``), so a first plan made with the default is
+    # no mismatch to warn about (CEASELESS_BATCH_FROM_SCRIPT=1).
+    batch_from_script: bool = False
 
     def __post_init__(self) -> None:
         check_id(self.job, "job name")
@@ -125,6 +129,7 @@ class AgentConfig:
             trace_steps=_flag("CEASELESS_TRACE_STEPS", cls.trace_steps),
             bucket_mb=float(env("CEASELESS_BUCKET_MB") or cls.bucket_mb),
             shard_size=int(env("CEASELESS_SHARD_SIZE") or cls.shard_size),
+            batch_from_script=_flag("CEASELESS_BATCH_FROM_SCRIPT", cls.batch_from_script),
         )
 
 

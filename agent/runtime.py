@@ -164,6 +164,13 @@ class Runtime:
         except Exception:
             pass
         await bus.close()
+        # Whatever else still runs on this loop is cancelled and awaited, as asyncio.run
+        # does: a c10d store's KV watcher (NatsStore._watch_loop: the last group is never
+        # closed), a watch_store task, nats-py's ordered-consumer checks. Left pending, each
+        # was destroyed with the loop at exit: "Task was destroyed but it is pending!" at
+        # the end of the pod's log (issue 33).
+        me = asyncio.current_task()
+        await cancel_all([t for t in asyncio.all_tasks() if t is not me])
 
     # ------------------------------------------------------------------ inbound
     async def _load_plan(self) -> None:

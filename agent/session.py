@@ -528,16 +528,28 @@ class Session:
         p = self.m.plan if self.m is not None else None
         if p is None or self._batch_checked == p.generation:
             return
-        if self.rank == 0 and not self._batch_checked:  # `ceaseless status` shows it
-            self.runtime.kv.put("script", json.dumps({
-                "global_batch_size": self.global_batch_size, "micro_batch_size": m,
-                "total": self.total, "pod": self.pod}).encode())
+        if self.rank == 0 and not self._batch_checked:
+            # `ceaseless status` and `up` show it; the scaler adopts its batch unless the
+            # operator gave one (schemas.policy.ScriptInfo)
+            from schemas.policy import SCRIPT_KEY, ScriptInfo
+
+            self.runtime.kv.put(SCRIPT_KEY, ScriptInfo(
+                global_batch_size=self.global_batch_size, micro_batch_size=m,
+                total=self.total, pod=self.pod).model_dump_json().encode())
         self._batch_checked = p.generation
         if (p.global_batch_size, p.micro_batch_size) != (self.global_batch_size, m):
-            log.warning("the job was planned for another batch: pass the script's to "
-                        "`ceaseless up` (--global-batch-size, --micro-batch-size)",
-                        script=[self.global_batch_size, m],
-                        plan=[p.global_batch_size, p.micro_batch_size])
+            if self.cfg.batch_from_script:
+                # `up` was given no batch: the plans made before the script's was known
+                # carry the default; the scaler takes this one for the next (not a problem)
+                log.info("the plan was made before the script's batch was known; the "
+                         "scaler takes the script's from now on",
+                         script=[self.global_batch_size, m],
+                         plan=[p.global_batch_size, p.micro_batch_size])
+            else:
+                log.warning("the job was planned for another batch: pass the script's to "
+                            "`ceaseless up` (--global-batch-size, --micro-batch-size)",
+                            script=[self.global_batch_size, m],
+                            plan=[p.global_batch_size, p.micro_batch_size])
         if M < self.world_size:
             log.warning("fewer micro-batches than members: some ranks compute nothing",
                         micro_batches=M, world_size=self.world_size)

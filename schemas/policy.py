@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 POLICY_ENV = "CEASELESS_POLICY"
 SCALE_KEY = "scale"  # KV key of ScaleState (written by the scaler only)
+SCRIPT_KEY = "script"  # KV key of ScriptInfo (written by the script's rank 0)
 MAX_REPLICAS = 8192
 
 
@@ -153,3 +154,24 @@ class ScaleState(BaseModel):
     request_id: Annotated[str, Field(max_length=128)] | None = None
     updated: float = 0.0
     releases: Annotated[list[PendingRelease], Field(max_length=256)] = []
+
+
+class ScriptInfo(BaseModel):
+    """KV ``script``: what the training script itself runs, written by rank 0 at its first
+    step (``Session._check_batch``): its global batch, micro-batch size and step total.
+    ``ceaseless status`` and ``ceaseless up`` show it; a scaler started with
+    ``--batch-from-script`` (``ceaseless up`` without ``--global-batch-size`` /
+    ``--micro-batch-size``) sizes the plans it makes from then on with this batch."""
+
+    model_config = ConfigDict(extra="forbid")
+    global_batch_size: Annotated[int, Field(ge=1, le=2**40)]
+    micro_batch_size: Annotated[int, Field(ge=1, le=2**40)]
+    total: Annotated[int, Field(ge=0, le=2**53)] | None = None  # s.steps(total)
+    pod: Annotated[str, Field(max_length=64)] = ""
+
+    @model_validator(mode="after")
+    def _divides(self) -> "ScriptInfo":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple "
+                             f"of micro_batch_size {self.micro_batch_size}")
+        return self

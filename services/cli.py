@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,8 +101,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             from services.scaler.policy import PolicyConfig
 
             PolicyConfig.from_policy(pol, workers=opts.workers,
-                                     global_batch_size=opts.global_batch_size,
-                                     micro_batch_size=opts.micro_batch_size, shard_size=k)
+                                     global_batch_size=opts.batch[0],
+                                     micro_batch_size=opts.batch[1], shard_size=k)
         if opts.actuator == "local":
             from services.actuator.gpus import GpuAssigner, visible_gpus
 
@@ -162,13 +163,21 @@ def _render_status(st: dict[str, Any]) -> str:
         if sc:
             same = (sc["global_batch_size"], sc["micro_batch_size"]) == (
                 plan["global_batch_size"], plan["micro_batch_size"])
+            source = ((st["services"].get("scaler") or {}).get("policy") or {}).get(
+                "batch_source")
+            if same:
+                note = ""
+            elif source in ("script", "default"):  # `up` was given no batch
+                note = ("; the plan was made before the script's batch was known, the next "
+                        "ones are sized for it")
+            else:
+                note = ("; the plan was sized for another batch: pass the script's to "
+                        "`ceaseless up` (--global-batch-size, --micro-batch-size), or "
+                        "neither flag")
             lines.append(f"  script: global batch {sc['global_batch_size']} = "
                          f"{sc['micro_batch_size']} x "
                          f"{sc['global_batch_size'] // sc['micro_batch_size']} micro-batches, "
-                         f"{sc['total']} steps (pod {sc['pod']})"
-                         + ("" if same else "; the plan was sized for another batch: pass "
-                            "the script's to `ceaseless up` (--global-batch-size, "
-                            "--micro-batch-size)"))
+                         f"{sc['total']} steps (pod {sc['pod']})" + note)
         if plan.get("spares"):
             lines.append("  spares: " + ", ".join(plan["spares"]))
     else:
@@ -356,11 +365,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="sharded models: replicas of K ranks (FSDP inside a replica); "
                          "replica counts (min/max replicas, capacity, priority) count "
                          "replicas (default 1: unsharded)")
-    up.add_argument("--steps", type=int, default=100)
+    up.add_argument("--steps", type=int, default=100,
+                    help="the example's step count (a script of your own, `-- CMD`, runs "
+                         "its own)")
     up.add_argument("--job", default="demo")
     up.add_argument("--run-dir")
-    up.add_argument("--global-batch-size", type=int, default=32)
-    up.add_argument("--micro-batch-size", type=int, default=4)
+    up.add_argument("--global-batch-size", type=int, default=None,
+                    help="samples per step the plans are sized for (default: the training "
+                         "script's own, taken from it once it runs; the example gets 32)")
+    up.add_argument("--micro-batch-size", type=int, default=None,
+                    help="samples per micro-batch (default: the script's; the example's 4)")
     from schemas.policy import ScalingPolicy
 
     pol = {k: f.default for k, f in ScalingPolicy.model_fields.items()}
@@ -473,6 +487,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    # The CLI's own log lines (`up`'s supervisor, a bus warning) go to stderr: stdout is the
+    # command's output (`ceaseless status --json | jq`).
+    from services.common import logs
+
+    logs.configure(None, os.environ.get("CEASELESS_LOG_LEVEL", "info"), json=False)
     return int(args.func(args) or 0)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
                               StateLost)
+from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
 from services.common import logs
@@ -43,8 +44,10 @@ class UpOptions:
     job: str = "demo"
     run_dir: str | None = None
     cmd: list[str] = field(default_factory=list)
-    global_batch_size: int = 32
-    micro_batch_size: int = 4
+    # None (neither given): the script's own batch sizes the plans (the scaler adopts it
+    # from KV `script`; until then, and for the example, DEFAULT_BATCH); given: the flags'.
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None
     policy: str | None = None            # scaling policy file
@@ -79,6 +82,20 @@ class UpOptions:
     # Ranks per replica of a sharded model (issue 21; FSDP inside a replica): ``workers``
     # counts ranks (a multiple of it), replica counts count replicas of this many ranks.
     shard_size: int = 1
+
+    @property
+    def batch_given(self) -> bool:
+        """Did the operator size the batch (--global-batch-size / --micro-batch-size)?"""
+        return self.global_batch_size is not None or self.micro_batch_size is not None
+
+    @property
+    def batch(self) -> tuple[int, int]:
+        """(global batch, micro-batch size): the flags', the default for what is not given."""
+        return (self.global_batch_size or DEFAULT_BATCH[0],
+                self.micro_batch_size or DEFAULT_BATCH[1])
+
+
+DEFAULT_BATCH = (32, 4)  # the example's, and the first plan's until the script's is known
 
 
 class ServiceSupervisor:
@@ -137,6 +154,7 @@ class Observer:
         self.lost: StateLost | None = None
         self.failed: JobFailed | None = None  # the health monitor: the failure is the script's
         self.events: list[str] = []
+        self.script: ScriptInfo | None = None  # KV `script`: what the script itself runs
 
     async def attach(self, bus: Bus) -> None:
         s = bus.subjects
@@ -191,9 +209,9 @@ class Observer:
 
 
 def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
+    B, m = opts.batch
     return [sys.executable, "-m", "examples.train_gpt", "--steps", str(opts.steps),
-            "--global-batch-size", str(opts.global_batch_size),
-            "--micro-batch-size", str(opts.micro_batch_size),
+            "--global-batch-size", str(B), "--micro-batch-size", str(m),
             "--model", opts.model, "--dtype", opts.dtype, "--data", str(data_dir)]
 
 
@@ -238,7 +256,7 @@ async def run(opts: UpOptions) -> int:
     info.write()
     out = sys.stdout
     print(f"ceaseless up: job {opts.job!r}, {opts.workers} workers + {opts.spares} spares, "
-          f"{opts.steps} steps\n  run dir: {run_dir}\n  bus:     {srv.url} (creds {creds_path})\n"
+          f"{_what_runs(opts)}\n  run dir: {run_dir}\n  bus:     {srv.url} (creds {creds_path})\n"
           f"  logs:    {log_dir}/\n  traces:  {run_dir / 'traces'}/", file=out, flush=True)
     bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
     await bus.ensure_stream()
@@ -247,8 +265,10 @@ async def run(opts: UpOptions) -> int:
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = {
         "scaler": ["--workers", str(opts.workers),
-                   "--global-batch-size", str(opts.global_batch_size),
-                   "--micro-batch-size", str(opts.micro_batch_size),
+                   "--global-batch-size", str(opts.batch[0]),
+                   "--micro-batch-size", str(opts.batch[1]),
+                   # no batch given: the plans take the script's once it is known
+                   *([] if opts.batch_given else ["--batch-from-script"]),
                    *_opt("--min-replicas", opts.min_replicas),
                    *_opt("--max-replicas", opts.max_replicas),
                    *_opt("--policy", opts.policy),
@@ -278,6 +298,8 @@ async def run(opts: UpOptions) -> int:
            "CEASELESS_STALL_TIMEOUT": str(opts.stall_timeout),
            # the agent shards its model over the ranks of a replica (1: unsharded)
            "CEASELESS_SHARD_SIZE": str(opts.shard_size),
+           # no batch given: a first plan made with the default is no mismatch to warn about
+           "CEASELESS_BATCH_FROM_SCRIPT": "0" if opts.batch_given else "1",
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
     if opts.checkpoint_dir:
         env.update(CEASELESS_CHECKPOINT_DIR=str(Path(opts.checkpoint_dir).resolve()),
@@ -347,7 +369,9 @@ async def run(opts: UpOptions) -> int:
     started = time.monotonic()
     shown = 0
     last_table = 0.0
+    script_polled = 0.0
     code, reason = 1, "unknown"
+    finished_w, after = 0, ""   # set when every member finished
     tty = out.isatty() and opts.live
     try:
         while not stop.is_set():
@@ -366,12 +390,16 @@ async def run(opts: UpOptions) -> int:
                     await asyncio.wait_for(bus.store_kv(), 10)
                 except Exception as e:
                     print(f"  could not recreate the store bucket yet: {e}", file=out, flush=True)
+            if obs.script is None and time.monotonic() - script_polled > 1.0:
+                script_polled = time.monotonic()
+                await _read_script(bus, obs, opts)
             for ev in obs.events[shown:]:
                 print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
             shown = len(obs.events)
             if opts.live and time.monotonic() - last_table > (1.0 if tty else 5.0):
                 last_table = time.monotonic()
-                print(obs.table(opts.global_batch_size) + "\n", file=out, flush=True)
+                B = obs.script.global_batch_size if obs.script else opts.batch[0]
+                print(obs.table(B) + "\n", file=out, flush=True)
             plan = obs.plan
             if obs.failed is not None:  # before state_lost: a bug, which no restart mends
                 code, reason = 1, f"stopped: {obs.failed.hint}"
@@ -383,16 +411,19 @@ async def run(opts: UpOptions) -> int:
                     exits.get(m.pod) == 0 or (m.pod in exits and m.pod in obs.hb
                                               and obs.hb[m.pod].state == AgentState.done)
                     for m in plan.members):
-                # the script's own step count (its --steps may differ from up's)
+                # the script's own step count (its --steps may differ from up's); the
+                # summary's results refine it below (the steps this run computed)
                 done = max((obs.hb[m.pod].step for m in plan.members if m.pod in obs.hb),
                            default=opts.steps - 1) + 1
                 code, reason = 0, f"all {plan.world_size} members finished {done} steps"
+                finished_w = plan.world_size
                 failed = {m.pod: exits[m.pod] for m in plan.members if exits[m.pod] != 0}
                 if failed:  # training is done, but the script failed after its loop
                     code = 1
-                    reason += (", but " + ", ".join(f"{p} exited with {c}"
-                                                    for p, c in sorted(failed.items()))
-                               + " after it (see its log)")
+                    after = (", but " + ", ".join(f"{p} exited with {c}"
+                                                  for p, c in sorted(failed.items()))
+                             + " after it (see its log)")
+                    reason += after
                 break
             if exits and not act.running():
                 code, reason = 1, f"every pod exited ({exits}) before training finished"
@@ -412,6 +443,13 @@ async def run(opts: UpOptions) -> int:
         await act.shutdown(grace_s=3.0)
         if ray_act is not None:
             ray_act.close()
+        if obs.script is None:  # a short job may end between two polls
+            await _read_script(bus, obs, opts)
+            for ev in obs.events[shown:]:
+                print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
+        if finished_w and not interrupted and (
+                what := _finished(finished_w, _run_steps(run_dir))):
+            reason = what + after
         summary = _summary(run_dir, obs, exits, code, reason)
         sup.stopping = True
         sup_task.cancel()
@@ -431,6 +469,83 @@ async def run(opts: UpOptions) -> int:
             and opts.auto_resume > 0):
         return await _resume_after_loss(opts, run_dir, summary, out, code)
     return code
+
+
+def _what_runs(opts: UpOptions) -> str:
+    """The header's account of the job: the example's steps and batch (up's flags are its
+    arguments); a script of the user's runs its own steps (shown once it starts)."""
+    B, m = opts.batch
+    if not opts.cmd:
+        return f"{opts.steps} steps of the example, global batch {B} = {m} x {B // m}"
+    import shlex
+
+    shown = shlex.join(opts.cmd)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    batch = (f"plans sized for global batch {B} = {m} x {B // m}" if opts.batch_given
+             else "the script's batch")
+    return f"running `{shown}` (its own step count; {batch})"
+
+
+async def _read_script(bus: Bus, obs: Observer, opts: UpOptions) -> None:
+    """KV `script` (rank 0 writes it at its first step): show what the script runs, and
+    warn, in up's own output, when up's batch flags size the plans for another batch."""
+    async def get() -> bytes:
+        return (await (await bus.kv()).get(SCRIPT_KEY)).value or b""
+
+    try:
+        info = ScriptInfo.model_validate_json(await asyncio.wait_for(get(), 1.0))
+    except Exception:  # not written yet (KeyNotFoundError), a bus hiccup, a bad value
+        return
+    obs.script = info
+    B, m = info.global_batch_size, info.micro_batch_size
+    total = f"{info.total} steps, " if info.total is not None else ""
+    obs.events.append(f"script: {total}global batch {B} = {m} x {B // m} micro-batches "
+                      f"(rank 0: {info.pod})")
+    fB, fm = opts.batch
+    if (B, m) == (fB, fm):
+        return
+    if opts.batch_given:
+        obs.events.append(
+            f"WARNING: the script trains with global batch {B} = {m} x {B // m}, but "
+            f"--global-batch-size {fB} --micro-batch-size {fm} size the plans for "
+            f"{fB} = {fm} x {fB // fm} (the micro-batch shares and the largest replica "
+            f"count follow the flags): pass the script's, or leave both flags out and "
+            f"the plans take the script's")
+    else:
+        obs.events.append(f"plans from now on are sized for the script's batch (the first "
+                          f"was made with the default {fB} = {fm} x {fB // fm})")
+
+
+def _run_steps(run_dir: Path) -> tuple[int | None, int | None]:
+    """(first step computed in this run, final step) from the members' result files (each
+    holds the loss of every step it committed); (None, None) without results."""
+    first, final = None, None
+    for p in (run_dir / "results").glob("*.json"):
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        steps = [int(k) for k in r.get("losses", {})]
+        if steps:
+            first = min(steps) if first is None else min(first, min(steps))
+        if r.get("final_step") is not None:
+            final = r["final_step"] if final is None else max(final, r["final_step"])
+    return first, final
+
+
+def _finished(world_size: int, steps: tuple[int | None, int | None]) -> str | None:
+    """What the run did: "finished N steps", or for a run that started later than step 0
+    (--resume, a restart after a total loss, the script's own checkpoint) "finished at step
+    N (K computed in this run, resumed from step S)"; steps are counted as the script's
+    total is (the final step index + 1). None without results."""
+    first, final = steps
+    if final is None:
+        return None
+    done = final + 1
+    if first is None or first <= 0:
+        return f"all {world_size} members finished {done} steps"
+    return (f"all {world_size} members finished at step {done} ({done - first} computed in "
+            f"this run, resumed from step {first})")
 
 
 async def _checkpoint_before_stopping(bus: Bus, ckdir: Path, out: Any, info: Any,
@@ -594,6 +709,8 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "world_size": obs.plan.world_size if obs.plan else 0,
         "losses": dict(sorted(losses.items(), key=lambda kv: int(kv[0]))),
         "job_failed": obs.failed.model_dump(mode="json") if obs.failed is not None else None,
+        # what the script itself ran (KV `script`: its batch and step total)
+        "script": obs.script.model_dump() if obs.script else None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

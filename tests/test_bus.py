@@ -114,3 +114,40 @@ async def test_round_trip_times_out_on_a_paused_server_and_the_client_still_read
     await bus.publish(bus.subjects.heartbeat("w0"), Heartbeat(pod="w0", role=Role.worker,
                                                               generation=1))
     await until(lambda: got, what="a message after the paused server woke up")
+
+
+async def test_own_close_is_no_disconnect_warning_but_a_lost_server_is(nats_server):
+    """Issue 33: a client's own close (`ceaseless status` ending) logged "nats
+    disconnected" as a warning, which went into `status --json`'s output; it is debug now.
+    A server that goes away is still a warning."""
+    import structlog
+
+    from services.common.bus import Bus
+
+    b = await Bus.connect(nats_server.url, "test", "closer", nats_server.creds)
+    with structlog.testing.capture_logs() as cap:
+        await b.close()
+        await asyncio.sleep(0.1)
+    assert [e for e in cap if e["event"].startswith("nats disconnected")], cap
+    assert not [e for e in cap if e["log_level"] == "warning"], cap
+    b = await Bus.connect(nats_server.url, "test", "stays", nats_server.creds)
+    try:
+        with structlog.testing.capture_logs() as cap:
+            nats_server.stop()
+            await until(lambda: [e for e in cap if e["log_level"] == "warning"
+                                 and e["event"] == "nats disconnected"], 10,
+                        what="a disconnect warning")
+    finally:
+        await asyncio.wait_for(b.nc.close(), 5)
+
+
+def test_cli_logs_go_to_stderr(capsys):
+    """The CLI's log lines never go to stdout (a command's output: `status --json | jq`)."""
+    from services.cli import main
+    from services.common import logs
+
+    assert main(["schemas", "export", str(__import__("tempfile").mkdtemp())]) == 0
+    capsys.readouterr()
+    logs.get("test").warning("a log line")
+    out, err = capsys.readouterr()
+    assert "a log line" not in out and "a log line" in err

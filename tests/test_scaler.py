@@ -231,6 +231,64 @@ async def test_fault_replaced_by_spare(env, bus):
     assert st["lease_holder"] and st["plan"]["generation"] == 2 and w0.generation == 2
 
 
+@pytest.mark.parametrize("from_script", [True, False])
+async def test_plans_after_the_script_is_known_take_its_batch(env, bus, from_script):
+    """Issue 33: `ceaseless up` without batch flags runs the scaler with
+    ``batch_from_script``: once rank 0 wrote KV `script`, the plans it makes take the
+    script's batch (shares, replica limit); with the operator's batch they keep it."""
+    from schemas.policy import SCRIPT_KEY, ScriptInfo
+
+    sc = await env.scaler(workers=2, global_batch_size=32, micro_batch_size=4,
+                          batch_from_script=from_script)
+    w1 = await env.agent("w1")
+    await env.agent("w0")
+    await env.agent("s0", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    p1 = env.plans[0]
+    assert (p1.global_batch_size, p1.micro_batch_size) == (32, 4)  # before the script runs
+    await until(lambda: "s0" in sc.alive_spares(sc.plans.plan), what="spare alive")
+    kv = await bus.kv()
+    await kv.put(SCRIPT_KEY, ScriptInfo(global_batch_size=24, micro_batch_size=2, total=301,
+                                        pod="w0").model_dump_json().encode())
+    want = (24, 2) if from_script else (32, 4)
+    if from_script:
+        await until(lambda: (sc.cfg.global_batch_size, sc.cfg.micro_batch_size) == want,
+                    what="script's batch adopted")
+        assert sc.status()["policy"]["batch_source"] == "script"
+        assert sc.cfg.num_micro == 12
+        from services.cli import _render_status
+
+        text = _render_status({"job": "test", "services": {"scaler": sc.status()},
+                               "plan": json.loads(p1.model_dump_json()), "script": {
+                                   "global_batch_size": 24, "micro_batch_size": 2,
+                                   "total": 301, "pod": "w0"}})
+        assert "the next ones are sized for it" in text and "another batch" not in text, text
+    else:
+        await asyncio.sleep(0.3)
+        assert sc.status()["policy"]["batch_source"] == "flags"
+    w1.kill()
+    await env.fault("w1", 1, FaultKind.crash)
+    await until(lambda: len(env.plans) >= 2, what="plan g2")
+    p2 = env.plans[1]
+    assert members(p2) == {0: "w0", 1: "s0"}
+    assert (p2.global_batch_size, p2.micro_batch_size) == want
+    assert sum(p2.shares.values()) == want[0] // want[1]
+
+
+def test_plan_batch_keeps_the_plans_when_the_new_one_cannot_be_spread():
+    """A batch (the script's) with fewer micro-batches than the plan's ranks: a replacement
+    plan keeps the plan's batch rather than fail to spread it."""
+    from services.scaler.policy import plan_batch
+
+    cfg = PolicyConfig(workers=3, global_batch_size=32, micro_batch_size=4)
+    plan = initial_plan(["w0", "w1", "w2"], ["s0"], cfg)
+    small = PolicyConfig(workers=3, global_batch_size=4, micro_batch_size=2)  # 2 micro-batches
+    assert plan_batch(plan, small, 3) == {"global_batch_size": 32, "micro_batch_size": 4}
+    assert plan_batch(plan, small, 2) == {"global_batch_size": 4, "micro_batch_size": 2}
+    p2 = on_fault(plan, "w1", ["s0"], small)
+    assert (p2.global_batch_size, p2.micro_batch_size, p2.world_size) == (32, 4, 3)
+
+
 async def test_fault_without_spare_shrinks(env, bus):
     await env.scaler(workers=3)
     agents = [await env.agent(f"w{i}") for i in range(3)]

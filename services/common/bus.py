@@ -138,13 +138,20 @@ class Bus:
     dropped: Counter = field(default_factory=Counter)
     received: Counter = field(default_factory=Counter)
     handler_errors: int = 0
+    # set by close(): the disconnect that follows is this client's own, not a warning
+    closing: bool = False
 
     # ------------------------------------------------------------------ connection
     @classmethod
     async def connect(cls, url: str, job: str, name: str,
                       creds: Credentials | None = None, **options: Any) -> "Bus":
+        bus: list[Bus] = []  # the instance, once connected (the callbacks come first)
+
         async def _disconnected() -> None:
-            log.warning("nats disconnected", client=name)
+            if bus and bus[0].closing:  # our own close: expected, not worth a warning
+                log.debug("nats disconnected (closed)", client=name)
+            else:
+                log.warning("nats disconnected", client=name)
 
         async def _reconnected() -> None:
             log.info("nats reconnected", client=name)
@@ -172,9 +179,11 @@ class Bus:
             opts["tls"] = client_context()  # verifies against CEASELESS_TLS_CA if set
         opts.update(options)
         nc = await nats.connect(servers=[url], **opts)
-        return cls(nc=nc, subjects=Subjects(job), name=name)
+        bus.append(cls(nc=nc, subjects=Subjects(job), name=name))
+        return bus[0]
 
     async def close(self) -> None:
+        self.closing = True
         try:
             await self.nc.drain()
         except Exception:

@@ -22,24 +22,44 @@ def _add_trace_ids(_logger, _name, event: dict) -> dict:
     return event
 
 
-def configure(service: str, level: str = "info", stream: IO[str] | None = None,
+class _Stderr:
+    """Whatever ``sys.stderr`` is when a line is written (pytest's capture replaces it)."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+STDERR = _Stderr()
+
+
+def configure(service: str | None, level: str = "info", stream: IO[str] | None = None,
               json: bool = True) -> None:
+    """Logs go to ``stream`` (default: stderr, never stdout: a command's stdout is its
+    output, e.g. ``ceaseless status --json``); ``service`` is bound to every line (None:
+    not bound, the CLI's own console lines)."""
     lvl = getattr(logging, level.upper(), logging.INFO)
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    tty = (stream or sys.stderr).isatty() if hasattr(stream or sys.stderr, "isatty") else False
+    renderer = (structlog.processors.JSONRenderer() if json
+                else structlog.dev.ConsoleRenderer(colors=tty))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            (structlog.processors.TimeStamper(fmt="iso", utc=True) if json
+             else structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False)),
             _add_trace_ids,
             structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(stream or STDERR),
         cache_logger_on_first_use=False,
     )
-    structlog.contextvars.bind_contextvars(service=service)
+    if service is not None:
+        structlog.contextvars.bind_contextvars(service=service)
 
 
 def get(name: str | None = None):

@@ -65,6 +65,11 @@ def parser():
                    help="lr_factor ramp length " + _policy_default("lr_warmup_steps"))
     p.add_argument("--global-batch-size", type=int, default=64, help="samples per step")
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
+    p.add_argument("--batch-from-script", action="store_true",
+                   help="the batch above only sizes the plans made before the training "
+                        "script's own is known (KV `script`, written by rank 0 at its first "
+                        "step); later plans take the script's (`ceaseless up` without "
+                        "--global-batch-size / --micro-batch-size)")
     p.add_argument("--lease-ttl", type=float, default=LEASE_TTL,
                    help="scaler lease TTL in seconds")
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT,
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                       micro_batch_size=args.micro_batch_size, lease_ttl=args.lease_ttl,
                       start_timeout=args.start_timeout, fault_timeout=args.fault_timeout,
                       fence_timeout=args.fence_timeout, scaler_id=args.scaler_id,
-                      shard_size=args.shard_size))
+                      shard_size=args.shard_size, batch_from_script=args.batch_from_script))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ pods and the live spares into plan ``g+1`` (replace, else shrink) or a ``Wait``;
 replica count (or a refusal that says why) and ``scale_plan`` turns the target into a
 planned transition at a step boundary.
 Ranks stay stable: a spare takes the failed rank's number; when shrinking, the highest
-ranks move into the holes so the ranks stay ``0..W-1``. The global batch never changes;
-``schemas.batching.shares`` spreads its micro-batches over the ranks.
+ranks move into the holes so the ranks stay ``0..W-1``. The global batch never changes
+(but once: a scaler told to take the script's batch adopts it for the plans it makes once
+rank 0 wrote KV ``script``, ``plan_batch``); ``schemas.batching.shares`` spreads its
+micro-batches over the ranks.
 
 Sharded models (``shard_size`` k > 1, issue 21): the job is ``R`` replicas of k ranks; rank
 ``r`` is replica ``r // k`` at shard position ``r % k``. Every replica count here (targets,
@@ -169,6 +171,22 @@ def _bounded(pods: Iterable[str]) -> list[str]:
     return list(seen)[-MAX_FENCED:]
 
 
+def plan_batch(plan: Plan, cfg: PolicyConfig, world_size: int) -> dict[str, int]:
+    """The batch plan ``g+1`` carries: the config's (the operator's flags, or the training
+    script's own once the scaler adopted it: ``Scaler.batch_from_script``), else, when that
+    cannot be spread over ``world_size`` ranks, the current plan's. With an unchanged config
+    (the usual case) this is the plan's own: the global batch never changes."""
+    for B, m in ((cfg.global_batch_size, cfg.micro_batch_size),
+                 (plan.global_batch_size, plan.micro_batch_size)):
+        try:
+            shares(num_micro_batches(B, m), world_size, plan.shard_size)
+        except ValueError:
+            continue
+        return {"global_batch_size": B, "micro_batch_size": m}
+    return {"global_batch_size": plan.global_batch_size,
+            "micro_batch_size": plan.micro_batch_size}
+
+
 def initial_plan(workers: Iterable[str], spares: Iterable[str], cfg: PolicyConfig,
                  timed_out: bool = False) -> Plan | Wait:
     """Generation 1 from the live waiting pods.
@@ -246,13 +264,13 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
             members[r] = spare
             replaced.append(f"{by_rank[r]} with {spare}")
     fenced = [*plan.fenced, *dead_pods]
-    common = dict(global_batch_size=plan.global_batch_size,
-                  micro_batch_size=plan.micro_batch_size, incident=incident, fenced=fenced,
+    common = dict(incident=incident, fenced=fenced,
                   lr_warmup_steps=cfg.policy.lr_warmup_steps, shard_size=k)
     if not dropped:
         return make_plan(plan.generation + 1, members, spares=pool,
                          reason="replace " + ", ".join(replaced),
-                         lr_factor=cfg.policy.lr_factor(len(members) // k), **common)
+                         lr_factor=cfg.policy.lr_factor(len(members) // k),
+                         **plan_batch(plan, cfg, len(members)), **common)
     holes = [r for j in dropped for r in holed[j]]
     new_rep = n_rep - len(dropped)
     new_ws = new_rep * k
@@ -289,7 +307,8 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
                      + f", world size {plan.world_size} -> {new_ws} ({n_rep} -> {new_rep} "
                      f"replicas of {k})")
     return make_plan(plan.generation + 1, members, spares=pool, reason="; ".join(parts),
-                     lr_factor=cfg.policy.lr_factor(new_rep), **common)
+                     lr_factor=cfg.policy.lr_factor(new_rep),
+                     **plan_batch(plan, cfg, new_ws), **common)
 
 
 # ----------------------------------------------------------------------------- elastic
@@ -422,8 +441,8 @@ def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: Policy
         spares = pool
         what = f"shrink {sized}: {', '.join(leaving)} leave" + (
             f", {'; '.join(moves)}" if moves else "")
-    return make_plan(plan.generation + 1, members, global_batch_size=plan.global_batch_size,
-                     micro_batch_size=plan.micro_batch_size, spares=spares,
+    return make_plan(plan.generation + 1, members, **plan_batch(plan, cfg, new_w),
+                     spares=spares,
                      reason=f"{what} at step {apply_step}" + (f" ({reason})" if reason else ""),
                      incident=incident, fenced=plan.fenced,
                      lr_factor=cfg.policy.lr_factor(new_rep),

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -32,7 +33,8 @@ from opentelemetry import trace
 
 from schemas.timeouts import DEFAULTS
 from schemas import LEASE_KEY, PLAN_KEY
-from schemas.policy import SCALE_KEY, PendingRelease, ScaleState, ScalingPolicy
+from schemas.policy import (SCALE_KEY, SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy,
+                            ScriptInfo)
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, CapacityChange, Decision, Fault, Heartbeat, Lifecycle,
                               LifecycleEvent, Plan, Priority, Role)
@@ -87,7 +89,8 @@ class Scaler(Service):
                  fault_timeout: float = DEFAULTS["fault_timeout"],
                  fence_timeout: float = FENCE_TIMEOUT, tick_interval: float = 0.05,
                  scaler_id: str | None = None, policy: ScalingPolicy | None = None,
-                 actuator_timeout: float = 5.0, shard_size: int = 1) -> None:
+                 actuator_timeout: float = 5.0, shard_size: int = 1,
+                 batch_from_script: bool = False) -> None:
         super().__init__(bus)
         # shard_size k > 1 (issue 21): ``workers`` counts ranks, every replica count (target,
         # min/max_replicas, request counts) counts replicas of k ranks (plan.replicas).
@@ -102,6 +105,11 @@ class Scaler(Service):
                                                 micro_batch_size=micro_batch_size,
                                                 shard_size=shard_size)
         self.actuator_timeout = actuator_timeout
+        # No batch given by the operator: the global/micro batch above is a placeholder for
+        # the first plan; the script's own (KV ``script``, rank 0 at its first step) sizes
+        # every plan made after it arrives (shares, the largest replica count).
+        self.batch_from_script = batch_from_script
+        self.script: ScriptInfo | None = None
         self.scale: ScaleState | None = None   # cache of KV ``scale``
         self.scale_revision: int | None = None
         self.lease_ttl = lease_ttl
@@ -159,6 +167,8 @@ class Scaler(Service):
         self.t0 = time.monotonic()
         self.spawn(self._lease_loop())
         self.spawn(self._tick_loop())
+        if self.batch_from_script:
+            self.spawn(self._watch_script())
         self.log.info("scaler started", generation=self.plans.generation,
                       workers=self.cfg.workers, min_replicas=self.cfg.min_replicas,
                       shard_size=self.cfg.shard_size)
@@ -457,6 +467,52 @@ class Scaler(Service):
                 if r.request_id == request_id and pod not in r.freed:
                     r.freed.append(pod)
             await self._store_scale(self.scale)
+        self._kick.set()
+
+    # ------------------------------------------------------------------ the script's batch
+    async def _watch_script(self) -> None:
+        """Follow KV ``script`` (rank 0 writes it at its first step) and adopt its batch."""
+        while True:
+            w = None
+            try:
+                w = await self.kv.watch(SCRIPT_KEY)
+                async for entry in w:
+                    if entry is not None and entry.value:
+                        self._adopt_script(entry.value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # reconnecting: watch again
+                self.log.debug("script watch failed", error=str(e)[:200])
+                await asyncio.sleep(1.0)
+            finally:
+                if w is not None:
+                    try:
+                        await w.stop()
+                    except Exception:
+                        pass
+
+    def _adopt_script(self, value: bytes) -> None:
+        try:
+            info = ScriptInfo.model_validate_json(value)
+        except ValueError as e:
+            self.log.warning("KV script does not validate; ignoring it", error=str(e)[:300])
+            return
+        self.script = info
+        batch = (info.global_batch_size, info.micro_batch_size)
+        if batch == (self.cfg.global_batch_size, self.cfg.micro_batch_size):
+            return
+        try:
+            cfg = dataclasses.replace(self.cfg, global_batch_size=batch[0],
+                                      micro_batch_size=batch[1])
+        except ValueError as e:  # e.g. fewer micro-batch rows than min_replicas
+            self.log.warning("cannot size plans with the script's batch; keeping the "
+                             "current one", script=list(batch), error=str(e)[:300],
+                             current=[self.cfg.global_batch_size, self.cfg.micro_batch_size])
+            return
+        self.log.info("sizing plans with the script's batch", script=list(batch),
+                      was=[self.cfg.global_batch_size, self.cfg.micro_batch_size],
+                      total=info.total, pod=info.pod)
+        self.cfg = cfg
         self._kick.set()
 
     # ------------------------------------------------------------------ scale state (KV)
@@ -856,6 +912,15 @@ class Scaler(Service):
                        "max_replicas": self.cfg.max_replicas,
                        "global_batch_size": self.cfg.global_batch_size,
                        "micro_batch_size": self.cfg.micro_batch_size,
+                       # flags: the operator's; script: the script's (KV `script`);
+                       # default: no batch given and the script's not known yet
+                       "batch_source": (
+                           "flags" if not self.batch_from_script else
+                           "script" if self.script is not None and (
+                               self.script.global_batch_size,
+                               self.script.micro_batch_size) == (
+                               self.cfg.global_batch_size, self.cfg.micro_batch_size)
+                           else "default"),
                        "fault_timeout": self.fault_timeout, "start_timeout": self.start_timeout,
                        **self.cfg.policy.model_dump(exclude={"min_replicas", "max_replicas"})},
         }
