@@ -9,6 +9,7 @@ per phase, and the downtime metric. Nothing here decides anything; it only measu
 from __future__ import annotations
 
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,3 +183,12 @@ def trace_grad_sync(cfg: Any, step: int, rank: int | None, generation: int, buck
                       attributes=attrs).end(end_time=ns(t["done"]))
     parent.end(end_time=ns(t["done"]))
 
+
+def describe(exc_type: type, exc: BaseException, tb: Any, limit: int = 2000) -> str:
+    """``Type: message`` on the first line, then the end of the traceback (its innermost
+    frames): the health monitor tells one bug on two pods from two faults by both, and
+    `ceaseless up` prints it."""
+    head = f"{exc_type.__name__}: {exc}".splitlines()[0][:300] if str(exc) else exc_type.__name__
+    body = "".join(traceback.format_exception(exc_type, exc, tb))
+    room = limit - len(head) - 1
+    return f"{head}\n{body[-room:]}" if room > 0 else head

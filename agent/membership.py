@@ -19,6 +19,7 @@ generation (rendezvous and state handoff) is ``handoff.enter``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -335,6 +336,14 @@ class Membership:
         self._to(Phase.FINISHED, "last step committed")
         self.leader.end(final=True)
         self.rt.update(now=True, state=AgentState.done)
+
+    def announce_done(self) -> None:
+        """KV ``done``: the job's last step is committed (and checkpointed, if asked)."""
+        from .runtime import DONE_KEY
+
+        self.rt.kv.put(DONE_KEY, json.dumps({"step": self.state.last_committed,
+                                             "pod": self.cfg.pod,
+                                             "generation": self.generation}).encode())
 
     def leave(self) -> None:
         """Leave the loop without being a member: the job finished first, or a planned

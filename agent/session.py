@@ -12,54 +12,32 @@ plain ``python``. docs/architecture.md, "The agent", shows who calls whom.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import random
 import time
-import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from schemas import micro_batch_range, num_micro_batches
-from schemas.messages import AgentState, ReportKind
+from schemas.messages import AgentState
+from schemas.policy import ScriptInfo
 from services.common import logs
 
 from .config import AgentConfig, refuse_foreign_launcher
-from .data.order import micro_seed
 from .incident import Timeline
 from .inject import InjectedFault, Injector
 from .membership import Membership
 from .outputs import Checkpoints, write_result
+from .rank0 import Rank0Hooks
+from .script_batch import check_plan_batch
+from .seeding import seed_all
 from .stepper import Stepper
 from .train_state import TrainState
 from .vocab import DISCARDED, JobStateLost
 
 __all__ = ["InjectedFault", "JobStateLost", "Session", "init"]
 log = logs.get("agent")
-STEP_STREAM = (1 << 63) + 1  # micro_seed's index for the start of a step (not a micro-batch)
-
-
-@dataclass
-class Rank0Hooks:
-    """``s.on_rank0``'s functions and whether this pod ran the set-up last (is rank 0)."""
-    setup: Callable[[], Any] | None
-    teardown: Callable[[], Any] | None
-    max_s: float
-    active: bool = False
-
-
-def _describe(exc_type: type, exc: BaseException, tb: Any, limit: int = 2000) -> str:
-    """``Type: message`` on the first line, then the end of the traceback (its innermost
-    frames): the health monitor tells one bug on two pods from two faults by both, and
-    `ceaseless up` prints it."""
-    head = f"{exc_type.__name__}: {exc}".splitlines()[0][:300] if str(exc) else exc_type.__name__
-    body = "".join(traceback.format_exception(exc_type, exc, tb))
-    room = limit - len(head) - 1
-    return f"{head}\n{body[-room:]}" if room > 0 else head
 
 
 def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
@@ -72,17 +50,6 @@ def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
     s.__enter__()
     atexit.register(s.__exit__, None, None, None)
     return s
-
-
-def _seed(seed: int, step: int, k: int | None) -> None:
-    """Seed torch (CPU and every CUDA device), numpy's global generator and ``random`` with
-    ``micro_seed(seed, step, k)``: ``k`` a micro-batch index (its samples' randomness,
-    whichever rank computes it) or None (the start of the step: whatever the script draws
-    before or between its micro-batches is the same on every rank and after any fault)."""
-    v = micro_seed(seed, step, STEP_STREAM if k is None else k)
-    torch.manual_seed(v)
-    random.seed(v)
-    np.random.seed(v & 0xFFFFFFFF)
 
 
 class Session:
@@ -193,21 +160,10 @@ class Session:
         blocks here until it is promoted (None if the job ends first). Prefer ``s.shard``."""
         if self.shard_size == 1 or self.m is None:
             return None
-        if self.m.sharding is None:
-            pos = self.m.await_position()
-            if pos is None:
-                return None
-            from .sharded import Sharding
+        from .sharded import replica_mesh
 
-            from .groups import choose_backend
-
-            # the model's device (s.shard saw it), else where a model would go; the backend
-            # is chosen as the world group's will be (pods sharing a GPU: gloo)
-            dev = self._shard_device or ("cuda" if torch.cuda.is_available() else "cpu")
-            backend = choose_backend(dev, self._backend_override)
-            self.m.sharding = Sharding(self.shard_size, pos, dev, backend)
-            self.m.start_early_join(backend)
-        return self.m.sharding.group.mesh()
+        return replica_mesh(self.m, self.shard_size, self._shard_device,
+                            self._backend_override)
 
     def shard(self, model: torch.nn.Module, *blocks: torch.nn.Module,
               **fsdp_kwargs: Any) -> torch.nn.Module:
@@ -222,15 +178,9 @@ class Session:
         p = next(model.parameters(), None)
         if p is not None:
             self._shard_device = p.device.type
-        mesh = self.mesh
-        if mesh is None:  # the job finished (or released this pod) before it was placed
-            return model
-        from torch.distributed.fsdp import fully_shard
+        from .sharded import shard_modules
 
-        for b in blocks:
-            fully_shard(b, mesh=mesh, **fsdp_kwargs)
-        fully_shard(model, mesh=mesh, **fsdp_kwargs)
-        return model
+        return shard_modules(model, blocks, self.mesh, fsdp_kwargs)
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""
@@ -240,51 +190,18 @@ class Session:
     def __enter__(self) -> "Session":
         self._entered = True
         if self.cfg is not None:
-            logs.configure("agent", os.environ.get("CEASELESS_LOG_LEVEL", "info"))
-            try:
-                from services.common import telemetry
+            from .wiring import start
 
-                telemetry.init("agent", run_dir=self.cfg.run_dir, job=self.cfg.job,
-                               pod=self.cfg.pod)
-            except Exception as e:
-                log.warning("telemetry disabled", error=str(e)[:200])
-            from .runtime import Runtime
-
-            self.runtime = Runtime(self.cfg)
-            self.m = Membership(self.cfg, self.runtime, self.state, self.timeline)
-            self._stepper = Stepper(self.global_batch_size, self.state, self.cfg, self.runtime,
-                                    self.m, self._inject)
-            self.runtime.start()
-            self.runtime.update(now=True, state=AgentState.waiting)
-            self.m.install_sigterm()
-            # Import now (heartbeats already run), not on a promoted spare's critical path.
-            from . import collectives, handoff, state, store  # noqa: F401
-            if self.cfg.shard_size > 1:  # a promoted spare shards its model first: FSDP2
-                import torch.distributed.fsdp  # noqa: F401  (imports DTensor, the mesh...)
-
-                from . import sharded  # noqa: F401
+            self.runtime, self.m, self._stepper = start(self.cfg, self.state, self.timeline,
+                                                        self.global_batch_size, self._inject)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._rank0_teardown()
-        rt = self.runtime
-        if rt is not None:
-            if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                if rt.hb.state == AgentState.done:
-                    # after the loop (the job's training is done): the script's own failure,
-                    # its exit code says so; not a fault to recover from
-                    log.warning("exception after training finished",
-                                error=f"{exc_type.__name__}: {exc}")
-                else:
-                    rt.report_sync(ReportKind.exception, _describe(exc_type, exc, tb))
-                    rt.update(state=AgentState.leaving)
-            rt.stop()
-        try:
-            from services.common import telemetry
+        if self.runtime is not None:
+            from .wiring import stop
 
-            telemetry.shutdown()
-        except Exception:
-            pass
+            stop(self.runtime, exc_type, exc, tb)
 
     def register(self, **objs: Any) -> None:
         """Register the training state: anything with ``state_dict()``/``load_state_dict()``."""
@@ -330,7 +247,7 @@ class Session:
                     return m.leave()
                 continue
             self.current_step = s
-            _seed(self.seed, s, None)
+            seed_all(self.seed, s, None)
             yield s
             rt.end_step()
             if m.leader.generation and self.last_committed == s:
@@ -344,10 +261,7 @@ class Session:
                     return m.leave()
         m.finish()
         self._ckpt.final(self.rank, self.state)
-        from .runtime import DONE_KEY
-
-        rt.kv.put(DONE_KEY, json.dumps({"step": self.last_committed, "pod": self.pod,
-                                        "generation": self.generation}).encode())
+        m.announce_done()  # after the final checkpoint: `up` stops the job on it
         self._write_result()
 
     def _before_loop(self, start: int | None) -> None:
@@ -383,7 +297,10 @@ class Session:
             self._follow_rank0()
             return True
         if self._joined is None:
-            self._check_sharded()
+            if self.shard_size > 1:
+                from .sharded import check_registered
+
+                check_registered(self.m, self.shard_size, self.state.modules())
             self._joined = self.m.recover()
             if not self._joined:
                 self.m.leave()
@@ -392,17 +309,13 @@ class Session:
 
     def on_rank0(self, setup: Callable[[], Any] | None = None,
                  teardown: Callable[[], Any] | None = None, max_s: float = 300.0) -> None:
-        """Rank-0 set-up that follows rank 0 (a logger, ``wandb.init``, an evaluation set):
-        ``setup()`` runs on whichever pod becomes rank 0, when it does (at ``s.join()``,
-        or at the step boundary where a recovery or a scale change made it rank 0), and
-        ``teardown()`` when it stops being rank 0 (released, back to the spare pool) and
-        when the session closes while it is. Both run on the training thread between
-        steps, inside ``s.solo(max_s)`` so that the peers wait for a slow set-up instead of
-        timing out. A ``setup`` that raises fails the pod like any error in the script; a
-        ``teardown`` that raises is logged and training goes on. Single-process: ``setup``
-        at ``s.join()`` (or ``s.steps()``), ``teardown`` at the end of the session."""
-        if setup is None and teardown is None:
-            raise ValueError("s.on_rank0 needs a setup or a teardown (or both)")
+        """Rank-0 set-up that follows rank 0 (a logger, ``wandb.init``): ``setup()`` runs on
+        whichever pod becomes rank 0, when it does (at ``s.join()``, or at the step boundary
+        where a recovery or a scale change made it rank 0), ``teardown()`` when it stops
+        being rank 0 and when the session closes while it is. Both run on the training
+        thread between steps, inside ``s.solo(max_s)``. A ``setup`` that raises fails the pod
+        like any error in the script; a ``teardown`` that raises is logged. One process:
+        ``setup`` at ``s.join()`` (or ``s.steps()``), ``teardown`` at the end."""
         if self._rank0 is not None:
             raise RuntimeError("s.on_rank0 was already called: register one set-up (call "
                                "several functions from it)")
@@ -410,56 +323,22 @@ class Session:
         if self._joined:
             self._follow_rank0()
 
+    def _solo_for(self, max_s: float) -> Any:
+        return self.solo(max_s=min(max_s, self.cfg.solo_max) if self.cfg else None)
+
     def _follow_rank0(self) -> None:
-        """Run the rank-0 set-up or teardown if this pod's rank-0-ness changed (one
-        comparison per step otherwise)."""
-        h = self._rank0
-        if h is None or (self._rank() == 0) == h.active:
-            return
-        if not h.active:
-            h.active = True
-            if h.setup is not None:
-                log.info("rank-0 set-up", pod=self.pod, generation=self.generation)
-                with self.solo(max_s=min(h.max_s, self.cfg.solo_max) if self.cfg else None):
-                    h.setup()
-        else:
-            self._rank0_teardown()
+        if self._rank0 is not None:
+            self._rank0.follow(self._rank() == 0, self._solo_for, pod=self.pod,
+                               generation=self.generation)
 
     def _rank0_teardown(self) -> None:
-        h = self._rank0
-        if h is None or not h.active:
-            return
-        h.active = False
-        if h.teardown is None:
-            return
-        log.info("rank-0 teardown", pod=self.pod)
-        try:
-            with self.solo(max_s=min(h.max_s, self.cfg.solo_max) if self.cfg else None):
-                h.teardown()
-        except Exception as e:  # a logger that fails to close must not stop training
-            log.warning("rank-0 teardown failed", error=f"{type(e).__name__}: {e}"[:500],
-                        traceback=traceback.format_exc()[-2000:])
-
-    def _check_sharded(self) -> None:
-        """Before joining a sharded job: the registered model is sharded on ``s.mesh``, and
-        FSDP2 sums inside the replica (``sharded.gradient_divide_factor_one``)."""
-        if self.shard_size == 1:
-            return
-        from .vocab import Phase
-        from .sharded import gradient_divide_factor_one
-
-        if self.m.phase in (Phase.FINISHED, Phase.RELEASED):
-            return  # the job ended before this pod was placed: nothing was sharded
-        if self.m.sharding is None or not gradient_divide_factor_one(self.state.modules()):
-            raise ValueError(f"the job is sharded (shard size {self.shard_size}) but no "
-                             "registered module is: shard the model with s.shard(model, ...) "
-                             "(or fully_shard(..., mesh=s.mesh)) and register it before the "
-                             "loop")
+        if self._rank0 is not None:
+            self._rank0.end(self._solo_for)
 
     def _local_steps(self, total: int) -> Iterator[int]:
         while self.last_committed + 1 < total:
             s = self.current_step = self.last_committed + 1
-            _seed(self.seed, s, None)
+            seed_all(self.seed, s, None)
             yield s
             if self.last_committed != s:
                 raise RuntimeError("call s.step() exactly once per step")
@@ -500,7 +379,13 @@ class Session:
         m = micro_batch_size
         M = num_micro_batches(self.global_batch_size, m)
         abort = self.runtime.abort if self.runtime is not None else None
-        self._check_batch(m, M)
+        p = self.m.plan if self.m is not None else None
+        if p is not None and self._batch_checked != p.generation:
+            check_plan_batch(self.runtime, self.cfg, p, self.rank, self.world_size,
+                             ScriptInfo(global_batch_size=self.global_batch_size,
+                                        micro_batch_size=m, total=self.total, pod=self.pod),
+                             M, first=not self._batch_checked)
+            self._batch_checked = p.generation
         ks = micro_batch_range(M, self.world_size, self.rank, self._k())
         self._stepper.micro_batches(m, ks, gradient_loop=self.last_committed < s)
         for k in ks:
@@ -508,7 +393,7 @@ class Session:
                 # A newer plan: this step will be discarded anyway (s.step() sees the same
                 # flag), so stop computing it now instead of finishing every micro-batch.
                 return
-            _seed(self.seed, s, k)
+            seed_all(self.seed, s, k)
             if self.runtime is not None:
                 self.runtime.progress()  # the stall watchdog: a micro-batch is progress
             yield k
@@ -521,38 +406,6 @@ class Session:
         """Backward of one micro-batch's mean loss, scaled by m / B so that the sum over all
         micro-batches of all ranks is the mean over the global batch."""
         self._stepper.backward(loss)
-
-    def _check_batch(self, m: int, M: int) -> None:
-        """Once per generation: warn when the plan (sized by `up`'s flags) was made for
-        another batch than this script's, or some ranks get no micro-batch (idle)."""
-        p = self.m.plan if self.m is not None else None
-        if p is None or self._batch_checked == p.generation:
-            return
-        if self.rank == 0 and not self._batch_checked:
-            # `ceaseless status` and `up` show it; the scaler adopts its batch unless the
-            # operator gave one (schemas.policy.ScriptInfo)
-            from schemas.policy import SCRIPT_KEY, ScriptInfo
-
-            self.runtime.kv.put(SCRIPT_KEY, ScriptInfo(
-                global_batch_size=self.global_batch_size, micro_batch_size=m,
-                total=self.total, pod=self.pod).model_dump_json().encode())
-        self._batch_checked = p.generation
-        if (p.global_batch_size, p.micro_batch_size) != (self.global_batch_size, m):
-            if self.cfg.batch_from_script:
-                # `up` was given no batch: the plans made before the script's was known
-                # carry the default; the scaler takes this one for the next (not a problem)
-                log.info("the plan was made before the script's batch was known; the "
-                         "scaler takes the script's from now on",
-                         script=[self.global_batch_size, m],
-                         plan=[p.global_batch_size, p.micro_batch_size])
-            else:
-                log.warning("the job was planned for another batch: pass the script's to "
-                            "`ceaseless up` (--global-batch-size, --micro-batch-size)",
-                            script=[self.global_batch_size, m],
-                            plan=[p.global_batch_size, p.micro_batch_size])
-        if M < self.world_size:
-            log.warning("fewer micro-batches than members: some ranks compute nothing",
-                        micro_batches=M, world_size=self.world_size)
 
     def step(self, max_grad_norm: float | None = None,
              grad_hook: Callable[[list[torch.nn.Parameter]], None] | None = None) -> bool:

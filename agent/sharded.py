@@ -390,3 +390,49 @@ class EarlyJoin:
     def abandon(self) -> None:
         self._world.abandon()
         self.finish.abandon()
+
+
+# ---------------------------------------------------------------------------- the session's
+def replica_mesh(m: Any, shard_size: int, device: str | None, override: str | None) -> Any:
+    """``Session.mesh``: the pod's replica mesh, placing the pod first (a spare waits for
+    its first plan, ``Membership.await_position``; None if the job ended first)."""
+    if m.sharding is None:
+        pos = m.await_position()
+        if pos is None:
+            return None
+        from .groups import choose_backend
+
+        # the model's device (s.shard saw it), else where a model would go; the backend
+        # is chosen as the world group's will be (pods sharing a GPU: gloo)
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        backend = choose_backend(dev, override)
+        m.sharding = Sharding(shard_size, pos, dev, backend)
+        m.start_early_join(backend)
+    return m.sharding.group.mesh()
+
+
+def shard_modules(model: torch.nn.Module, blocks: tuple[torch.nn.Module, ...], mesh: Any,
+                  fsdp_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """``Session.shard``: FSDP2 on each block, then on the model (unchanged without a mesh:
+    the job finished, or released this pod, before it was placed)."""
+    if mesh is None:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for b in blocks:
+        fully_shard(b, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    return model
+
+
+def check_registered(m: Any, shard_size: int, modules: list[torch.nn.Module]) -> None:
+    """Before joining a sharded job: the registered model is sharded on ``s.mesh``, and
+    FSDP2 sums inside the replica (``gradient_divide_factor_one``)."""
+    from .vocab import Phase
+
+    if m.phase in (Phase.FINISHED, Phase.RELEASED):
+        return  # the job ended before this pod was placed: nothing was sharded
+    if m.sharding is None or not gradient_divide_factor_one(modules):
+        raise ValueError(f"the job is sharded (shard size {shard_size}) but no registered "
+                         "module is: shard the model with s.shard(model, ...) (or "
+                         "fully_shard(..., mesh=s.mesh)) and register it before the loop")

@@ -158,7 +158,7 @@ class ScaleState(BaseModel):
 
 class ScriptInfo(BaseModel):
     """KV ``script``: what the training script itself runs, written by rank 0 at its first
-    step (``Session._check_batch``): its global batch, micro-batch size and step total.
+    step (``agent/script_batch.py``): its global batch, micro-batch size and step total.
     ``ceaseless status`` and ``ceaseless up`` show it; a scaler started with
     ``--batch-from-script`` (``ceaseless up`` without ``--global-batch-size`` /
     ``--micro-batch-size``) sizes the plans it makes from then on with this batch."""

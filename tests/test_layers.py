@@ -89,3 +89,8 @@ def test_the_checker_finds_a_cycle():
 
 def test_no_import_cycle_in_the_agent():
     assert _cycles(_graph()) == []
+
+
+def test_no_agent_module_is_over_500_lines():
+    long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
+    assert {n: k for n, k in long.items() if k > MAX_LINES} == {}

@@ -1,0 +1,65 @@
+"""A distributed session's start and stop (``Session.__enter__`` / ``__exit__``): logs and
+telemetry, the runtime (its thread, the bus), the membership and the stepper wired together;
+at the end, the script's own exception reported (with its traceback) and the runtime
+stopped."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from schemas.messages import AgentState, ReportKind
+from services.common import logs
+
+from .config import AgentConfig
+from .incident import Timeline, describe
+from .inject import Injector
+from .membership import Membership
+from .runtime import Runtime
+from .stepper import Stepper
+from .train_state import TrainState
+
+log = logs.get("agent")
+
+
+def start(cfg: AgentConfig, state: TrainState, timeline: Timeline, global_batch_size: int,
+          injector: Injector) -> tuple[Runtime, Membership, Stepper]:
+    logs.configure("agent", os.environ.get("CEASELESS_LOG_LEVEL", "info"))
+    try:
+        from services.common import telemetry
+
+        telemetry.init("agent", run_dir=cfg.run_dir, job=cfg.job, pod=cfg.pod)
+    except Exception as e:
+        log.warning("telemetry disabled", error=str(e)[:200])
+    rt = Runtime(cfg)
+    m = Membership(cfg, rt, state, timeline)
+    stepper = Stepper(global_batch_size, state, cfg, rt, m, injector)
+    rt.start()
+    rt.update(now=True, state=AgentState.waiting)
+    m.install_sigterm()
+    # Import now (heartbeats already run), not on a promoted spare's critical path.
+    from . import collectives, handoff, state as _state, store  # noqa: F401
+    if cfg.shard_size > 1:  # a promoted spare shards its model first: FSDP2
+        import torch.distributed.fsdp  # noqa: F401  (imports DTensor, the mesh...)
+
+        from . import sharded  # noqa: F401
+    return rt, m, stepper
+
+
+def stop(rt: Runtime, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        if rt.hb.state == AgentState.done:
+            # after the loop (the job's training is done): the script's own failure, its
+            # exit code says so; not a fault to recover from
+            log.warning("exception after training finished",
+                        error=f"{exc_type.__name__}: {exc}")
+        else:
+            rt.report_sync(ReportKind.exception, describe(exc_type, exc, tb))
+            rt.update(state=AgentState.leaving)
+    rt.stop()
+    try:
+        from services.common import telemetry
+
+        telemetry.shutdown()
+    except Exception:
+        pass
