@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from schemas import check_id
 from schemas.messages import Role
@@ -20,8 +21,12 @@ def _flag(name: str, default: bool = False) -> bool:
     return v.strip().lower() in ("1", "true", "yes", "on")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentConfig:
+    """The effective configuration, computed once and frozen (``with_overrides`` makes a
+    new one, validated again). ``backend`` is the user's choice (``CEASELESS_BACKEND``); the
+    backend in use follows the registered model (``Membership.backend``)."""
+
     nats_url: str
     job: str = "demo"
     pod: str = ""
@@ -75,6 +80,13 @@ class AgentConfig:
     batch_from_script: bool = False
 
     def __post_init__(self) -> None:
+        if self.shard_size > 1:
+            # A rank holds 1/k of the state: a spare cannot follow rank 0 (it does not know
+            # its shard yet), a step is not resumed in a new group (FSDP's own collectives
+            # ran in the old one), and the gradients are summed once, after the backward
+            # (FSDP reduce-scatters them during it).
+            for off in ("shadow_spares", "resume_in_place", "overlap"):
+                object.__setattr__(self, off, False)
         check_id(self.job, "job name")
         check_id(self.pod, "pod id")
         fault = TIMEOUTS["fault_timeout"]
@@ -97,6 +109,14 @@ class AgentConfig:
         check_timeouts(True, heartbeat_interval=self.heartbeat_interval,
                        collective_timeout=self.collective_timeout,
                        recovery_timeout=self.recovery_timeout)
+
+    def with_overrides(self, **overrides: Any) -> "AgentConfig":
+        """A copy with ``overrides`` (``Session.from_env(..., shard_size=2)``), checked as the
+        environment's values are; unknown names are refused."""
+        unknown = sorted(set(overrides) - set(self.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown session settings {unknown}")
+        return replace(self, **overrides)
 
     @classmethod
     def from_env(cls) -> "AgentConfig | None":

@@ -28,6 +28,7 @@ class Entrant(Protocol):
 
     rt: Any
     cfg: Any
+    backend: str
     state: Any
     timeline: Any
     group: Any
@@ -100,7 +101,7 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     # promoted spare started all three while its script sharded the model: EarlyJoin)
     early = sharded = None
     if sh is not None:
-        early = m.take_early_join(plan, rank, cfg.backend)
+        early = m.take_early_join(plan, rank, m.backend)
         sharded = early.finish if early is not None else \
             sh.build(rt.stores.rendezvous, plan, rank, rt.abort, cfg)
     if early is not None:
@@ -115,7 +116,7 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
         try:
             pg = make_group_abortable(rt.stores.rendezvous(f"g{g}."), rank, plan.world_size,
                                       rt.abort, timeout_s=cfg.collective_timeout,
-                                      backend=cfg.backend, slice_s=cfg.collective_slice,
+                                      backend=m.backend, slice_s=cfg.collective_slice,
                                       meanwhile=meanwhile)
         except BaseException:
             if sharded is not None:

@@ -57,10 +57,15 @@ class Membership:
 
     def __init__(self, cfg: AgentConfig, rt: Any, state: TrainState, timeline: Timeline) -> None:
         self.cfg, self.rt, self.state, self.timeline = cfg, rt, state, timeline
+        # The backend in use: the user's choice, else gloo until a registered model says
+        # (Session.register: agent/device.py)
+        from .groups import choose_backend
+
+        self.backend: str = choose_backend(None, cfg.backend)
         # Membership decides to join ahead; the runtime's thread starts it under its lock
         # when a plan arriving during a step may be resumed in place (vocab.plan_arrival).
         rt.start_prejoin = lambda plan, rank, step, digest: Prejoin(rt, plan, rank, step,
-                                                                    digest)
+                                                                    digest, self.backend)
         self.phase = Phase.OUTSIDE
         self.rank: int | None = None
         self.world_size: int | None = None

@@ -32,7 +32,8 @@ log = logs.get("agent")
 
 
 class Prejoin:
-    def __init__(self, rt: Any, plan: Plan, rank: int, step: int, digest: str) -> None:
+    def __init__(self, rt: Any, plan: Plan, rank: int, step: int, digest: str,
+                 backend: str) -> None:
         self.generation = plan.generation
         self.plan_at = rt.plan_at
         self.rank, self.world_size, self.step = rank, plan.world_size, step
@@ -42,7 +43,7 @@ class Prejoin:
         self.error: BaseException | None = None
         self.resumable = False
         self.why = ""
-        self._rt, self._digest = rt, digest
+        self._rt, self._digest, self._backend = rt, digest, backend
         self._dropped = False
         threading.Thread(target=self._run, name=f"prejoin-g{plan.generation}",
                          daemon=True).start()
@@ -54,7 +55,7 @@ class Prejoin:
                       digest=self._digest, state=AgentState.recovering)
             store = rt.stores.rendezvous(f"g{g}.")
             self.pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
-                                           timeout_s=cfg.collective_timeout, backend=cfg.backend,
+                                           timeout_s=cfg.collective_timeout, backend=self._backend,
                                            slice_s=cfg.collective_slice)
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread
             self.error = e

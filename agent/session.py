@@ -77,25 +77,14 @@ class Session:
         self._inject = Injector(config)
         self._stepper = Stepper(global_batch_size, self.state)  # its parts once entered
         self._ckpt = Checkpoints()            # from the environment in both modes
-        self._backend_override = config.backend if config is not None else None
         self._shard_device: str | None = None
-        if config is not None:  # the override, else gloo until a registered model says
-            from .collectives import choose_backend
-
-            config.backend = choose_backend(None, self._backend_override)
-            if config.shard_size > 1:
-                # A rank holds 1/k of the state: a spare cannot follow rank 0 (it does not
-                # know its shard yet), a step is not resumed in a new group (FSDP's own
-                # collectives ran in the old one), and the gradients are summed once, after
-                # the backward (FSDP reduce-scatters them during it).
-                config.shadow_spares = config.resume_in_place = config.overlap = False
+        self._backend: str | None = None      # resolved from the registered model
 
     @classmethod
     def from_env(cls, global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
         cfg = AgentConfig.from_env()
         if cfg is not None:
-            for k, v in overrides.items():
-                setattr(cfg, k, v)
+            cfg = cfg.with_overrides(**overrides)
         else:
             refuse_foreign_launcher()
         return cls(global_batch_size, seed=seed, config=cfg)
@@ -163,7 +152,7 @@ class Session:
         from .sharded import replica_mesh
 
         return replica_mesh(self.m, self.shard_size, self._shard_device,
-                            self._backend_override)
+                            self.cfg.backend)
 
     def shard(self, model: torch.nn.Module, *blocks: torch.nn.Module,
               **fsdp_kwargs: Any) -> torch.nn.Module:
@@ -193,7 +182,8 @@ class Session:
             from .wiring import start
 
             self.runtime, self.m, self._stepper = start(self.cfg, self.state, self.timeline,
-                                                        self.global_batch_size, self._inject)
+                                                        self.global_batch_size, self._inject,
+                                                        self._backend)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -209,8 +199,9 @@ class Session:
         if self.cfg is not None:  # the job's backend follows the model (agent/device.py)
             from .device import resolve_backend
 
-            self.cfg.backend, shown = resolve_backend(self.device, self._backend_override,
-                                                      self.pod)
+            self._backend, shown = resolve_backend(self.device, self.cfg.backend, self.pod)
+            if self.m is not None:
+                self.m.backend = self._backend
             if self.runtime is not None:  # `ceaseless status` shows it
                 self.runtime.update(device=shown)
 

@@ -23,7 +23,7 @@ log = logs.get("agent")
 
 
 def start(cfg: AgentConfig, state: TrainState, timeline: Timeline, global_batch_size: int,
-          injector: Injector) -> tuple[Runtime, Membership, Stepper]:
+          injector: Injector, backend: str | None) -> tuple[Runtime, Membership, Stepper]:
     logs.configure("agent", os.environ.get("CEASELESS_LOG_LEVEL", "info"))
     try:
         from services.common import telemetry
@@ -33,6 +33,8 @@ def start(cfg: AgentConfig, state: TrainState, timeline: Timeline, global_batch_
         log.warning("telemetry disabled", error=str(e)[:200])
     rt = Runtime(cfg)
     m = Membership(cfg, rt, state, timeline)
+    if backend is not None:  # the script registered its model before entering the session
+        m.backend = backend
     stepper = Stepper(global_batch_size, state, cfg, rt, m, injector)
     rt.start()
     rt.update(now=True, state=AgentState.waiting)
