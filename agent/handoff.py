@@ -37,6 +37,7 @@ class Entrant(Protocol):
     leader: Any
 
     def take_early_join(self, plan: Plan, rank: int, backend: str) -> Any: ...
+    def newest_plan(self) -> Any: ...
     def joined(self, plan: Plan, rank: int | None) -> None: ...
     def restored(self, plan: Plan, restore_step: int) -> None: ...
     def close_group(self) -> None: ...
@@ -53,7 +54,8 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     if tl.incident is None and first and g > 1:
         # A spare promoted into a running job: its part starts when the plan arrived
         # (nothing to abort; its rendezvous includes noticing the plan).
-        tl.open("promoted", notice=min(rt.plan_at or time.time(), time.time()), promoted=True)
+        at = m.newest_plan().at if m.newest_plan() is not None else 0.0
+        tl.open("promoted", notice=min(at or time.time(), time.time()), promoted=True)
         tl.incident.last_commit = None
     inc = tl.incident
     if inc is not None:

@@ -73,6 +73,7 @@ class Membership:
         self.group: Any = None              # AbortableGroup of the generation
         self.plan: Plan | None = None       # the plan of the joined generation
         self.seen_generation = 0            # the newest plan seen (joined or not)
+        self._newest: Arrival | None = None  # the newest plan taken from the runtime's inbox
         self._lr_from, self._lr_start = 1.0, 0
         self.sharding: Any = None           # sharded.Sharding once the position is known
         self._arrival: Any = None           # a plan naming this pod, seen by await_position
@@ -129,9 +130,18 @@ class Membership:
             return True
         return self.recover()
 
+    def newest_plan(self) -> Arrival | None:
+        """The newest plan the runtime delivered: its inbox is consumed here, once per plan
+        (the training thread's only way to a plan)."""
+        for a in self.rt.take_plans():
+            if self._newest is None or a.plan.generation > self._newest.plan.generation:
+                self._newest = a
+        return self._newest
+
     def planned_transition(self, s: int) -> Plan | None:
         """A planned plan that applies from step ``s`` (or earlier: a late arrival)."""
-        p = self.rt.plan
+        a = self.newest_plan()
+        p = a.plan if a is not None else None
         if p is not None and p.apply_step is not None and p.generation > self.generation \
                 and s >= p.apply_step:
             return p
@@ -276,8 +286,17 @@ class Membership:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = rt.next_plan(max(self.generation, self.seen_generation), pod, left,
-                               self.follower.ready)
+            after = max(self.generation, self.seen_generation)
+
+            def ready() -> Arrival | None:
+                a = self.newest_plan()
+                if a is not None and a.plan.generation > after:
+                    return a
+                if rt.done is not None and (a is None or a.plan.rank_of(pod) is None):
+                    return Arrival("done")
+                return Arrival("shadow") if self.follower.ready() else None
+
+            got = rt.wait(ready, left)
             if got is None:
                 return None
             if got.kind == "shadow":

@@ -128,13 +128,14 @@ def resume_in_place(m: Any, s: int, pre: Prejoin) -> bool:
     inc = m.timeline.open("resumed in place", notice=min(pre.plan_at, time.time()),
                           resumed=True)
     ok = pre.wait(cfg.recovery_timeout)
-    plan = rt.plan
+    newest = m.newest_plan()
+    plan = newest.plan if newest is not None else None
     if not ok or plan is None or plan.generation != pre.generation or rt.abort.is_set():
         rt.interrupt()
         inc.resumed = False
         return m.discard(f"not resumed in place: {pre.why or 'a newer plan'}")
     try:
-        enter(m, plan, rt.plan_ctx, first=False, keep_grads=True)
+        enter(m, plan, newest.ctx, first=False, keep_grads=True)
     except (Aborted, PeerError, TimeoutError, RuntimeError) as e:
         log.warning("resuming in place failed", generation=plan.generation,
                     error=f"{type(e).__name__}: {str(e)[:300]}")

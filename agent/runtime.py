@@ -1,15 +1,16 @@
 """The agent's background runtime: its own thread, asyncio loop and NATS connection.
 
-It sends heartbeats, receives plans, transfer plans and injections, and hands them to the
-training thread through typed faces, all under one private lock: an inbox it waits on
-(``next_plan``: a plan, the job done, a shadow item; ``wait_transfer``: the transfer plan
-or state lost of a generation), handshakes for "step started" / "collective entered"
-(``begin_step``, ``claim_collective``, ...), and a typed heartbeat (``update``). It never
-blocks the training thread. What a plan arriving during a step means is decided in
-``membership.plan_arrival``; the runtime only applies the verdict (abort, or resume in
-place with ``prejoin.py``).
+It records; it does not decide. It sends heartbeats, receives plans, transfer plans and
+injections, and hands them to the training thread under one private lock: an inbox of plans,
+each consumed once (``take_plans``; ``Membership.newest_plan`` is the only reader), waits
+(``wait``, ``wait_transfer``: the transfer plan or state lost of a generation), the step's
+life as one explicit state (``vocab.StepLife``: IDLE, COMPUTING, REDUCING, moved only by
+``begin_step`` / ``claim_collective`` / ``enter_collective`` / ``end_collective`` /
+``end_step`` along ``vocab.STEP_MOVES``), and a typed heartbeat (``update``). It never
+blocks the training thread. A plan arriving during a step is judged by
+``vocab.plan_arrival`` against the step's life; the runtime applies the verdict: the abort
+flag, or Membership's ``start_prejoin`` (resume in place, ``prejoin.py``).
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -30,7 +32,7 @@ from services.common.bus import Bus, Credentials, Envelope, decode
 
 from .buckets import Bucket
 from .config import AgentConfig
-from .vocab import Arrival, StepView, Verdict, plan_arrival
+from .vocab import Arrival, StepLife, StepPhase, StepView, Verdict, plan_arrival
 from .watchdog import Watchdog
 
 log = logs.get("agent")
@@ -59,16 +61,18 @@ class Runtime:
         self._plan_at = 0.0  # wall time the current plan arrived
         self._abort_at = 0.0  # wall time the abort flag was last set (a newer plan arrived)
         self._joined_generation = 0
-        # The step the training thread is computing (None between steps). A planned plan
-        # whose boundary this pod has already passed aborts that step: its peers entered the
+        # The training thread's step, one explicit state (vocab.StepLife: IDLE, COMPUTING a
+        # step, REDUCING it) changed only by the handshakes below. A planned plan whose
+        # boundary this pod already passed aborts the step in flight: its peers entered the
         # new plan at the boundary, so its collective would only wait for the timeout.
-        self._step_in_flight: int | None = None
+        self._life = StepLife()
+        # Plans for the training thread, each consumed once (take_plans): the runtime
+        # records the newest (``_plan``, for its own verdicts), Membership takes them.
+        self._inbox: deque[Arrival] = deque(maxlen=64)
         self._transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
         self._lost: dict[int, StateLost] = {}
         self._done: dict | None = None
         self._injections: list[Inject] = []
-        # monotonic time the training thread entered the gradient all-reduce (None: not in it)
-        self._collective_since: float | None = None
         # a newer generation being joined while the current step is computed (prejoin.py)
         self._prejoin: Any = None
         # Membership's: start joining ``plan`` ahead while the step finishes (prejoin.py);
@@ -193,10 +197,12 @@ class Runtime:
             if self._plan is not None and plan.generation <= self._plan.generation:
                 return  # stale or replayed
             self._plan, self._plan_ctx, self._plan_at = plan, ctx, time.time()
+            self._inbox.append(Arrival("plan", plan=plan, ctx=ctx, at=self._plan_at))
+            life = self._life
 
             view = StepView(joined_generation=self._joined_generation,
-                            step_in_flight=self._step_in_flight,
-                            in_collective=self._collective_since is not None,
+                            step_in_flight=life.step,
+                            in_collective=life.phase is StepPhase.REDUCING,
                             aborted=self.abort.is_set(), world_size=self._world_size,
                             prejoining=self._prejoin is not None, hb=self._hb)
             verdict = plan_arrival(plan, view, self.cfg)
@@ -206,10 +212,10 @@ class Runtime:
             if verdict is Verdict.RESUME and self.start_prejoin is None:
                 verdict = Verdict.ABORT  # nobody to join ahead (no Membership): the plain way
             if verdict is Verdict.RESUME:
-                self._prejoin = self.start_prejoin(plan, self._hb.rank,
-                                                   self._step_in_flight - 1, self._hb.digest)
+                self._prejoin = self.start_prejoin(plan, self._hb.rank, life.step - 1,
+                                                   self._hb.digest)
                 log.info("fault plan while computing: finishing the step for the new "
-                         "generation", generation=plan.generation, step=self._step_in_flight)
+                         "generation", generation=plan.generation, step=life.step)
             elif verdict is Verdict.ABORT:
                 self._abort_at = self._plan_at
                 self.abort.set()
@@ -223,15 +229,13 @@ class Runtime:
             p = self._prejoin
             if p is not None and p.generation > generation:
                 return p
-            self._collective_since = time.monotonic()
-            self._progress()
+            self._move(StepPhase.REDUCING, since=time.monotonic())
             return None
 
     def enter_collective(self) -> None:
         """Training thread: the gradient all-reduce starts now (after a resume in place)."""
         with self._cond:
-            self._collective_since = time.monotonic()
-            self._progress()
+            self._move(StepPhase.REDUCING, since=time.monotonic())
 
     def take_prejoin(self, generation: int) -> Any:
         """The Prejoin of ``generation`` (handed over once); an older one is dropped."""
@@ -266,16 +270,13 @@ class Runtime:
     def begin_step(self, step: int) -> None:
         """Training thread: computing ``step`` from now (a fault plan may resume it)."""
         with self._cond:
-            self._step_in_flight = step
-            self._progress()
+            self._move(StepPhase.COMPUTING, step=step)
 
     def end_step(self) -> None:
         """Training thread: the step is over (committed or discarded). From here a fault plan
         aborts instead of resuming: a discarded step has nothing left to finish."""
         with self._cond:
-            self._step_in_flight = None
-            self._collective_since = None
-            self._progress()
+            self._move(StepPhase.IDLE)
 
     def end_collective(self) -> None:
         """Training thread: the step's gradient all-reduce is over (summed or failed). The
@@ -286,9 +287,16 @@ class Runtime:
         had committed one more, failed to resume and waited for a plan that never came, its
         peers waiting for it: found by `bench recovery`, 1 run in 6.)"""
         with self._cond:
-            self._collective_since = None
-            self._step_in_flight = None
-            self._progress()
+            self._move(StepPhase.IDLE)
+
+    def _move(self, phase: StepPhase, step: int | None = None,
+              since: float | None = None) -> None:
+        """(Under the lock.) The step's life moves (``vocab.STEP_MOVES``); the step stays
+        the one in flight unless a new one begins. Every move is progress (the watchdog)."""
+        keep = step if step is not None else (self._life.step if phase is not StepPhase.IDLE
+                                              else None)
+        self._life = self._life.to(phase, keep, since)
+        self._progress()
 
     def _progress(self) -> None:
         """(Under the lock.) The training thread moved: a stall, if any, is over."""
@@ -371,14 +379,14 @@ class Runtime:
         """The all-reduce has waited long: say so (peer_error), so the monitor looks for a
         member whose heartbeats stopped. Harmless when none has (``watchdog.py``)."""
         with self._cond:
-            msg = self._watchdog.stuck(self._collective_since)
+            msg = self._watchdog.stuck(self._life.since)
         if msg is not None:
             await self.report(ReportKind.peer_error, msg)
 
     async def _report_if_stalled(self) -> None:
         """The stall watchdog (``watchdog.py``): a hang of user code, a deadlock."""
         with self._cond:
-            got = self._watchdog.stalled(self._hb, self._collective_since is not None)
+            got = self._watchdog.stalled(self._hb, self._life.phase is StepPhase.REDUCING)
             step = self._hb.step
         if got is not None:
             msg, idle, limit = got
@@ -425,19 +433,23 @@ class Runtime:
         with self._cond:
             self._cond.notify_all()
 
-    def next_plan(self, after: int, pod: str, timeout: float | None,
-                  shadow_ready: Callable[[], bool] = lambda: False) -> Arrival | None:
-        """Wait for a plan newer than generation ``after`` ("plan"), the job done while
-        ``pod`` is in no plan ("done"), or something for a following spare to apply
-        ("shadow"); None when ``timeout`` passed first."""
-        def ready() -> Arrival | None:
-            p = self._plan
-            if p is not None and p.generation > after:
-                return Arrival("plan", plan=p, ctx=self._plan_ctx)
-            if self._done is not None and (p is None or p.rank_of(pod) is None):
-                return Arrival("done")
-            return Arrival("shadow") if shadow_ready() else None
+    def take_plans(self) -> list[Arrival]:
+        """Training thread: the plans that arrived since it last looked, oldest first; each
+        is handed over once (the inbox is emptied)."""
+        with self._cond:
+            out = list(self._inbox)
+            self._inbox.clear()
+            return out
 
+    @property
+    def done(self) -> dict | None:
+        """KV ``done`` (the job's last step committed), once seen."""
+        with self._cond:
+            return self._done
+
+    def wait(self, ready: Callable[[], Any], timeout: float | None) -> Any:
+        """Training thread: wait until ``ready()`` (called under the lock, woken by
+        whatever the runtime receives) returns something; None on timeout."""
         return self._wait(ready, timeout)
 
     def wait_transfer(self, generation: int, timeout: float) -> Arrival | None:

@@ -114,10 +114,47 @@ def can_resume(cfg: Any, plan: Plan, hb: Heartbeat, joined_generation: int, worl
 
 @dataclass(frozen=True)
 class Arrival:
-    """What the training thread's wait returned (``Runtime.next_plan``/``wait_transfer``)."""
+    """What reaches the training thread: a plan from the runtime's inbox (consumed once,
+    ``Runtime.take_plans``), or what one of its waits returned (``Membership._await_plan``,
+    ``Runtime.wait_transfer``)."""
 
-    kind: str            # "plan" | "done" | "shadow" | "transfer" | "lost" | "abort"
+    kind: str            # "plan" | "done" | "released" | "shadow" | "transfer" | "lost" | "abort"
     plan: Plan | None = None
     ctx: Any = None
     transfer: Transfer | None = None
     lost: StateLost | None = None
+    at: float = 0.0      # wall time the plan arrived
+
+
+# ---------------------------------------------------------------------------- a step's life
+class StepPhase(enum.Enum):
+    """Where the training thread is in a step, as the runtime's thread sees it (``Runtime``
+    records it under its lock; a plan arriving is judged against it, ``plan_arrival``)."""
+
+    IDLE = "idle"            # between steps (or the step is over: committed or discarded)
+    COMPUTING = "computing"  # forward/backward of a step: a fault plan may resume it in place
+    REDUCING = "reducing"    # in the gradient all-reduce: a fault plan aborts it
+
+
+STEP_MOVES: dict[StepPhase, set[StepPhase]] = {
+    # begin_step; a metric all-reduce of the script's (s.all_reduce) between steps
+    StepPhase.IDLE: {StepPhase.IDLE, StepPhase.COMPUTING, StepPhase.REDUCING},
+    # claim/enter_collective; end_step (discarded, or a planned plan at the boundary)
+    StepPhase.COMPUTING: {StepPhase.COMPUTING, StepPhase.REDUCING, StepPhase.IDLE},
+    # end_collective (summed or failed: the step commits or is discarded) or end_step
+    StepPhase.REDUCING: {StepPhase.REDUCING, StepPhase.IDLE},
+}
+
+
+@dataclass(frozen=True)
+class StepLife:
+    phase: StepPhase = StepPhase.IDLE
+    step: int | None = None     # the step in flight (COMPUTING, REDUCING)
+    since: float | None = None  # monotonic: entered the all-reduce (REDUCING)
+
+    def to(self, phase: StepPhase, step: int | None = None,
+           since: float | None = None) -> "StepLife":
+        """The next state; a move the table does not allow is a bug, refused."""
+        if phase not in STEP_MOVES[self.phase]:
+            raise RuntimeError(f"step life: {self.phase.value} -> {phase.value} is not a move")
+        return StepLife(phase, step, since)

@@ -198,3 +198,45 @@ async def test_a_fault_plan_after_the_steps_all_reduce_aborts_and_does_not_resum
             rt2.stop()
     finally:
         rt.stop()
+
+
+def test_the_step_life_moves_only_along_its_table():
+    """Runtime's record of the training thread's step (vocab.StepLife): the moves the
+    handshakes make are allowed, the step in flight is kept while it is reduced, and a
+    move the table does not have (a new step begun inside an all-reduce) is refused."""
+    from agent.vocab import StepLife, StepPhase
+
+    life = StepLife().to(StepPhase.COMPUTING, 7)
+    life = life.to(StepPhase.REDUCING, life.step, 1.0)
+    assert (life.phase, life.step, life.since) == (StepPhase.REDUCING, 7, 1.0)
+    with pytest.raises(RuntimeError, match="reducing -> computing"):
+        life.to(StepPhase.COMPUTING, 8)
+    assert life.to(StepPhase.IDLE) == StepLife()
+    cfg = AgentConfig(nats_url="nats://127.0.0.1:1", pod="p0")
+    rt = Runtime(cfg)   # not started: the handshakes are plain calls under its lock
+    rt.begin_step(3)
+    assert rt.claim_collective(1) is None and rt._life.phase is StepPhase.REDUCING
+    rt.end_collective()
+    assert rt._life == StepLife()
+    rt.end_collective()  # a script's metric all-reduce between steps: IDLE stays IDLE
+
+
+def test_a_plan_reaches_the_training_thread_once():
+    """The runtime's inbox: each plan is taken once (Runtime.take_plans); Membership keeps
+    the newest it took, whatever order they came in, and a stale or replayed plan is not
+    delivered again."""
+    from opentelemetry import context as otel_context
+
+    cfg = AgentConfig(nats_url="nats://127.0.0.1:1", pod="p0")
+    rt = Runtime(cfg)
+    m = Membership(cfg, rt, TrainState(), Timeline())
+    ctx = otel_context.Context()
+    rt._adopt_plan(plan(1, ["p0"]), ctx)
+    rt._adopt_plan(plan(2, ["p0", "p1"]), ctx)
+    rt._adopt_plan(plan(2, ["p0", "p1"]), ctx)  # replayed: not delivered again
+    rt._adopt_plan(plan(1, ["p0"]), ctx)        # stale
+    assert m.newest_plan().plan.generation == 2
+    assert rt.take_plans() == []
+    assert m.newest_plan().plan.generation == 2 and m.newest_plan().at > 0
+    rt._adopt_plan(plan(4, ["p0"], apply_step=9), ctx)
+    assert m.planned_transition(8) is None and m.planned_transition(9).generation == 4
