@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +208,76 @@ async def test_stopping_the_job_writes_a_final_checkpoint_to_resume_from(tmp_pat
         assert await c.finish() == 0, c.output()
         s = c.summary()
     assert s["final_step"] == steps - 1 and s["param_sha256"] == ref["param_sha256"]
+
+
+def _default_example(tmp_path, *args: str) -> list[str]:
+    """The command `up` runs by default (what the session's `reference` runs), plus args."""
+    from services.cluster import UpOptions, _default_data, default_cmd
+
+    return [*default_cmd(UpOptions(steps=STEPS), _default_data(tmp_path / "data")), *args]
+
+
+async def test_a_spare_started_after_an_auto_resume_takes_the_state_from_its_peers(
+        tmp_path, reference):
+    """Issue 33 (5): after a total loss the job resumes in restart-1/ from checkpoint C and
+    goes on checkpointing (keep 1), which deletes C. A worker is killed: the spare takes its
+    rank and the replacement spare `up` starts must take the job's state from its peers
+    (it never loads C, which is gone): it follows the job, is promoted when rank 1 is killed
+    again, and the job ends bitwise equal to the fault-free run."""
+    import re
+
+    from agent import checkpoint
+
+    ref = reference(2)
+    ckdir = tmp_path / "ckpt"
+    cmd = _default_example(tmp_path, "--sleep", "0.04")  # same numerics, slower steps
+    async with Cluster(tmp_path / "auto", 2, 1, STEPS, replace=True, extra=[
+            "--checkpoint-dir", str(ckdir), "--checkpoint-every", "5",
+            "--checkpoint-keep", "1", "--", *cmd]) as c:
+        await c.wait_spares(1)
+        await c.wait_rank_step(0, 6)
+        for h in list(c.hb.values()):
+            os.kill(h.pid, signal.SIGKILL)
+        await c.wait_for(lambda: c.job_dir() != c.run_dir, 60, "the restart")
+        await c.reattach()
+        out = lambda: (c.run_dir / "up.out").read_text()  # noqa: E731
+        found = Path(re.search(r"restarting from (\S+)", out()).group(1))
+        logs = c.job_dir() / "logs"
+
+        checked = [0.0]
+
+        def no_crash_loop() -> bool:
+            if time.monotonic() - checked[0] < 0.5:
+                return True
+            checked[0] = time.monotonic()
+            for p in logs.glob("*.log"):
+                text = p.read_text(errors="replace")
+                assert "no complete checkpoint" not in text, \
+                    f"{p.name} loaded the checkpoint the job resumed from:\n{text[-2000:]}"
+            return True
+
+        def kill_rank(rank: int) -> None:  # the newest generation's member of that rank
+            h = max((h for h in c.hb.values() if h.rank == rank
+                     and h.state.value == "training"), key=lambda h: h.generation)
+            os.kill(h.pid, signal.SIGKILL)
+
+        await c.wait_spares(1)
+        # the resumed job's own checkpoints rotated the one it started from away
+        await c.wait_for(lambda: not (found / "manifest.json").exists(), 60,
+                         f"{found.name} rotated away")
+        first = set(c.hb)
+        kill_rank(1)
+        new = await c.wait_for(
+            lambda: no_crash_loop() and next((p for p, h in c.hb.items() if p not in first
+                                              and h.role.value == "spare" and h.step >= 0),
+                                             None),
+            60, "a replacement spare following the job")
+        kill_rank(1)  # the promoted spare: now the replacement's turn
+        await c.wait_for(lambda: no_crash_loop() and c.hb[new].rank is not None, 60,
+                         f"{new} promoted")
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+        checked[0] = 0.0
+        no_crash_loop()
+    assert s["final_step"] == STEPS - 1 and s["param_sha256"] == ref["param_sha256"]
+    assert len(s["restarts"]) == 1 and s["restarts"][0]["from_checkpoint"] == str(found)
