@@ -276,6 +276,10 @@ async def run(opts: UpOptions) -> int:
                    CEASELESS_CHECKPOINT_EVERY=str(opts.checkpoint_every),
                    CEASELESS_CHECKPOINT_KEEP=str(opts.checkpoint_keep),
                    CEASELESS_CHECKPOINT_MINUTES=str(opts.checkpoint_minutes))
+    # Only the pods that start the job load the checkpoint it resumes from; a pod that
+    # joins later (a replacement, a capacity joiner) takes the state from its peers: the
+    # job's own checkpoints may have rotated that one away by then (issue 33).
+    launch_env: dict[str, str] = {}
     if opts.resume:
         from agent import checkpoint
 
@@ -284,7 +288,7 @@ async def run(opts: UpOptions) -> int:
             raise SystemExit(f"ceaseless up: --resume {opts.resume}: no complete checkpoint "
                              "there (a step-N directory with a manifest.json)")
         print(f"  resume:  {found}", file=out, flush=True)
-        env["CEASELESS_RESUME_FROM"] = str(found)
+        launch_env["CEASELESS_RESUME_FROM"] = str(found)
     if opts.save_params:
         env["CEASELESS_SAVE_PARAMS"] = "1"
     if tls is not None:
@@ -311,12 +315,13 @@ async def run(opts: UpOptions) -> int:
         act = ray_act
         act.bus, act.argv, act.env = bus, cmd, env
         act.allow_inject, act.replace, act.budget = opts.allow_inject, opts.replace, budget
+        act.launch_env = launch_env
         print(f"  ray:     {opts.ray_address or 'a local Ray'}, pods as actors "
               f"({opts.ray_cpus_per_pod:g} CPU, {opts.gpus_per_pod or 0} GPU each)",
               file=out, flush=True)
     else:
         act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus,
-                            replace=opts.replace, budget=budget)
+                            replace=opts.replace, budget=budget, launch_env=launch_env)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)

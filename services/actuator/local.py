@@ -5,6 +5,11 @@ It answers ``ActuatorCommand`` requests on ``ceaseless.<job>.actuator``, execute
 fresh spare in place of every pod that fails (any non-zero exit: a crash, a kill, a fenced
 pod, ``FALLBACK_EXIT_CODE`` when in-process recovery gave up), within a crash-loop budget
 (``replace.py``); ``replace=False`` only restarts ``FALLBACK_EXIT_CODE`` pods.
+
+``launch_env`` (``CEASELESS_RESUME_FROM`` of a resumed job) goes only to the pods started
+before the job's first plan: a pod that joins a live job (a replacement spare, a capacity
+joiner) takes the state from its peers, never from the checkpoint the job started from,
+which the job's own checkpoints may have rotated away since (issue 33).
 """
 
 from __future__ import annotations
@@ -36,12 +41,15 @@ class LocalActuator:
     def __init__(self, bus: Bus, argv: list[str], env: dict[str, str], log_dir: Path,
                  restart_fallback: bool = True, allow_inject: bool = False,
                  gpus: Any = None, replace: bool = True,
-                 budget: ReplacementBudget | None = None) -> None:
+                 budget: ReplacementBudget | None = None,
+                 launch_env: dict[str, str] | None = None) -> None:
         self.allow_inject = allow_inject
         self.gpus = gpus  # a GpuAssigner (services/actuator/gpus.py), or None: env as is
         self.bus = bus
         self.argv = argv
         self.env = env
+        # only for the pods that start the job (before its first plan): see the module doc
+        self.launch_env = dict(launch_env or {})
         self.log_dir = log_dir
         self.restart_fallback = restart_fallback
         self.replace = replace
@@ -121,11 +129,17 @@ class LocalActuator:
             if pod not in self.roles:
                 return pod
 
+    def pod_spec(self, pod: str, role: Role) -> PodSpec:
+        """A new pod's spec: ``launch_env`` only while the job has no plan yet (the pods
+        that start it); a pod joining a live job gets the state from its peers."""
+        env = dict(self.launch_env) if self.plan is None else {}
+        return PodSpec(pod=pod, role=role, argv=self.argv, env=env)
+
     async def start(self, role: Role, count: int = 1) -> list[str]:
         pods = []
         for _ in range(count):
             pod = self.new_pod_id(role)
-            await self.spawn(PodSpec(pod=pod, role=role, argv=self.argv))
+            await self.spawn(self.pod_spec(pod, role))
             pods.append(pod)
         return pods
 

@@ -400,8 +400,7 @@ class RayActuator(LocalActuator):
         pods = [self.new_pod_id(role) for _ in range(count)]
         for pod in pods:
             self.roles[pod] = role  # reserve the id at once (new_pod_id checks roles)
-        await asyncio.gather(*(self.spawn(PodSpec(pod=p, role=role, argv=self.argv))
-                               for p in pods))
+        await asyncio.gather(*(self.spawn(self.pod_spec(p, role)) for p in pods))
         return pods
 
     def pod_env(self, spec: PodSpec) -> dict[str, str]:
