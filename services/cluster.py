@@ -327,6 +327,11 @@ async def run(opts: UpOptions) -> int:
     await obs.attach(bus)
     exits: dict[str, int] = {}
     act.on_exit.append(lambda pod, code: exits.__setitem__(pod, code))
+    # A pod that fails before it ever heartbeats (a wrong `python`, an import error, a bad
+    # command) is reported here with the end of its log, not only left in the log.
+    act.heartbeated = lambda pod: pod in obs.hb
+    act.on_start_failure.append(lambda pod, code, lines: _report_start_failure(
+        act, pod, code, lines, info.started))
     await act.start(Role.worker, opts.workers)
     await act.start(Role.spare, opts.spares)
 
@@ -388,6 +393,10 @@ async def run(opts: UpOptions) -> int:
                                                     for p, c in sorted(failed.items()))
                                + " after it (see its log)")
                 break
+            failed_at_start = _failed_at_start(act, obs, opts.workers + opts.spares)
+            if failed_at_start:
+                code, reason = 1, failed_at_start
+                break
             if exits and not act.running():
                 code, reason = 1, f"every pod exited ({exits}) before training finished"
                 break
@@ -422,6 +431,43 @@ async def run(opts: UpOptions) -> int:
     if _total_loss(code, exits) and opts.checkpoint_dir and opts.auto_resume > 0:
         return await _resume_after_loss(opts, run_dir, summary, out, code)
     return code
+
+
+START_FAILURES_IN_FULL = 3  # log tails printed whole; later ones as their error line
+
+
+def _report_start_failure(act: Any, pod: str, code: int, lines: list[str],
+                          started: float) -> None:
+    """On `up`'s stderr: the first few pods that failed before they ever heartbeated with
+    the end of their log, later ones with their error line only (a crash loop stays
+    readable)."""
+    from services.actuator.podlog import error_line
+
+    n = len(act.start_failures)
+    head = (f"[{time.time() - started:7.2f}s] pod {pod} failed before it started training "
+            f"(exit {code})")
+    if n > START_FAILURES_IN_FULL:
+        print(f"{head}: {error_line(lines) or '(its log is empty)'}", file=sys.stderr,
+              flush=True)
+        return
+    body = "\n".join(f"  | {ln}" for ln in lines) if lines else "  (its log is empty)"
+    print(f"{head}; the end of its log ({act.log_path(pod)}):\n{body}", file=sys.stderr,
+          flush=True)
+
+
+def _failed_at_start(act: Any, obs: Observer, pods: int) -> str | None:
+    """Why `up` stops now because the command does not start (None: it does not): no pod
+    ever heartbeated, and as many pods as the job starts with have failed before they
+    did (waiting for the scaler's start timeout, or replacing them, would change
+    nothing)."""
+    failures = act.start_failures
+    if obs.hb or len(failures) < pods:
+        return None
+    from services.actuator.podlog import error_line
+
+    errors = sorted({error_line(lines) or "(empty log)" for _, _, lines in failures})
+    return (f"every pod failed before it started training ({len(failures)} pods, none "
+            f"heartbeated): {'; '.join(errors)[:500]} (see the log lines above)")
 
 
 async def _checkpoint_before_stopping(bus: Bus, ckdir: Path, out: Any, info: Any,

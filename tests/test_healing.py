@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -18,11 +19,14 @@ pytestmark = [pytest.mark.timeout(300)]
 
 def test_the_budget_refuses_a_crash_loop_and_recovers():
     b = ReplacementBudget(limit=2, window_s=10.0)
-    assert b.take(0.0) is None and b.take(1.0) is None
+    assert b.take(0.0) is None and b.refused(0.5) is None and b.take(1.0) is None
+    assert "not starting more" in b.refused(1.5)  # no pod started on request either
     refused = b.take(2.0)
     assert refused is not None and "crash loop" in refused and "limit 2" in refused
-    assert b.take(9.9) is not None     # still two within the last 10 s
-    assert b.take(10.0) is None        # the first one left the window
+    # a failure that was not replaced counts too (issue 33): [1, 2, 9.9, 10] in the window
+    assert b.take(9.9) is not None and b.take(10.0) is not None
+    assert b.refused(19.5) is not None   # 9.9 and 10.0 still within the last 10 s
+    assert b.refused(20.0) is None and b.take(20.0) is None  # they left the window
     with pytest.raises(ValueError):
         ReplacementBudget(limit=1, window_s=0)
 
@@ -281,3 +285,77 @@ async def test_a_spare_started_after_an_auto_resume_takes_the_state_from_its_pee
         no_crash_loop()
     assert s["final_step"] == STEPS - 1 and s["param_sha256"] == ref["param_sha256"]
     assert len(s["restarts"]) == 1 and s["restarts"][0]["from_checkpoint"] == str(found)
+
+
+async def test_a_command_that_fails_at_start_stops_up_at_once_with_its_error(tmp_path):
+    """Issue 33 (3): every pod fails before it ever heartbeats (an import error in the
+    script). `up` (replacement pods on, its default) prints the end of the pods' logs
+    itself and stops within seconds with a non-zero exit, instead of waiting out the
+    start timeout (120 s here) or replacing them in a loop."""
+    t0 = time.monotonic()
+    async with Cluster(tmp_path / "bad", 2, 1, 10, replace=True,
+                       cmd=[sys.executable, "-c", "import nonexistent_mod"]) as c:
+        code = await c.finish(60)
+    took = time.monotonic() - t0
+    out = (tmp_path / "bad" / "up.out").read_text()
+    assert code == 1, out[-3000:]
+    assert "ModuleNotFoundError: No module named 'nonexistent_mod'" in out, out[-3000:]
+    assert "failed before it started training" in out and "every pod failed" in out, out[-3000:]
+    assert "  | Traceback" in out  # the log's tail, as the pod wrote it
+    assert "restarting from" not in out  # no auto-resume of a command that cannot start
+    assert took < 30, (took, out[-3000:])
+    s = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    assert "every pod failed before it started training" in s["reason"]
+
+
+async def test_every_failed_pod_counts_against_the_crash_loop_budget(tmp_path):
+    """Issue 33 (5): pods asked for on the bus (as a keeper of the spare pool does) that
+    fail at start, not replaced (--no-replace), count against the crash-loop budget: once
+    2 failed (--max-replacements 2), the actuator refuses to start more, saying why. Each
+    is reported by `up` with its error (it failed before it ever heartbeated), and the
+    job, which never needed them, trains on and finishes."""
+    from schemas.messages import ActuatorAction, ActuatorCommand, ActuatorReply, Role
+
+    script = ("import os, runpy, sys\n"
+              "if os.environ['CEASELESS_ROLE'] == 'spare':\n"
+              "    sys.exit('spares fail at start on purpose')\n"
+              "sys.argv = ['train_gpt', *sys.argv[1:]]\n"
+              "runpy.run_module('examples.train_gpt', run_name='__main__')\n")
+    cmd = [sys.executable, "-c", script, "--steps", "40", "--sleep", "0.02"]
+    async with Cluster(tmp_path / "loop", 1, 0, 40, extra=["--max-replacements", "2"],
+                       cmd=cmd) as c:
+        await c.wait_rank_step(0, 1)
+
+        async def ask() -> ActuatorReply:
+            return await c.bus.request(c.bus.subjects.actuator, ActuatorCommand(
+                action=ActuatorAction.start, role=Role.spare, count=1,
+                reason="test: keep the spare pool full"), ActuatorReply, timeout=10)
+
+        started = []
+        for _ in range(2):
+            r = await ask()
+            assert r.ok, r
+            started += r.pods
+            await c.wait_for(lambda: all(p in _exits(c) for p in started), 30,
+                             f"{started} failed")
+        r = await ask()
+        assert not r.ok and "crash loop" in r.error and "limit 2" in r.error, r
+        assert await c.finish() == 0, c.output()
+    out = (tmp_path / "loop" / "up.out").read_text()
+    for pod in started:
+        assert f"pod {pod} failed before it started training (exit 1)" in out, out[-3000:]
+    assert "spares fail at start on purpose" in out
+    assert c.summary()["final_step"] == 39
+
+
+def _exits(c: Cluster) -> dict[str, int]:
+    """The pods `up`'s actuator saw exit, from its log lines in up.out."""
+    import re
+
+    out = {}
+    for line in (c.run_dir / "up.out").read_text().splitlines():
+        if "pod exited" in line or "failed before it started training" in line:
+            code, pod = re.search(r"exit_code=(-?\d+)", line), re.search(r"pod=(\w+)", line)
+            if code and pod:
+                out[pod.group(1)] = int(code.group(1))
+    return out

@@ -27,8 +27,9 @@ from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, In
 from services.common import logs
 from services.common.bus import Bus, Envelope
 
+from . import podlog
 from .base import PodSpec
-from .replace import ReplacementBudget, should_replace
+from .replace import ReplacementBudget, is_failure
 
 # The agent exits with this code when in-process recovery failed too often or it was
 # fenced: "restart me as a spare".
@@ -65,6 +66,13 @@ class LocalActuator:
         self.plan: Plan | None = None
         self.on_exit: list[Callable[[str, int], None]] = []
         self.killed: set[str] = set()
+        # Whether a pod ever heartbeated (set by `up`, which watches the heartbeats): a pod
+        # that exits with an error before that failed at start, and is reported with the
+        # end of its log: (pod, exit code, log tail) to ``on_start_failure`` and in
+        # ``start_failures``.
+        self.heartbeated: Callable[[str], bool] | None = None
+        self.start_failures: list[tuple[str, int, list[str]]] = []
+        self.on_start_failure: list[Callable[[str, int, list[str]], None]] = []
 
     # ------------------------------------------------------------------ bus wiring
     async def attach(self) -> None:
@@ -80,8 +88,14 @@ class LocalActuator:
     async def _on_command(self, cmd: ActuatorCommand, env: Envelope) -> None:
         try:
             if cmd.action == ActuatorAction.start:
-                pods = await self.start(cmd.role, cmd.count)
-                reply = ActuatorReply(ok=True, pods=pods)
+                refused = self.budget.refused(time.monotonic())
+                if refused is not None:  # pods keep failing: starting more would loop
+                    log.warning("start refused", role=cmd.role.value, count=cmd.count,
+                                reason=refused, requested=cmd.reason)
+                    reply = ActuatorReply(ok=False, error=refused)
+                else:
+                    pods = await self.start(cmd.role, cmd.count)
+                    reply = ActuatorReply(ok=True, pods=pods)
             elif cmd.pod is None:
                 reply = ActuatorReply(ok=False, error=f"{cmd.action.value} needs a pod")
             elif cmd.action == ActuatorAction.kill:
@@ -178,12 +192,28 @@ class LocalActuator:
             self.gpus.release(pod)
         await self._exited(pod, code, proc.pid)
 
+    def log_path(self, pod: str) -> Path:
+        """Where the pod's output goes (on this machine)."""
+        return self.log_dir / f"{pod}.log"
+
     async def _exited(self, pod: str, code: int, pid: int | None, **why: Any) -> None:
         """A pod is gone: record it, publish the ``exited`` lifecycle event, tell the
-        ``on_exit`` callbacks, and start a replacement spare if the rules say so (shared
-        with the Ray actuator, ``ray.py``)."""
+        ``on_exit`` callbacks, count a failure against the crash-loop budget and start a
+        replacement spare if the rules say so (shared with the Ray actuator, ``ray.py``)."""
         self.exits[pod] = code
-        log.info("pod exited", pod=pod, exit_code=code, **why)
+        failed = is_failure(code, self.shutting_down) and pod not in self.stopped
+        lines: list[str] | None = None
+        if (failed and code > 0 and self.heartbeated is not None
+                and not self.heartbeated(pod)):
+            # it exited with an error before it ever heartbeated: it failed at start, and
+            # its log says why (a signal, code < 0, is no error of the pod's own)
+            lines = podlog.tail(self.log_path(pod))
+            why = {**why, "error": podlog.error_line(lines) or "(its log is empty)",
+                   "log": str(self.log_path(pod))}
+            log.warning("pod failed before it started training", pod=pod, exit_code=code,
+                        **why)
+        else:
+            log.info("pod exited", pod=pod, exit_code=code, **why)
         try:
             await self.bus.publish(self.bus.subjects.lifecycle(pod), Lifecycle(
                 pod=pod, event=LifecycleEvent.exited, role=self.roles[pod], pid=pid,
@@ -192,10 +222,17 @@ class LocalActuator:
             log.warning("could not publish exit", pod=pod, error=str(e)[:200])
         for cb in self.on_exit:
             cb(pod, code)
+        if lines is not None:
+            self.start_failures.append((pod, code, lines))
+            for scb in self.on_start_failure:
+                scb(pod, code, lines)
+        if not failed:
+            return
+        # every failed pod counts, replaced or not: a crash loop of pods that someone else
+        # asks for (a keeper of the spare pool, the scaler) is found too
+        refused = self.budget.take(time.monotonic())
         fallback = code == FALLBACK_EXIT_CODE and self.restart_fallback and pod not in self.killed
-        if (self.replace or fallback) and pod not in self.stopped \
-                and should_replace(code, self.shutting_down):
-            refused = self.budget.take(time.monotonic())
+        if self.replace or fallback:
             if refused is not None:
                 log.warning("pod not replaced", pod=pod, exit_code=code, reason=refused)
                 return

@@ -403,6 +403,11 @@ class RayActuator(LocalActuator):
         await asyncio.gather(*(self.spawn(self.pod_spec(p, role)) for p in pods))
         return pods
 
+    def log_path(self, pod: str) -> Path:
+        """The pod's log as its actor wrote it (`up`'s log dir, or a private directory
+        on its node when that is not shared: then not readable here)."""
+        return Path(self.info.get(pod, {}).get("log") or self.log_dir / f"{pod}.log")
+
     def pod_env(self, spec: PodSpec) -> dict[str, str]:
         fwd = {k: v for k, v in os.environ.items()
                if k.startswith(FORWARDED_PREFIXES) and k not in PER_NODE}
@@ -458,6 +463,9 @@ class RayActuator(LocalActuator):
                 self.num_gpus > 0)), self.start_timeout_s)
         except Exception as e:  # no node with the resources, the actor died at start
             ray.kill(actor, no_restart=True)
+            # a pod that failed: it counts against the crash-loop budget like any other
+            # (not replaced: it never ran)
+            self.budget.take(time.monotonic())
             log.warning("pod not started", pod=spec.pod, role=spec.role.value,
                         reason=f"{type(e).__name__}: {str(e)[:300]}")
             return
