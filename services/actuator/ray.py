@@ -259,9 +259,10 @@ class RayActuator(LocalActuator):
                  namespace: str | None = None, restart_fallback: bool = True,
                  allow_inject: bool = False, replace: bool = True,
                  budget: ReplacementBudget | None = None, watch_nodes: bool = False,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, launch_env: dict[str, str] | None = None) -> None:
         super().__init__(bus, argv, env, log_dir, restart_fallback=restart_fallback,
-                         allow_inject=allow_inject, gpus=None, replace=replace, budget=budget)
+                         allow_inject=allow_inject, gpus=None, replace=replace, budget=budget,
+                         launch_env=launch_env)
         self.watch_nodes = watch_nodes
         self.poll_s = poll_s
         self.signals = NodeSignals()
