@@ -359,3 +359,25 @@ def _exits(c: Cluster) -> dict[str, int]:
             if code and pod:
                 out[pod.group(1)] = int(code.group(1))
     return out
+
+
+async def test_a_command_that_cannot_run_at_all_is_a_failed_start_too(tmp_path):
+    """Issue 33 (3): a wrong `python` (no such program): the pod cannot even be started. It
+    is reported like a pod that failed at start (exit 127, the error in its log and in
+    `up`'s output), and `up` stops at once, cleaning up its bus and services."""
+    t0 = time.monotonic()
+    async with Cluster(tmp_path / "nopy", 2, 1, 10, replace=True,
+                       cmd=[str(tmp_path / "no-such-python"), "-c", "pass"]) as c:
+        code = await c.finish(60)
+        pids = c.pids()
+    took = time.monotonic() - t0
+    out = (tmp_path / "nopy" / "up.out").read_text()
+    assert code == 1, out[-3000:]
+    assert "FileNotFoundError" in out and "no-such-python" in out, out[-3000:]
+    assert "every pod failed before it started training" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]  # `up` itself did not crash
+    assert took < 30, (took, out[-3000:])
+    from harness import _ours
+
+    alive = [(n, p) for n, p in pids if _ours(p, str(tmp_path / "nopy"))]
+    assert not alive, alive  # nats-server and the services stopped with `up`

@@ -34,6 +34,9 @@ from .replace import ReplacementBudget, is_failure
 # The agent exits with this code when in-process recovery failed too often or it was
 # fenced: "restart me as a spare".
 FALLBACK_EXIT_CODE = 75
+# The exit code recorded for a pod whose command could not be run at all (a shell's "command
+# not found"): a failure at start like any other.
+COMMAND_NOT_RUN_EXIT_CODE = 127
 
 log = logs.get("actuator")
 
@@ -171,9 +174,25 @@ class LocalActuator:
                "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"{spec.pod}.log", "ab")
-        proc = await asyncio.create_subprocess_exec(
-            *spec.argv, env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.argv, env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)
+        except OSError as e:
+            # The command cannot run at all (a wrong `python`, not executable): a pod that
+            # failed at start, as the shell would put it (127), with the error in its log
+            out.write(f"ceaseless: cannot start the pod's command: "
+                      f"{type(e).__name__}: {e}\n".encode())
+            out.close()
+            self.roles[spec.pod] = spec.role
+            if self.gpus is not None:
+                self.gpus.release(spec.pod)
+            log.warning("pod not started", pod=spec.pod, role=spec.role.value,
+                        reason=f"{type(e).__name__}: {e}")
+            task = asyncio.create_task(self._exited(spec.pod, COMMAND_NOT_RUN_EXIT_CODE, None))
+            self._watchers.add(task)
+            task.add_done_callback(self._watchers.discard)
+            return
         out.close()
         self.procs[spec.pod] = proc
         self.roles[spec.pod] = spec.role
