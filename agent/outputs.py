@@ -46,9 +46,15 @@ class Checkpoints:
         self._handled: str | None = None   # the last checkpoint request answered
 
     def resume(self, state: TrainState) -> None:
-        """Every pod loads ``CEASELESS_RESUME_FROM`` before its first plan; in the job's
-        first generation rank 0's state is the one the members start from, as at step 0.
-        Once: a recovery never reads it."""
+        """Every pod that starts a resumed job loads ``CEASELESS_RESUME_FROM`` before its
+        first plan; in the job's first generation rank 0's state is the one the members
+        start from, as at step 0. Once: a recovery never reads it.
+
+        A spare does without it when it is gone (the job's own checkpoints rotated it
+        away): a spare holds nothing the job needs, and takes the state from its peers
+        when promoted, as any pod joining a live job does (`ceaseless up` gives the
+        variable only to the pods that start the job; issue 33). A worker must have it:
+        without it the job would silently start over."""
         path, self._resume_from = self._resume_from, None
         if path is None or state.last_committed >= 0:
             return
@@ -56,6 +62,10 @@ class Checkpoints:
 
         found = checkpoint.resolve(path)
         if found is None:
+            if os.environ.get("CEASELESS_ROLE") == "spare":
+                log.warning("no checkpoint to resume from; a spare takes the state from "
+                            "its peers", resume_from=path)
+                return
             raise FileNotFoundError(f"CEASELESS_RESUME_FROM={path}: no complete checkpoint "
                                     "there (a step-N directory with a manifest.json)")
         step = checkpoint.load(found, state)

@@ -306,6 +306,10 @@ async def run(opts: UpOptions) -> int:
                    CEASELESS_CHECKPOINT_EVERY=str(opts.checkpoint_every),
                    CEASELESS_CHECKPOINT_KEEP=str(opts.checkpoint_keep),
                    CEASELESS_CHECKPOINT_MINUTES=str(opts.checkpoint_minutes))
+    # Only the pods that start the job load the checkpoint it resumes from; a pod that
+    # joins later (a replacement, a capacity joiner) takes the state from its peers: the
+    # job's own checkpoints may have rotated that one away by then (issue 33).
+    launch_env: dict[str, str] = {}
     if opts.resume:
         from agent import checkpoint
 
@@ -314,7 +318,7 @@ async def run(opts: UpOptions) -> int:
             raise SystemExit(f"ceaseless up: --resume {opts.resume}: no complete checkpoint "
                              "there (a step-N directory with a manifest.json)")
         print(f"  resume:  {found}", file=out, flush=True)
-        env["CEASELESS_RESUME_FROM"] = str(found)
+        launch_env["CEASELESS_RESUME_FROM"] = str(found)
     if opts.save_params:
         env["CEASELESS_SAVE_PARAMS"] = "1"
     if tls is not None:
@@ -341,17 +345,23 @@ async def run(opts: UpOptions) -> int:
         act = ray_act
         act.bus, act.argv, act.env = bus, cmd, env
         act.allow_inject, act.replace, act.budget = opts.allow_inject, opts.replace, budget
+        act.launch_env = launch_env
         print(f"  ray:     {opts.ray_address or 'a local Ray'}, pods as actors "
               f"({opts.ray_cpus_per_pod:g} CPU, {opts.gpus_per_pod or 0} GPU each)",
               file=out, flush=True)
     else:
         act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus,
-                            replace=opts.replace, budget=budget)
+                            replace=opts.replace, budget=budget, launch_env=launch_env)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)
     exits: dict[str, int] = {}
     act.on_exit.append(lambda pod, code: exits.__setitem__(pod, code))
+    # A pod that fails before it ever heartbeats (a wrong `python`, an import error, a bad
+    # command) is reported here with the end of its log, not only left in the log.
+    act.heartbeated = lambda pod: pod in obs.hb
+    act.on_start_failure.append(lambda pod, code, lines: _report_start_failure(
+        act, pod, code, lines, info.started))
     await act.start(Role.worker, opts.workers)
     await act.start(Role.spare, opts.spares)
 
@@ -424,6 +434,10 @@ async def run(opts: UpOptions) -> int:
                                                   for p, c in sorted(failed.items()))
                              + " after it (see its log)")
                     reason += after
+                break
+            failed_at_start = _failed_at_start(act, obs, opts.workers + opts.spares)
+            if failed_at_start:
+                code, reason = 1, failed_at_start
                 break
             if exits and not act.running():
                 code, reason = 1, f"every pod exited ({exits}) before training finished"
@@ -546,6 +560,41 @@ def _finished(world_size: int, steps: tuple[int | None, int | None]) -> str | No
         return f"all {world_size} members finished {done} steps"
     return (f"all {world_size} members finished at step {done} ({done - first} computed in "
             f"this run, resumed from step {first})")
+START_FAILURES_IN_FULL = 3  # log tails printed whole; later ones as their error line
+
+
+def _report_start_failure(act: Any, pod: str, code: int, lines: list[str],
+                          started: float) -> None:
+    """On `up`'s stderr: the first few pods that failed before they ever heartbeated with
+    the end of their log, later ones with their error line only (a crash loop stays
+    readable)."""
+    from services.actuator.podlog import error_line
+
+    n = len(act.start_failures)
+    head = (f"[{time.time() - started:7.2f}s] pod {pod} failed before it started training "
+            f"(exit {code})")
+    if n > START_FAILURES_IN_FULL:
+        print(f"{head}: {error_line(lines) or '(its log is empty)'}", file=sys.stderr,
+              flush=True)
+        return
+    body = "\n".join(f"  | {ln}" for ln in lines) if lines else "  (its log is empty)"
+    print(f"{head}; the end of its log ({act.log_path(pod)}):\n{body}", file=sys.stderr,
+          flush=True)
+
+
+def _failed_at_start(act: Any, obs: Observer, pods: int) -> str | None:
+    """Why `up` stops now because the command does not start (None: it does not): no pod
+    ever heartbeated, and as many pods as the job starts with have failed before they
+    did (waiting for the scaler's start timeout, or replacing them, would change
+    nothing)."""
+    failures = act.start_failures
+    if obs.hb or len(failures) < pods:
+        return None
+    from services.actuator.podlog import error_line
+
+    errors = sorted({error_line(lines) or "(empty log)" for _, _, lines in failures})
+    return (f"every pod failed before it started training ({len(failures)} pods, none "
+            f"heartbeated): {'; '.join(errors)[:500]} (see the log lines above)")
 
 
 async def _checkpoint_before_stopping(bus: Bus, ckdir: Path, out: Any, info: Any,

@@ -107,3 +107,37 @@ def test_a_step_written_again_replaces_the_old_one(tmp_path):
     dst = _state(2, 1)
     ck.load(ck.latest(tmp_path), dst)
     assert dst.param_sha256() == _state(1, 2).param_sha256()
+
+
+def test_a_spare_does_without_a_resume_checkpoint_that_rotated_away(tmp_path, monkeypatch):
+    """Issue 33: CEASELESS_RESUME_FROM names a checkpoint the resumed job's own checkpoints
+    have since deleted (keep 1). A spare starts without it (it takes the state from its
+    peers when promoted) instead of crashing at start; a worker still refuses to start
+    (the job would silently start over), and an existing checkpoint is loaded by both."""
+    import pytest
+
+    from agent.outputs import Checkpoints
+
+    src = _state(0, 3)
+    c = ck.Checkpointer(tmp_path, every=1, keep=1)
+    for s in (2, 3):
+        src.last_committed = s
+        assert c.after_commit(s, src) and c.wait(30)
+    gone, kept = tmp_path / "step-00000002", tmp_path / "step-00000003"
+    assert not gone.exists() and (kept / "manifest.json").exists()
+    monkeypatch.setenv("CEASELESS_RESUME_FROM", str(gone))
+    monkeypatch.setenv("CEASELESS_ROLE", "spare")
+    st = _state(1, 1)
+    st.last_committed = -1
+    Checkpoints().resume(st)
+    assert st.last_committed == -1  # nothing loaded: the peers' state comes at promotion
+    monkeypatch.setenv("CEASELESS_ROLE", "worker")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        Checkpoints().resume(st)
+    for role in ("worker", "spare"):
+        monkeypatch.setenv("CEASELESS_ROLE", role)
+        monkeypatch.setenv("CEASELESS_RESUME_FROM", str(tmp_path))  # the newest under it
+        st = _state(1, 1)
+        st.last_committed = -1
+        Checkpoints().resume(st)
+        assert st.last_committed == 3 and st.param_sha256() == src.param_sha256()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,11 +19,14 @@ pytestmark = [pytest.mark.timeout(300)]
 
 def test_the_budget_refuses_a_crash_loop_and_recovers():
     b = ReplacementBudget(limit=2, window_s=10.0)
-    assert b.take(0.0) is None and b.take(1.0) is None
+    assert b.take(0.0) is None and b.refused(0.5) is None and b.take(1.0) is None
+    assert "not starting more" in b.refused(1.5)  # no pod started on request either
     refused = b.take(2.0)
     assert refused is not None and "crash loop" in refused and "limit 2" in refused
-    assert b.take(9.9) is not None     # still two within the last 10 s
-    assert b.take(10.0) is None        # the first one left the window
+    # a failure that was not replaced counts too (issue 33): [1, 2, 9.9, 10] in the window
+    assert b.take(9.9) is not None and b.take(10.0) is not None
+    assert b.refused(19.5) is not None   # 9.9 and 10.0 still within the last 10 s
+    assert b.refused(20.0) is None and b.take(20.0) is None  # they left the window
     with pytest.raises(ValueError):
         ReplacementBudget(limit=1, window_s=0)
 
@@ -207,3 +212,172 @@ async def test_stopping_the_job_writes_a_final_checkpoint_to_resume_from(tmp_pat
         assert await c.finish() == 0, c.output()
         s = c.summary()
     assert s["final_step"] == steps - 1 and s["param_sha256"] == ref["param_sha256"]
+
+
+def _default_example(tmp_path, *args: str) -> list[str]:
+    """The command `up` runs by default (what the session's `reference` runs), plus args."""
+    from services.cluster import UpOptions, _default_data, default_cmd
+
+    return [*default_cmd(UpOptions(steps=STEPS), _default_data(tmp_path / "data")), *args]
+
+
+async def test_a_spare_started_after_an_auto_resume_takes_the_state_from_its_peers(
+        tmp_path, reference):
+    """Issue 33 (5): after a total loss the job resumes in restart-1/ from checkpoint C and
+    goes on checkpointing (keep 1), which deletes C. A worker is killed: the spare takes its
+    rank and the replacement spare `up` starts must take the job's state from its peers
+    (it never loads C, which is gone): it follows the job, is promoted when rank 1 is killed
+    again, and the job ends bitwise equal to the fault-free run."""
+    import re
+
+    from agent import checkpoint
+
+    ref = reference(2)
+    ckdir = tmp_path / "ckpt"
+    cmd = _default_example(tmp_path, "--sleep", "0.04")  # same numerics, slower steps
+    async with Cluster(tmp_path / "auto", 2, 1, STEPS, replace=True, extra=[
+            "--checkpoint-dir", str(ckdir), "--checkpoint-every", "5",
+            "--checkpoint-keep", "1", "--", *cmd]) as c:
+        await c.wait_spares(1)
+        await c.wait_rank_step(0, 6)
+        for h in list(c.hb.values()):
+            os.kill(h.pid, signal.SIGKILL)
+        await c.wait_for(lambda: c.job_dir() != c.run_dir, 60, "the restart")
+        await c.reattach()
+        out = lambda: (c.run_dir / "up.out").read_text()  # noqa: E731
+        found = Path(re.search(r"restarting from (\S+)", out()).group(1))
+        logs = c.job_dir() / "logs"
+
+        checked = [0.0]
+
+        def no_crash_loop() -> bool:
+            if time.monotonic() - checked[0] < 0.5:
+                return True
+            checked[0] = time.monotonic()
+            for p in logs.glob("*.log"):
+                text = p.read_text(errors="replace")
+                assert "no complete checkpoint" not in text, \
+                    f"{p.name} loaded the checkpoint the job resumed from:\n{text[-2000:]}"
+            return True
+
+        def kill_rank(rank: int) -> None:  # the newest generation's member of that rank
+            h = max((h for h in c.hb.values() if h.rank == rank
+                     and h.state.value == "training"), key=lambda h: h.generation)
+            os.kill(h.pid, signal.SIGKILL)
+
+        await c.wait_spares(1)
+        # the resumed job's own checkpoints rotated the one it started from away
+        await c.wait_for(lambda: not (found / "manifest.json").exists(), 60,
+                         f"{found.name} rotated away")
+        first = set(c.hb)
+        kill_rank(1)
+        new = await c.wait_for(
+            lambda: no_crash_loop() and next((p for p, h in c.hb.items() if p not in first
+                                              and h.role.value == "spare" and h.step >= 0),
+                                             None),
+            60, "a replacement spare following the job")
+        kill_rank(1)  # the promoted spare: now the replacement's turn
+        await c.wait_for(lambda: no_crash_loop() and c.hb[new].rank is not None, 60,
+                         f"{new} promoted")
+        assert await c.finish() == 0, c.output()
+        s = c.summary()
+        checked[0] = 0.0
+        no_crash_loop()
+    assert s["final_step"] == STEPS - 1 and s["param_sha256"] == ref["param_sha256"]
+    assert len(s["restarts"]) == 1 and s["restarts"][0]["from_checkpoint"] == str(found)
+
+
+async def test_a_command_that_fails_at_start_stops_up_at_once_with_its_error(tmp_path):
+    """Issue 33 (3): every pod fails before it ever heartbeats (an import error in the
+    script). `up` (replacement pods on, its default) prints the end of the pods' logs
+    itself and stops within seconds with a non-zero exit, instead of waiting out the
+    start timeout (120 s here) or replacing them in a loop."""
+    t0 = time.monotonic()
+    async with Cluster(tmp_path / "bad", 2, 1, 10, replace=True,
+                       cmd=[sys.executable, "-c", "import nonexistent_mod"]) as c:
+        code = await c.finish(60)
+    took = time.monotonic() - t0
+    out = (tmp_path / "bad" / "up.out").read_text()
+    assert code == 1, out[-3000:]
+    assert "ModuleNotFoundError: No module named 'nonexistent_mod'" in out, out[-3000:]
+    assert "failed before it started training" in out and "every pod failed" in out, out[-3000:]
+    assert "  | Traceback" in out  # the log's tail, as the pod wrote it
+    assert "restarting from" not in out  # no auto-resume of a command that cannot start
+    assert took < 30, (took, out[-3000:])
+    s = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    assert "every pod failed before it started training" in s["reason"]
+
+
+async def test_every_failed_pod_counts_against_the_crash_loop_budget(tmp_path):
+    """Issue 33 (5): pods asked for on the bus (as a keeper of the spare pool does) that
+    fail at start, not replaced (--no-replace), count against the crash-loop budget: once
+    2 failed (--max-replacements 2), the actuator refuses to start more, saying why. Each
+    is reported by `up` with its error (it failed before it ever heartbeated), and the
+    job, which never needed them, trains on and finishes."""
+    from schemas.messages import ActuatorAction, ActuatorCommand, ActuatorReply, Role
+
+    script = ("import os, runpy, sys\n"
+              "if os.environ['CEASELESS_ROLE'] == 'spare':\n"
+              "    sys.exit('spares fail at start on purpose')\n"
+              "sys.argv = ['train_gpt', *sys.argv[1:]]\n"
+              "runpy.run_module('examples.train_gpt', run_name='__main__')\n")
+    cmd = [sys.executable, "-c", script, "--steps", "40", "--sleep", "0.02"]
+    async with Cluster(tmp_path / "loop", 1, 0, 40, extra=["--max-replacements", "2"],
+                       cmd=cmd) as c:
+        await c.wait_rank_step(0, 1)
+
+        async def ask() -> ActuatorReply:
+            return await c.bus.request(c.bus.subjects.actuator, ActuatorCommand(
+                action=ActuatorAction.start, role=Role.spare, count=1,
+                reason="test: keep the spare pool full"), ActuatorReply, timeout=10)
+
+        started = []
+        for _ in range(2):
+            r = await ask()
+            assert r.ok, r
+            started += r.pods
+            await c.wait_for(lambda: all(p in _exits(c) for p in started), 30,
+                             f"{started} failed")
+        r = await ask()
+        assert not r.ok and "crash loop" in r.error and "limit 2" in r.error, r
+        assert await c.finish() == 0, c.output()
+    out = (tmp_path / "loop" / "up.out").read_text()
+    for pod in started:
+        assert f"pod {pod} failed before it started training (exit 1)" in out, out[-3000:]
+    assert "spares fail at start on purpose" in out
+    assert c.summary()["final_step"] == 39
+
+
+def _exits(c: Cluster) -> dict[str, int]:
+    """The pods `up`'s actuator saw exit, from its log lines in up.out."""
+    import re
+
+    out = {}
+    for line in (c.run_dir / "up.out").read_text().splitlines():
+        if "pod exited" in line or "failed before it started training" in line:
+            code, pod = re.search(r"exit_code=(-?\d+)", line), re.search(r"pod=(\w+)", line)
+            if code and pod:
+                out[pod.group(1)] = int(code.group(1))
+    return out
+
+
+async def test_a_command_that_cannot_run_at_all_is_a_failed_start_too(tmp_path):
+    """Issue 33 (3): a wrong `python` (no such program): the pod cannot even be started. It
+    is reported like a pod that failed at start (exit 127, the error in its log and in
+    `up`'s output), and `up` stops at once, cleaning up its bus and services."""
+    t0 = time.monotonic()
+    async with Cluster(tmp_path / "nopy", 2, 1, 10, replace=True,
+                       cmd=[str(tmp_path / "no-such-python"), "-c", "pass"]) as c:
+        code = await c.finish(60)
+        pids = c.pids()
+    took = time.monotonic() - t0
+    out = (tmp_path / "nopy" / "up.out").read_text()
+    assert code == 1, out[-3000:]
+    assert "FileNotFoundError" in out and "no-such-python" in out, out[-3000:]
+    assert "every pod failed before it started training" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]  # `up` itself did not crash
+    assert took < 30, (took, out[-3000:])
+    from harness import _ours
+
+    alive = [(n, p) for n, p in pids if _ours(p, str(tmp_path / "nopy"))]
+    assert not alive, alive  # nats-server and the services stopped with `up`

@@ -160,6 +160,57 @@ async def test_a_lost_node_is_reported_as_the_pod_exiting_at_once(cluster, bus, 
     _wait_dead(victim.node_id)  # the next test must not place a pod on it
 
 
+START_FAILS = ("import os, sys\n"
+               "print('resume from', os.environ.get('CEASELESS_RESUME_FROM'), flush=True)\n"
+               "sys.exit('fails at start on purpose')\n")
+
+
+async def test_a_pod_failing_at_start_is_reported_counted_and_resumes_only_at_launch(
+        cluster, bus, tmp_path):
+    """Issue 33, with pods as Ray actors: a pod started before the job's first plan gets
+    ``launch_env`` (CEASELESS_RESUME_FROM), one started once a plan exists does not (it
+    joins a live job: its peers give it the state). A pod that exits with an error before
+    it ever heartbeats is reported with its log's error line; every failure counts against
+    the budget (limit 1: w0 fails and is replaced by s0, which fails and is not replaced)
+    and a start request is then refused."""
+    from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Member,
+                                  Plan)
+    from services.actuator.replace import ReplacementBudget
+
+    act, ev = await _actuator(bus, tmp_path, [sys.executable, "-c", START_FAILS],
+                              launch_env={"CEASELESS_RESUME_FROM": "/ckpt/step-00000937"},
+                              budget=ReplacementBudget(limit=1))
+    act.heartbeated = lambda pod: False
+    try:
+        await act.start(Role.worker, 1)
+        await until(lambda: ev.exited("w0"), 60, "w0's exit")
+        # the job's first plan arrives (w0's replacement s0 may start before or after it)
+        await bus.publish(bus.subjects.plan, Plan(
+            generation=1, members=[Member(pod="w9", rank=0)], world_size=1,
+            global_batch_size=4, micro_batch_size=4, shares={0: 1}))
+        await until(lambda: act.plan is not None, 10, "the plan")
+        await until(lambda: ev.exited("s0"), 60, "the replacement's exit")
+        await until(lambda: len(act.start_failures) == 2, 10, "both reported")
+        assert [(p, c) for p, c, _ in act.start_failures] == [("w0", 1), ("s0", 1)]
+        assert all("fails at start on purpose" in lines for _, _, lines in act.start_failures)
+        log_w0 = (tmp_path / "logs" / "w0.log").read_text()
+        assert "resume from /ckpt/step-00000937" in log_w0, log_w0
+        reply = await bus.request(bus.subjects.actuator, ActuatorCommand(
+            action=ActuatorAction.start, role=Role.spare, count=1), ActuatorReply, timeout=10)
+        assert not reply.ok and "crash loop" in reply.error, reply
+        assert act.replacements == [("w0", "s0")]  # s0's failure used the budget up
+        # a pod started once the job has a plan never gets the launch environment
+        act.budget = ReplacementBudget(limit=10)
+        reply = await bus.request(bus.subjects.actuator, ActuatorCommand(
+            action=ActuatorAction.start, role=Role.spare, count=1), ActuatorReply, timeout=60)
+        assert reply.ok and reply.pods == ["s1"], reply
+        await until(lambda: ev.exited("s1"), 60, "s1's exit")
+        log_s1 = (tmp_path / "logs" / "s1.log").read_text()
+        assert "resume from None" in log_s1, log_s1
+    finally:
+        await act.shutdown(grace_s=2)
+
+
 def _wait_dead(node_id: str, timeout: float = 30) -> None:
     """Until the GCS counts a removed raylet dead: until then Ray may still place actors
     there, which then die at once (seen: the next test's pod never started)."""

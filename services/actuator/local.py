@@ -5,6 +5,11 @@ It answers ``ActuatorCommand`` requests on ``ceaseless.<job>.actuator``, execute
 fresh spare in place of every pod that fails (any non-zero exit: a crash, a kill, a fenced
 pod, ``FALLBACK_EXIT_CODE`` when in-process recovery gave up), within a crash-loop budget
 (``replace.py``); ``replace=False`` only restarts ``FALLBACK_EXIT_CODE`` pods.
+
+``launch_env`` (``CEASELESS_RESUME_FROM`` of a resumed job) goes only to the pods started
+before the job's first plan: a pod that joins a live job (a replacement spare, a capacity
+joiner) takes the state from its peers, never from the checkpoint the job started from,
+which the job's own checkpoints may have rotated away since (issue 33).
 """
 
 from __future__ import annotations
@@ -22,12 +27,16 @@ from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, In
 from services.common import logs
 from services.common.bus import Bus, Envelope
 
+from . import podlog
 from .base import PodSpec
-from .replace import ReplacementBudget, should_replace
+from .replace import ReplacementBudget, is_failure
 
 # The agent exits with this code when in-process recovery failed too often or it was
 # fenced: "restart me as a spare".
 FALLBACK_EXIT_CODE = 75
+# The exit code recorded for a pod whose command could not be run at all (a shell's "command
+# not found"): a failure at start like any other.
+COMMAND_NOT_RUN_EXIT_CODE = 127
 
 log = logs.get("actuator")
 
@@ -36,12 +45,15 @@ class LocalActuator:
     def __init__(self, bus: Bus, argv: list[str], env: dict[str, str], log_dir: Path,
                  restart_fallback: bool = True, allow_inject: bool = False,
                  gpus: Any = None, replace: bool = True,
-                 budget: ReplacementBudget | None = None) -> None:
+                 budget: ReplacementBudget | None = None,
+                 launch_env: dict[str, str] | None = None) -> None:
         self.allow_inject = allow_inject
         self.gpus = gpus  # a GpuAssigner (services/actuator/gpus.py), or None: env as is
         self.bus = bus
         self.argv = argv
         self.env = env
+        # only for the pods that start the job (before its first plan): see the module doc
+        self.launch_env = dict(launch_env or {})
         self.log_dir = log_dir
         self.restart_fallback = restart_fallback
         self.replace = replace
@@ -57,6 +69,13 @@ class LocalActuator:
         self.plan: Plan | None = None
         self.on_exit: list[Callable[[str, int], None]] = []
         self.killed: set[str] = set()
+        # Whether a pod ever heartbeated (set by `up`, which watches the heartbeats): a pod
+        # that exits with an error before that failed at start, and is reported with the
+        # end of its log: (pod, exit code, log tail) to ``on_start_failure`` and in
+        # ``start_failures``.
+        self.heartbeated: Callable[[str], bool] | None = None
+        self.start_failures: list[tuple[str, int, list[str]]] = []
+        self.on_start_failure: list[Callable[[str, int, list[str]], None]] = []
 
     # ------------------------------------------------------------------ bus wiring
     async def attach(self) -> None:
@@ -72,8 +91,14 @@ class LocalActuator:
     async def _on_command(self, cmd: ActuatorCommand, env: Envelope) -> None:
         try:
             if cmd.action == ActuatorAction.start:
-                pods = await self.start(cmd.role, cmd.count)
-                reply = ActuatorReply(ok=True, pods=pods)
+                refused = self.budget.refused(time.monotonic())
+                if refused is not None:  # pods keep failing: starting more would loop
+                    log.warning("start refused", role=cmd.role.value, count=cmd.count,
+                                reason=refused, requested=cmd.reason)
+                    reply = ActuatorReply(ok=False, error=refused)
+                else:
+                    pods = await self.start(cmd.role, cmd.count)
+                    reply = ActuatorReply(ok=True, pods=pods)
             elif cmd.pod is None:
                 reply = ActuatorReply(ok=False, error=f"{cmd.action.value} needs a pod")
             elif cmd.action == ActuatorAction.kill:
@@ -121,11 +146,17 @@ class LocalActuator:
             if pod not in self.roles:
                 return pod
 
+    def pod_spec(self, pod: str, role: Role) -> PodSpec:
+        """A new pod's spec: ``launch_env`` only while the job has no plan yet (the pods
+        that start it); a pod joining a live job gets the state from its peers."""
+        env = dict(self.launch_env) if self.plan is None else {}
+        return PodSpec(pod=pod, role=role, argv=self.argv, env=env)
+
     async def start(self, role: Role, count: int = 1) -> list[str]:
         pods = []
         for _ in range(count):
             pod = self.new_pod_id(role)
-            await self.spawn(PodSpec(pod=pod, role=role, argv=self.argv))
+            await self.spawn(self.pod_spec(pod, role))
             pods.append(pod)
         return pods
 
@@ -143,9 +174,25 @@ class LocalActuator:
                "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"{spec.pod}.log", "ab")
-        proc = await asyncio.create_subprocess_exec(
-            *spec.argv, env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.argv, env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)
+        except OSError as e:
+            # The command cannot run at all (a wrong `python`, not executable): a pod that
+            # failed at start, as the shell would put it (127), with the error in its log
+            out.write(f"ceaseless: cannot start the pod's command: "
+                      f"{type(e).__name__}: {e}\n".encode())
+            out.close()
+            self.roles[spec.pod] = spec.role
+            if self.gpus is not None:
+                self.gpus.release(spec.pod)
+            log.warning("pod not started", pod=spec.pod, role=spec.role.value,
+                        reason=f"{type(e).__name__}: {e}")
+            task = asyncio.create_task(self._exited(spec.pod, COMMAND_NOT_RUN_EXIT_CODE, None))
+            self._watchers.add(task)
+            task.add_done_callback(self._watchers.discard)
+            return
         out.close()
         self.procs[spec.pod] = proc
         self.roles[spec.pod] = spec.role
@@ -164,12 +211,28 @@ class LocalActuator:
             self.gpus.release(pod)
         await self._exited(pod, code, proc.pid)
 
+    def log_path(self, pod: str) -> Path:
+        """Where the pod's output goes (on this machine)."""
+        return self.log_dir / f"{pod}.log"
+
     async def _exited(self, pod: str, code: int, pid: int | None, **why: Any) -> None:
         """A pod is gone: record it, publish the ``exited`` lifecycle event, tell the
-        ``on_exit`` callbacks, and start a replacement spare if the rules say so (shared
-        with the Ray actuator, ``ray.py``)."""
+        ``on_exit`` callbacks, count a failure against the crash-loop budget and start a
+        replacement spare if the rules say so (shared with the Ray actuator, ``ray.py``)."""
         self.exits[pod] = code
-        log.info("pod exited", pod=pod, exit_code=code, **why)
+        failed = is_failure(code, self.shutting_down) and pod not in self.stopped
+        lines: list[str] | None = None
+        if (failed and code > 0 and self.heartbeated is not None
+                and not self.heartbeated(pod)):
+            # it exited with an error before it ever heartbeated: it failed at start, and
+            # its log says why (a signal, code < 0, is no error of the pod's own)
+            lines = podlog.tail(self.log_path(pod))
+            why = {**why, "error": podlog.error_line(lines) or "(its log is empty)",
+                   "log": str(self.log_path(pod))}
+            log.warning("pod failed before it started training", pod=pod, exit_code=code,
+                        **why)
+        else:
+            log.info("pod exited", pod=pod, exit_code=code, **why)
         try:
             await self.bus.publish(self.bus.subjects.lifecycle(pod), Lifecycle(
                 pod=pod, event=LifecycleEvent.exited, role=self.roles[pod], pid=pid,
@@ -178,10 +241,17 @@ class LocalActuator:
             log.warning("could not publish exit", pod=pod, error=str(e)[:200])
         for cb in self.on_exit:
             cb(pod, code)
+        if lines is not None:
+            self.start_failures.append((pod, code, lines))
+            for scb in self.on_start_failure:
+                scb(pod, code, lines)
+        if not failed:
+            return
+        # every failed pod counts, replaced or not: a crash loop of pods that someone else
+        # asks for (a keeper of the spare pool, the scaler) is found too
+        refused = self.budget.take(time.monotonic())
         fallback = code == FALLBACK_EXIT_CODE and self.restart_fallback and pod not in self.killed
-        if (self.replace or fallback) and pod not in self.stopped \
-                and should_replace(code, self.shutting_down):
-            refused = self.budget.take(time.monotonic())
+        if self.replace or fallback:
             if refused is not None:
                 log.warning("pod not replaced", pod=pod, exit_code=code, reason=refused)
                 return

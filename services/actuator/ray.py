@@ -259,9 +259,10 @@ class RayActuator(LocalActuator):
                  namespace: str | None = None, restart_fallback: bool = True,
                  allow_inject: bool = False, replace: bool = True,
                  budget: ReplacementBudget | None = None, watch_nodes: bool = False,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, launch_env: dict[str, str] | None = None) -> None:
         super().__init__(bus, argv, env, log_dir, restart_fallback=restart_fallback,
-                         allow_inject=allow_inject, gpus=None, replace=replace, budget=budget)
+                         allow_inject=allow_inject, gpus=None, replace=replace, budget=budget,
+                         launch_env=launch_env)
         self.watch_nodes = watch_nodes
         self.poll_s = poll_s
         self.signals = NodeSignals()
@@ -400,9 +401,13 @@ class RayActuator(LocalActuator):
         pods = [self.new_pod_id(role) for _ in range(count)]
         for pod in pods:
             self.roles[pod] = role  # reserve the id at once (new_pod_id checks roles)
-        await asyncio.gather(*(self.spawn(PodSpec(pod=p, role=role, argv=self.argv))
-                               for p in pods))
+        await asyncio.gather(*(self.spawn(self.pod_spec(p, role)) for p in pods))
         return pods
+
+    def log_path(self, pod: str) -> Path:
+        """The pod's log as its actor wrote it (`up`'s log dir, or a private directory
+        on its node when that is not shared: then not readable here)."""
+        return Path(self.info.get(pod, {}).get("log") or self.log_dir / f"{pod}.log")
 
     def pod_env(self, spec: PodSpec) -> dict[str, str]:
         fwd = {k: v for k, v in os.environ.items()
@@ -459,6 +464,9 @@ class RayActuator(LocalActuator):
                 self.num_gpus > 0)), self.start_timeout_s)
         except Exception as e:  # no node with the resources, the actor died at start
             ray.kill(actor, no_restart=True)
+            # a pod that failed: it counts against the crash-loop budget like any other
+            # (not replaced: it never ran)
+            self.budget.take(time.monotonic())
             log.warning("pod not started", pod=spec.pod, role=spec.role.value,
                         reason=f"{type(e).__name__}: {str(e)[:300]}")
             return

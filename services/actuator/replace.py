@@ -2,9 +2,13 @@
 job heals back to its size instead of losing a slot per fault (issue 20).
 
 ``ReplacementBudget`` is the crash-loop guard, a pure decision over the times of earlier
-replacements: at most ``limit`` replacements in any ``window_s`` seconds. A pod that keeps
-dying (a bad node, a script that crashes at start) then stops being replaced and the refusal
-says why, instead of respawning for ever.
+failures: every pod that fails counts (a replacement, a pod the scaler or an operator asked
+for, one that is not replaced), and once ``limit`` pods failed in the last ``window_s``
+seconds a failed pod is not replaced and the actuator starts no pod on request either
+(issue 33: spares asked for by a keeper of the spare pool, each failing at start, were not
+counted, and looped for ever). A pod that keeps dying (a bad node, a script that crashes at
+start) then stops being replaced and the refusal says why; the budget comes back as the
+failures leave the window.
 """
 
 from __future__ import annotations
@@ -27,18 +31,36 @@ class ReplacementBudget:
             raise ValueError(f"replacement budget: limit >= 0 and window_s > 0 "
                              f"(got {self.limit}, {self.window_s})")
 
-    def take(self, now: float) -> str | None:
-        """Record a replacement at ``now`` (monotonic seconds) if the budget allows it:
-        None when allowed, else why not."""
+    def _recent(self, now: float) -> int:
         while self._times and now - self._times[0] >= self.window_s:
             self._times.popleft()
-        if len(self._times) >= self.limit:
-            return (f"crash loop: {len(self._times)} pods replaced in the last "
-                    f"{self.window_s:g}s (limit {self.limit}); not replacing")
+        return len(self._times)
+
+    def take(self, now: float) -> str | None:
+        """Record a failed pod at ``now`` (monotonic seconds), whether or not it is to be
+        replaced: None when a replacement is allowed, else why not."""
+        n = self._recent(now)
         self._times.append(now)
+        if n >= self.limit:
+            return (f"crash loop: {n + 1} pods failed in the last {self.window_s:g}s "
+                    f"(limit {self.limit}); not replacing")
         return None
+
+    def refused(self, now: float) -> str | None:
+        """Why no pod may be started on request now (None: it may): the failures of the
+        window used the budget up."""
+        n = self._recent(now)
+        if n >= self.limit:
+            return (f"crash loop: {n} pods failed in the last {self.window_s:g}s "
+                    f"(limit {self.limit}); not starting more pods")
+        return None
+
+
+def is_failure(exit_code: int, shutting_down: bool) -> bool:
+    """A pod that exited with ``exit_code`` failed (it counts against the budget)."""
+    return not shutting_down and exit_code not in NOT_A_FAILURE
 
 
 def should_replace(exit_code: int, shutting_down: bool) -> bool:
     """A pod that exited with ``exit_code`` gets a replacement (budget permitting)."""
-    return not shutting_down and exit_code not in NOT_A_FAILURE
+    return is_failure(exit_code, shutting_down)
