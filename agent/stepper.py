@@ -3,8 +3,9 @@
 The micro-batch accounting (the loss scaled by m / B, backwards counted so that the
 overlapped sync arms on this rank's last one), the gradient all-reduce of a member
 (a strategy chosen per generation, ``reduction.py``: overlapped ``GradSync``, one fused
-call, or sharded; abortable; a fault plan may resume it in the new group, ``prejoin.py``), then what a script does before ``optimizer.step()`` (fp16
-unscale and skip, global-norm clip, the user's hook) and the update. The commit itself is
+call, or sharded; abortable; a fault plan may resume it in the new group, ``prejoin.py``),
+then what a script does before ``optimizer.step()`` (fp16 unscale and skip, global-norm
+clip, the user's hook) and the update. The commit itself is
 the session's. In one process the all-reduce is skipped and the rest is the same.
 """
 
