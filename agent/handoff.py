@@ -6,51 +6,59 @@ moves the committed state: a recipient receives it from its sources (striped, ch
 ``agent/state.py``), a source sends it, everyone else checks that it holds the restore
 step. A spare that followed the job applies its stream while the peers connect instead.
 Rank 0 then starts streaming to the plan's spares (``shadow_roles.ShadowLeader``).
+
+The steps, in order: ``_open_incident``, ``_join`` (the rank), ``_rendezvous`` (one of three
+paths: a promoted spare's early join, a prejoin's group, a fresh group; what to do while
+the peers connect is ``_meanwhile``), ``_handoff_state``, ``_start_streaming``. What it
+needs of the membership is ``ports.Entrant``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from schemas.messages import AgentState, Plan, Role
 from services.common import logs
 
+from .ports import Entrant
 from .shadow_roles import why_not
 from .vocab import JobStateLost
 
 log = logs.get("agent")
 
 
-class Entrant(Protocol):
-    """What entering a generation needs of the pod's ``membership.Membership`` (typed here,
-    not imported: membership imports this module)."""
-
-    rt: Any
-    cfg: Any
-    backend: str
-    state: Any
-    timeline: Any
-    group: Any
-    sharding: Any
-    follower: Any
-    leader: Any
-
-    def take_early_join(self, plan: Plan, rank: int, backend: str) -> Any: ...
-    def newest_plan(self) -> Any: ...
-    def joined(self, plan: Plan, rank: int | None) -> None: ...
-    def restored(self, plan: Plan, restore_step: int) -> None: ...
-    def close_group(self) -> None: ...
-
-
 def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
           keep_grads: bool = False) -> None:
     """Enter ``plan``'s generation (raises on failure: the caller counts attempts)."""
-    from .collectives import Aborted, AbortableGroup, make_group_abortable
-    from .state import recv_state, send_state
+    inc = _open_incident(m, plan, plan_ctx, first)
+    rank = _join(m, plan)
+    snap: list[Any] = []  # the committed state, copied while the peers connect
+    _rendezvous(m, plan, rank, snap)
+    if inc is not None:
+        inc.t_group = time.time()
+    restore_step, received, sent, held = _handoff_state(m, plan, rank, snap, keep_grads)
+    if inc is not None:
+        inc.t_sync = time.time()
+        inc.restore_step = restore_step
+        inc.bytes_received, inc.bytes_sent = received, sent
+        inc.role = "recipient" if received else ("source" if sent else "survivor")
+    _start_streaming(m, plan, rank, held)
+    # data_resume: the loader position is a pure function of the step
+    if inc is not None:
+        inc.t_data = time.time()
+    state = m.state
+    m.rt.update(now=True, step=state.last_committed, digest=state.digest(),
+                state=AgentState.training)
+    log.info("joined generation", generation=plan.generation, rank=rank,
+             world_size=plan.world_size, restore_step=restore_step, received=received,
+             sent=sent)
 
-    rt, cfg, state, tl = m.rt, m.cfg, m.state, m.timeline
-    g = plan.generation
+
+def _open_incident(m: Entrant, plan: Plan, plan_ctx: Any, first: bool) -> Any:
+    """The incident this entry belongs to (None: none, the job's first join), with the
+    plan's times and context."""
+    tl, g = m.timeline, plan.generation
     if tl.incident is None and first and g > 1:
         # A spare promoted into a running job: its part starts when the plan arrived
         # (nothing to abort; its rendezvous includes noticing the plan).
@@ -62,9 +70,15 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
         inc.t_plan, inc.generation, inc.incident, inc.plan_ctx = (
             inc.notice if inc.promoted or inc.planned else time.time(), g, plan.incident,
             plan_ctx)
-    rt.join(g, plan.world_size)
+    return inc
+
+
+def _join(m: Entrant, plan: Plan) -> int:
+    """Join the generation (runtime and membership) and return this pod's rank in it; a
+    sharded model must fit the plan's shards."""
+    m.rt.join(plan.generation, plan.world_size)
     m.close_group()
-    rank = plan.rank_of(cfg.pod)
+    rank = plan.rank_of(m.cfg.pod)
     sh = m.sharding
     if plan.shard_size > 1 and sh is None:
         raise RuntimeError("the job is sharded (shard size "
@@ -73,18 +87,23 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     if sh is not None:
         sh.check(plan, rank)
     m.joined(plan, rank)
+    return rank
+
+
+def _meanwhile(m: Entrant, plan: Plan, rank: int, pre: Any,
+               snap: list[Any]) -> Callable[[], None] | None:
+    """Report the step this pod holds to the broker, and what to do while the peers
+    connect (None: nothing): a following spare applies its stream first, a likely source
+    copies its state (into ``snap``). A prejoin reported already."""
+    rt, state, g = m.rt, m.state, plan.generation
 
     def report() -> None:  # the broker takes this step and digest for the generation
         rt.update(now=True, generation=g, rank=rank, role=Role.worker,
                   step=state.last_committed, digest=state.digest(), state=AgentState.recovering)
 
-    # rendezvous: ranks come from the plan; the store lives on NATS
-    snap: list[Any] = []
-    meanwhile: Callable[[], None] | None = None
-    pre = rt.take_prejoin(g)
     if pre is not None:
-        pass  # the runtime reported the generation and is building the group (prejoin.py)
-    elif m.follower.following:
+        return None  # the runtime reported the generation and is building the group (prejoin.py)
+    if m.follower.following:
         # A spare that followed the job: apply what already arrived (cheaper than a
         # transfer) while the peers connect, then report the step it holds.
         def settle() -> None:
@@ -92,16 +111,28 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
             m.follower.stop()
             report()
 
-        meanwhile = settle
-    else:
-        report()
-        # A member holding committed state (or anyone at generation 1, where rank 0 is
-        # the source) is likely a source: copy the state while the peers connect.
-        if state.last_committed >= 0 or g == 1:
-            meanwhile = lambda: snap.append(state.snapshot())  # noqa: E731
+        return settle
+    report()
+    # A member holding committed state (or anyone at generation 1, where rank 0 is
+    # the source) is likely a source: copy the state while the peers connect.
+    if state.last_committed >= 0 or g == 1:
+        return lambda: snap.append(state.snapshot())
+    return None
+
+
+def _rendezvous(m: Entrant, plan: Plan, rank: int, snap: list[Any]) -> None:
+    """Build the generation's group (``m.group``; ranks from the plan, the store on NATS)
+    by one of three paths: a promoted spare's early join taken over (sharded), a prejoin's
+    group taken over, or a fresh group. Sharded: the shard and position groups too."""
+    from .collectives import AbortableGroup, make_group_abortable
+
+    rt, cfg, g = m.rt, m.cfg, plan.generation
+    pre = rt.take_prejoin(g)
+    meanwhile = _meanwhile(m, plan, rank, pre, snap)
     # sharded: the replica's shard group and the position group connect meanwhile (a
     # promoted spare started all three while its script sharded the model: EarlyJoin)
     early = sharded = None
+    sh = m.sharding
     if sh is not None:
         early = m.take_early_join(plan, rank, m.backend)
         sharded = early.finish if early is not None else \
@@ -129,10 +160,18 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
         from .solo import collective_args
 
         sharded(collective_args(rt, g, cfg.collective_timeout, cfg.solo_max)["extend"])
-        state.shard = divmod(rank, plan.shard_size)
-    if inc is not None:
-        inc.t_group = time.time()
-    # state_sync: the broker names sources and recipients
+        m.state.shard = divmod(rank, plan.shard_size)
+
+
+def _handoff_state(m: Entrant, plan: Plan, rank: int, snap: list[Any],
+                   keep_grads: bool) -> tuple[int, int, int, Any]:
+    """The state handoff the broker plans (it names sources and recipients): receive,
+    send, or check the restore step held. Returns (the restore step, bytes received, bytes
+    sent, the committed state this rank holds as a FlatState, if it has one)."""
+    from .collectives import Aborted
+    from .state import recv_state, send_state
+
+    rt, cfg, state, g = m.rt, m.cfg, m.state, plan.generation
     got = rt.wait_transfer(g, cfg.recovery_timeout)
     if got is None:
         raise TimeoutError(f"no transfer plan for generation {g} in {cfg.recovery_timeout}s")
@@ -163,19 +202,13 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     if not keep_grads:
         state.zero_grad()
     m.restored(plan, transfer.restore_step)
-    if inc is not None:
-        inc.t_sync = time.time()
-        inc.restore_step = transfer.restore_step
-        inc.bytes_received, inc.bytes_sent = received, sent
-        inc.role = "recipient" if received else ("source" if sent else "survivor")
-    if rank == 0 and why_not(cfg, state) is None:  # spares may ask later
+    return transfer.restore_step, received, sent, held
+
+
+def _start_streaming(m: Entrant, plan: Plan, rank: int, held: Any) -> None:
+    """Rank 0 streams to the plan's spares (``shadow_roles.ShadowLeader``), from the state
+    it holds; spares may ask later."""
+    if rank == 0 and why_not(m.cfg, m.state) is None:
         if plan.spares and held is None:
-            held = state.snapshot()
+            held = m.state.snapshot()
         m.leader.lead(plan, held)
-    # data_resume: the loader position is a pure function of the step
-    if inc is not None:
-        inc.t_data = time.time()
-    rt.update(now=True, step=state.last_committed, digest=state.digest(),
-              state=AgentState.training)
-    log.info("joined generation", generation=g, rank=rank, world_size=plan.world_size,
-             restore_step=transfer.restore_step, received=received, sent=sent)

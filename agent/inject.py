@@ -11,15 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
-
-from schemas.messages import InjectAction
+from schemas.messages import Inject, InjectAction
 from services.common import logs
+
+from .config import AgentConfig
+from .ports import InjectRuntime
 
 log = logs.get("agent")
 
 
-def accepts(inj: Any, cfg: Any, rank: int | None) -> bool:
+def accepts(inj: Inject, cfg: AgentConfig, rank: int | None) -> bool:
     """An injection this pod runs itself (the supervisor executes kill / hang / resume
     without a step: signals); refused, with a warning, unless the job allows injection."""
     if inj.action == InjectAction.resume or (
@@ -41,11 +42,11 @@ class InjectedFault(RuntimeError):
 
 
 class Injector:
-    def __init__(self, cfg: Any) -> None:
-        self._pending: list = []
+    def __init__(self, cfg: AgentConfig | None) -> None:
+        self._pending: list[Inject] = []
         self.absent_at = _test_absent_step(cfg)
 
-    def before_sync(self, rt: Any, s: int) -> None:
+    def before_sync(self, rt: InjectRuntime, s: int) -> None:
         """Run the injections due at step ``s`` (raise, stop, block or die)."""
         self._pending.extend(rt.take_injections())
         keep = []
@@ -77,7 +78,7 @@ class Injector:
         return True
 
 
-def _test_absent_step(cfg: Any) -> int | None:
+def _test_absent_step(cfg: AgentConfig | None) -> int | None:
     spec = os.environ.get("CEASELESS_TEST_ABSENT", "")
     if cfg is None or not cfg.allow_inject or ":" not in spec:
         return None

@@ -33,6 +33,7 @@ from services.common import logs
 from .config import FALLBACK_EXIT_CODE, AgentConfig
 from .handoff import enter
 from .incident import Timeline
+from .ports import MembershipRuntime
 from .prejoin import Prejoin
 from .shadow_roles import END_WAIT_S, ShadowFollower, ShadowLeader
 from .train_state import TrainState
@@ -55,7 +56,7 @@ def export_ranks(rank: int | None, world_size: int | None) -> None:
 class Membership:
     """This pod's place in the job (training thread only, except ``phase`` reads)."""
 
-    def __init__(self, cfg: AgentConfig, rt: Any, state: TrainState, timeline: Timeline) -> None:
+    def __init__(self, cfg: AgentConfig, rt: MembershipRuntime, state: TrainState, timeline: Timeline) -> None:
         self.cfg, self.rt, self.state, self.timeline = cfg, rt, state, timeline
         # The backend in use: the user's choice, else gloo until a registered model says
         # (Session.register: agent/device.py)
@@ -277,7 +278,7 @@ class Membership:
                 if self.phase is Phase.SPARE:
                     self._to(Phase.RECOVERING, "a promotion failed")
 
-    def _await_plan(self, timeout: float | None) -> Any:
+    def _await_plan(self, timeout: float | None) -> Arrival | None:
         """The next plan that includes this pod (an ``Arrival`` of kind "plan"); "done" or
         "released" when the job finished or released this pod first; None when ``timeout``
         passed."""

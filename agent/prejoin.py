@@ -27,12 +27,13 @@ from schemas.messages import AgentState, Plan, Role
 from services.common import logs
 
 from .collectives import Aborted, _park, make_group_abortable
+from .ports import PrejoinRuntime, Resumer
 
 log = logs.get("agent")
 
 
 class Prejoin:
-    def __init__(self, rt: Any, plan: Plan, rank: int, step: int, digest: str,
+    def __init__(self, rt: PrejoinRuntime, plan: Plan, rank: int, step: int, digest: str,
                  backend: str) -> None:
         self.generation = plan.generation
         self.plan_at = rt.plan_at
@@ -113,7 +114,7 @@ class Prejoin:
         return self.resumable
 
 
-def resume_in_place(m: Any, s: int, pre: Prejoin) -> bool:
+def resume_in_place(m: Resumer, s: int, pre: Prejoin) -> bool:
     """Training thread, at the collective of step ``s``: a fault plan arrived while the
     step was computed and kept our rank (``pre``); enter its generation keeping the
     gradients. False: the step is discarded (``m.discard``; recovery then goes on the

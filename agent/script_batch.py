@@ -8,16 +8,17 @@ so are ranks left without a micro-batch.
 
 from __future__ import annotations
 
-from typing import Any
-
 from schemas.messages import Plan
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.common import logs
 
+from .config import AgentConfig
+from .ports import KVRuntime
+
 log = logs.get("agent")
 
 
-def check_plan_batch(rt: Any, cfg: Any, plan: Plan, rank: int | None, world_size: int | None,
+def check_plan_batch(rt: KVRuntime, cfg: AgentConfig, plan: Plan, rank: int | None, world_size: int | None,
                      script: ScriptInfo, micro_batches: int, first: bool) -> None:
     if rank == 0 and first:
         rt.kv.put(SCRIPT_KEY, script.model_dump_json().encode())

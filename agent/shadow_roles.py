@@ -17,9 +17,11 @@ from typing import Any, Callable
 
 import torch
 
+from schemas.messages import Plan
 from services.common import logs
 
 from .config import AgentConfig
+from .ports import ShadowRuntime
 from .train_state import TrainState
 
 log = logs.get("agent")
@@ -38,7 +40,7 @@ def why_not(cfg: AgentConfig, state: TrainState) -> str | None:
     return state.replayable()  # the spare must replay what the script does
 
 
-def _store(rt: Any, generation: int, pod: str, rid: str,
+def _store(rt: ShadowRuntime, generation: int, pod: str, rid: str,
            timeout: float | None = None) -> Callable[[], Any]:
     from .shadow import store_prefix
 
@@ -54,7 +56,7 @@ def _request_key(generation: int, pod: str = "") -> str:
 class ShadowLeader:
     """Rank 0's streams to the spares of one generation at a time."""
 
-    def __init__(self, rt: Any, cfg: AgentConfig, state: TrainState) -> None:
+    def __init__(self, rt: ShadowRuntime, cfg: AgentConfig, state: TrainState) -> None:
         self._rt, self._cfg, self._state = rt, cfg, state
         self._out: dict[str, Any] = {}      # spare pod -> ShadowSender
         self._served: dict[str, str] = {}   # spare pod -> the request it answered
@@ -69,7 +71,7 @@ class ShadowLeader:
     def streaming(self) -> bool:
         return bool(self._out)
 
-    def lead(self, plan: Any, held: Any) -> None:
+    def lead(self, plan: Plan, held: Any) -> None:
         """Stream the committed state, then every committed step, to each spare that asks
         (the plan's spares at once, from ``held``; later ones at a step boundary)."""
         g = self.generation = plan.generation
@@ -159,7 +161,7 @@ class ShadowLeader:
 class ShadowFollower:
     """A spare's stream from rank 0 and what it applies."""
 
-    def __init__(self, rt: Any, cfg: AgentConfig, state: TrainState) -> None:
+    def __init__(self, rt: ShadowRuntime, cfg: AgentConfig, state: TrainState) -> None:
         self._rt, self._cfg, self._state = rt, cfg, state
         self._in: Any = None
         self._at = -1                       # the last step applied (held once confirmed)
@@ -173,7 +175,7 @@ class ShadowFollower:
         """Something arrived to apply."""
         return self._in is not None and self._in.ready()
 
-    def follow(self, plan: Any) -> None:
+    def follow(self, plan: Plan) -> None:
         """A spare of ``plan``: follow its rank 0 (ends any older stream)."""
         self.stop()
         if why_not(self._cfg, self._state) is not None or not plan.members:

@@ -35,7 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from schemas.messages import Plan
 from services.common import logs
+
+from .config import AgentConfig
+from .ports import Entrant, Placement
 
 log = logs.get("agent")
 _TYPES = {"gloo": dist.ProcessGroup.BackendType.GLOO,
@@ -265,7 +269,7 @@ class Sharding:
         self.pos_group: Any = None  # AbortableGroup of the generation (R ranks)
         self.backend_kind = backend  # the world group's choice (groups.choose_backend)
 
-    def check(self, plan: Any, rank: int) -> None:
+    def check(self, plan: Plan, rank: int) -> None:
         if plan.shard_size != self.k:
             raise RuntimeError(f"plan {plan.generation} has shard size {plan.shard_size}, this "
                                f"pod's model is sharded {self.k} ways (`ceaseless up "
@@ -275,8 +279,8 @@ class Sharding:
                                f"{self.position} to {rank % self.k}: a member keeps its "
                                "position (a bug in the scaler)")
 
-    def build(self, store_for: Callable[[str], Any], plan: Any, rank: int,
-              abort: threading.Event, cfg: Any) -> Any:
+    def build(self, store_for: Callable[[str], Any], plan: Plan, rank: int,
+              abort: threading.Event, cfg: AgentConfig) -> Any:
         """Start building this generation's shard and position groups (background threads);
         returns a ``finish()`` that waits for both (abort-aware) and installs them."""
         from .groups import _Background, make_group
@@ -359,7 +363,7 @@ class EarlyJoin:
     known; ``handoff.enter`` takes it over. Only for a promotion (generation > 1), where
     the pod holds nothing: it reports step -1 at once, as it would at ``enter``."""
 
-    def __init__(self, m: Any, plan: Any, rank: int, backend: str) -> None:
+    def __init__(self, m: Entrant, plan: Plan, rank: int, backend: str) -> None:
         from schemas.messages import AgentState, Role
 
         from .groups import _Background, make_group
@@ -393,7 +397,7 @@ class EarlyJoin:
 
 
 # ---------------------------------------------------------------------------- the session's
-def replica_mesh(m: Any, shard_size: int, device: str | None, override: str | None) -> Any:
+def replica_mesh(m: Placement, shard_size: int, device: str | None, override: str | None) -> Any:
     """``Session.mesh``: the pod's replica mesh, placing the pod first (a spare waits for
     its first plan, ``Membership.await_position``; None if the job ended first)."""
     if m.sharding is None:
@@ -425,7 +429,7 @@ def shard_modules(model: torch.nn.Module, blocks: tuple[torch.nn.Module, ...], m
     return model
 
 
-def check_registered(m: Any, shard_size: int, modules: list[torch.nn.Module]) -> None:
+def check_registered(m: Placement, shard_size: int, modules: list[torch.nn.Module]) -> None:
     """Before joining a sharded job: the registered model is sharded on ``s.mesh``, and
     FSDP2 sums inside the replica (``gradient_divide_factor_one``)."""
     from .vocab import Phase

@@ -15,18 +15,20 @@ from typing import Any, Iterator
 
 from services.common import logs
 
+from .ports import KVRuntime, SoloRuntime
+
 log = logs.get("agent")
 KEY = "solo.g{generation}"  # the job KV: the solo a member of the generation declared last
 
 
-def _put(rt: Any, generation: int, until: float, ended: float | None = None) -> None:
+def _put(rt: SoloRuntime, generation: int, until: float, ended: float | None = None) -> None:
     """Tell the peers of ``generation`` that this member works alone until ``until``
     (wall time), or that it ``ended`` then: their collective waits extend to match."""
     rt.kv.put(KEY.format(generation=generation),
               json.dumps({"pod": rt.cfg.pod, "until": until, "ended": ended}).encode())
 
 
-def declared(rt: Any, generation: int) -> dict | None:
+def declared(rt: KVRuntime, generation: int) -> dict | None:
     """The solo a member of ``generation`` declared last (None: none, or unreadable)."""
     raw = rt.kv.get(KEY.format(generation=generation))
     try:
@@ -36,7 +38,7 @@ def declared(rt: Any, generation: int) -> dict | None:
 
 
 @contextlib.contextmanager
-def block(rt: Any, generation: int, step: int, limit: float) -> Iterator[None]:
+def block(rt: SoloRuntime, generation: int, step: int, limit: float) -> Iterator[None]:
     """Declare this member alone for at most ``limit`` seconds while the block runs."""
     until = time.time() + limit
     rt.progress()
@@ -51,7 +53,7 @@ def block(rt: Any, generation: int, step: int, limit: float) -> Iterator[None]:
         _put(rt, generation, until, ended=time.time())
 
 
-def collective_args(rt: Any, generation: int, collective_timeout: float,
+def collective_args(rt: KVRuntime, generation: int, collective_timeout: float,
                     solo_max: float) -> dict[str, Any]:
     """Arguments of a member's all-reduce: its wait extends while a peer works alone, and
     the backend's own timeout outlasts the longest solo."""

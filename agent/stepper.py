@@ -2,9 +2,10 @@
 
 The micro-batch accounting (the loss scaled by m / B, backwards counted so that the
 overlapped sync arms on this rank's last one), the gradient all-reduce of a member
-(overlapped ``GradSync`` or one fused call; abortable; a fault plan may resume it in the
-new group, ``prejoin.py``), then what a script does before ``optimizer.step()`` (fp16
-unscale and skip, global-norm clip, the user's hook) and the update. The commit itself is
+(a strategy chosen per generation, ``reduction.py``: overlapped ``GradSync``, one fused
+call, or sharded; abortable; a fault plan may resume it in the new group, ``prejoin.py``),
+then what a script does before ``optimizer.step()`` (fp16 unscale and skip, global-norm
+clip, the user's hook) and the update. The commit itself is
 the session's. In one process the all-reduce is skipped and the rest is the same.
 """
 
@@ -18,17 +19,20 @@ import torch
 from schemas.messages import ReportKind
 from services.common import logs
 
-from .vocab import Phase
-from .state import local
+from .config import AgentConfig
+from .ports import Faults, StepMember, StepRuntime
+from .reduction import Reduction, choose
 from .train_state import TrainState
+from .vocab import Phase
 
 log = logs.get("agent")
 Hook = Callable[[list[torch.nn.Parameter]], None]
 
 
 class Stepper:
-    def __init__(self, global_batch_size: int, state: TrainState, cfg: Any = None,
-                 rt: Any = None, m: Any = None, injector: Any = None) -> None:
+    def __init__(self, global_batch_size: int, state: TrainState,
+                 cfg: AgentConfig | None = None, rt: StepRuntime | None = None,
+                 m: StepMember | None = None, injector: Faults | None = None) -> None:
         self.B, self.state, self.cfg, self.rt, self.m = global_batch_size, state, cfg, rt, m
         self.inject = injector
         self.grad_norm: float | None = None
@@ -37,6 +41,9 @@ class Stepper:
         self._backwards_left: int | None = None  # this step's backwards still to come
         self._loss_acc: torch.Tensor | None = None
         self._sync: Any = None                   # GradSync (overlapped gradient all-reduce)
+        # the gradient reduction of the joined generation (reduction.py), and what it is for
+        self._reduce: Reduction | None = None
+        self._reduce_for: tuple | None = None
 
     # ------------------------------------------------------------------ micro-batches
     def micro_batches(self, m: int, ks: range, gradient_loop: bool) -> None:
@@ -104,7 +111,7 @@ class Stepper:
         (a newer plan, a peer error, or not resumed in the new generation)."""
         from .collectives import Aborted, CollectiveTimeout, PeerError
 
-        m, rt, cfg = self.m, self.rt, self.cfg
+        m, rt = self.m, self.rt
         self.inject.before_sync(rt, s)
         if self.inject.absent(s):
             # behave as issue 24's member did, alive but out of the collective
@@ -120,34 +127,11 @@ class Stepper:
             rt.end_collective()
             return self.discard("a newer plan arrived")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        sync = self._grad_sync()
+        reduction = self._reduction()
         args = self.collective_args()
-        sh = m.sharding
         try:
-            if sh is not None:
-                if self._shard_failed():
-                    return False
-                # FSDP summed the replica's gradients into this rank's shards during the
-                # backward; add the other replicas' (the same shard position), then the loss
-                sh.pos_group.allreduce_([local(g) for g in grads], rt.abort, slice_s=cfg.collective_slice,
-                                        timeout_s=cfg.collective_timeout, **args)
-                m.group.allreduce_([loss_t], rt.abort, slice_s=cfg.collective_slice,
-                                   timeout_s=cfg.collective_timeout, **args)
-            elif sync is not None:
-                for p, g in zip(params, grads):
-                    if p.grad is None:
-                        p.grad = g
-                sync.finish(m.group, [loss_t], rt.abort, args["op_timeout_s"],
-                            slice_s=cfg.collective_slice, timeout_s=cfg.collective_timeout,
-                            extend=args["extend"])
-                if cfg.trace_steps:
-                    from .incident import trace_grad_sync
-
-                    trace_grad_sync(cfg, s, m.rank, m.generation, len(sync.buckets),
-                                    sync.last_times)
-            else:
-                m.group.allreduce_(grads + [loss_t], rt.abort, slice_s=cfg.collective_slice,
-                                   timeout_s=cfg.collective_timeout, **args)
+            if not reduction.reduce(s, params, grads, loss_t, rt.abort, args):
+                return False  # the shard group failed: discarded (it said why)
         except Aborted:
             return self.discard("aborted: a newer plan arrived")
         except PeerError as e:
@@ -242,6 +226,16 @@ class Stepper:
         if reason is not None:
             self.m.discard(reason, phase or Phase.INTERRUPTED)
         return False
+
+    def _reduction(self) -> Reduction:
+        """The gradient reduction of this member's generation: chosen again only when the
+        generation, its group or the sharding changed (``reduction.choose``)."""
+        m = self.m
+        key = (m.generation, id(m.group), id(m.sharding), m.is_member)
+        if self._reduce is None or self._reduce_for != key:
+            self._reduce = choose(m, self.cfg, self._grad_sync, self._shard_failed)
+            self._reduce_for = key
+        return self._reduce
 
     def _grad_sync(self) -> Any:
         """The overlapped gradient sync of this member (None: off, one process, or no
