@@ -62,7 +62,8 @@ def _open_incident(m: Entrant, plan: Plan, plan_ctx: Any, first: bool) -> Any:
     if tl.incident is None and first and g > 1:
         # A spare promoted into a running job: its part starts when the plan arrived
         # (nothing to abort; its rendezvous includes noticing the plan).
-        at = m.newest_plan().at if m.newest_plan() is not None else 0.0
+        newest = m.newest_plan()
+        at = newest.at if newest is not None else 0.0
         tl.open("promoted", notice=min(at or time.time(), time.time()), promoted=True)
         tl.incident.last_commit = None
     inc = tl.incident

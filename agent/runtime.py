@@ -28,7 +28,7 @@ from schemas.messages import (AgentState, Heartbeat, Inject, Plan, Report,
                               ReportKind, StateLost, Transfer, now)
 from services.common import logs
 from services.common.aio import cancel_all
-from services.common.bus import Bus, Credentials, Envelope, decode
+from services.common.bus import Bus, Credentials, Envelope, decode, watch_key
 
 from .buckets import Bucket
 from .config import AgentConfig
@@ -350,19 +350,13 @@ class Runtime:
         the job; rank 0 writes one at its next step boundary (Session)."""
         if not os.environ.get("CEASELESS_CHECKPOINT_DIR"):
             return
-        while True:
-            try:
-                w = await self._kv.watch(CHECKPOINT_REQUEST_KEY)
-                async for entry in w:
-                    if entry is not None and entry.value:
-                        with self._cond:
-                            self._checkpoint_request = entry.value.decode()[:200]
-                            self._cond.notify_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # reconnecting: watch again
-                log.debug("checkpoint request watch failed", error=str(e)[:200])
-                await asyncio.sleep(1.0)
+
+        def note(value: bytes) -> None:
+            with self._cond:
+                self._checkpoint_request = value.decode()[:200]
+                self._cond.notify_all()
+
+        await watch_key(self._kv, CHECKPOINT_REQUEST_KEY, note, "checkpoint request")
 
     # ------------------------------------------------------------------ outbound
     async def _heartbeats(self) -> None:

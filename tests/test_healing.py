@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import STEPS, Cluster
-from services.actuator.replace import ReplacementBudget, should_replace
+from services.actuator.replace import ReplacementBudget, is_failure
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -32,9 +32,9 @@ def test_the_budget_refuses_a_crash_loop_and_recovers():
 
 
 def test_what_gets_replaced():
-    assert should_replace(-9, False) and should_replace(1, False) and should_replace(75, False)
-    assert not should_replace(0, False)      # done, or released by a planned shrink
-    assert not should_replace(-9, True)      # `up` is shutting the job down
+    assert is_failure(-9, False) and is_failure(1, False) and is_failure(75, False)
+    assert not is_failure(0, False)      # done, or released by a planned shrink
+    assert not is_failure(-9, True)      # `up` is shutting the job down
 
 
 async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_path):

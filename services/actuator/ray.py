@@ -3,7 +3,7 @@
 ``ceaseless up --actuator ray [--ray-address auto|ADDRESS]``. The control plane (nats-server
 and the three services) stays where ``up`` runs; only the pods go to the Ray cluster. The
 actuator keeps ``LocalActuator``'s interface and its rules (bus wiring, ``inject kill``,
-replacement spares within the ``ReplacementBudget``, ``should_replace``); what differs is how
+replacement spares within the ``ReplacementBudget``, ``is_failure``); what differs is how
 a pod runs:
 
 * ``PodActor`` (``max_restarts=0``, a small ``num_cpus``, ``num_gpus`` = ``--gpus-per-pod``)

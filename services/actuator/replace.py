@@ -57,10 +57,7 @@ class ReplacementBudget:
 
 
 def is_failure(exit_code: int, shutting_down: bool) -> bool:
-    """A pod that exited with ``exit_code`` failed (it counts against the budget)."""
+    """A pod that exited with ``exit_code`` failed: it counts against the budget and, when
+    replacing is on and the budget allows, gets a fresh spare in its place."""
     return not shutting_down and exit_code not in NOT_A_FAILURE
 
-
-def should_replace(exit_code: int, shutting_down: bool) -> bool:
-    """A pod that exited with ``exit_code`` gets a replacement (budget permitting)."""
-    return is_failure(exit_code, shutting_down)

@@ -130,6 +130,30 @@ def _consume(task: asyncio.Future) -> None:
         task.exception()  # retrieved: a failed background flush is not an unhandled error
 
 
+async def watch_key(kv: Any, key: str, on_value: Callable[[bytes], None], what: str) -> None:
+    """Follow one KV key for as long as the task runs: ``on_value`` gets every non-empty
+    value (the current one first). A watch that fails (a reconnect) is stopped and started
+    again a second later; cancel the task to end it."""
+    while True:
+        w = None
+        try:
+            w = await kv.watch(key)
+            async for entry in w:
+                if entry is not None and entry.value:
+                    on_value(entry.value)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # reconnecting: watch again
+            log.debug("KV watch failed", key=key, what=what, error=str(e)[:200])
+            await asyncio.sleep(1.0)
+        finally:
+            if w is not None:
+                try:
+                    await w.stop()
+                except Exception:
+                    pass
+
+
 @dataclass
 class Bus:
     nc: NATS

@@ -40,7 +40,7 @@ from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Ag
                               LifecycleEvent, Plan, Priority, Role)
 from services.common import telemetry
 from services.common.bounded import BoundedSet
-from services.common.bus import Bus, Envelope
+from services.common.bus import Bus, Envelope, watch_key
 from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
 from services.common.service import Service, wait_event
@@ -472,24 +472,7 @@ class Scaler(Service):
     # ------------------------------------------------------------------ the script's batch
     async def _watch_script(self) -> None:
         """Follow KV ``script`` (rank 0 writes it at its first step) and adopt its batch."""
-        while True:
-            w = None
-            try:
-                w = await self.kv.watch(SCRIPT_KEY)
-                async for entry in w:
-                    if entry is not None and entry.value:
-                        self._adopt_script(entry.value)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # reconnecting: watch again
-                self.log.debug("script watch failed", error=str(e)[:200])
-                await asyncio.sleep(1.0)
-            finally:
-                if w is not None:
-                    try:
-                        await w.stop()
-                    except Exception:
-                        pass
+        await watch_key(self.kv, SCRIPT_KEY, self._adopt_script, "the script's batch")
 
     def _adopt_script(self, value: bytes) -> None:
         try:
