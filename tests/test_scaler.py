@@ -231,6 +231,34 @@ async def test_fault_replaced_by_spare(env, bus):
     assert st["lease_holder"] and st["plan"]["generation"] == 2 and w0.generation == 2
 
 
+async def test_a_member_known_dead_is_faulted_again(env, bus):
+    """A spare's fault that arrives while the plan promoting it is being written finds it
+    a spare and only drops it from the pool (the scaler's ``dead``); the monitor declares a
+    pod once. The promoted member is dead all the same: the scaler must plan around it,
+    not wait for it for ever (seen in a CI run: SIGKILL of every pod at once)."""
+    sc = await env.scaler(workers=2)
+    w1 = await env.agent("w1")
+    await env.agent("w0")
+    for p in ("s0", "s1"):
+        await env.agent(p, Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    await until(lambda: {"s0", "s1"} <= set(sc.alive_spares(sc.plans.plan)), what="spares")
+    w1.kill()
+    await env.fault("w1", 1, FaultKind.crash)
+    await until(lambda: len(env.plans) >= 2, what="plan g2")
+    promoted = members(env.plans[1])[1]
+    assert promoted in ("s0", "s1")
+    # what the fault of the spare, handled as a spare's, left; the monitor declared it
+    # already and says nothing more (its agent here still heartbeats: only the record of
+    # its fault can make the scaler act)
+    await until(lambda: sc._reconciled, 10, what="the lease term's one reconciliation")
+    sc.dead.add(promoted)
+    sc._kick.set()
+    await until(lambda: len(env.plans) >= 3, what="plan g3 around the dead member")
+    assert promoted not in members(env.plans[2]).values()
+    assert promoted in env.plans[2].fenced
+
+
 @pytest.mark.parametrize("from_script", [True, False])
 async def test_plans_after_the_script_is_known_take_its_batch(env, bus, from_script):
     """Issue 33: `ceaseless up` without batch flags runs the scaler with

@@ -131,6 +131,7 @@ class Scaler(Service):
         # liveness, rebuilt from heartbeats / lifecycle
         self.pods: dict[str, PodSeen] = {}
         self.dead = BoundedSet(MAX_TRACKED)       # faulted or exited non-zero: never used again
+        self._dead_checked: tuple = ()            # (generation, dead set) last checked
         self.done = BoundedSet(MAX_TRACKED)       # exited 0
         self.pending: dict[str, Pending] = {}
         self.waiting: str = ""       # why the last decision was Wait
@@ -598,6 +599,7 @@ class Scaler(Service):
                             f"with --shard-size {plan.shard_size}")
             return
         self._reconcile(plan, now)
+        self._dead_members(plan, now)
         for pod in [p for p in self.pending if plan.rank_of(p) is None]:
             del self.pending[pod]  # handled by a plan (possibly another scaler's)
         if not self.pending:
@@ -779,6 +781,24 @@ class Scaler(Service):
         if reason != self._last_wait_log:
             self._last_wait_log = reason
             self.log.info("waiting", reason=reason, generation=self.plans.generation)
+
+    def _dead_members(self, plan: Plan, now: float) -> None:
+        """When the plan or the dead set changed: a member already known dead is faulted
+        again. (A spare's fault
+        that arrives while a plan promoting it is being written finds it still a spare and
+        only drops it from the pool; the monitor declares a pod once, so without this the
+        new plan kept a dead member and the job waited for it for ever.)"""
+        key = (plan.generation, len(self.dead), next(reversed(self.dead), None))
+        if self._dead_checked == key:  # nothing new since the last look
+            return
+        self._dead_checked = key
+        for m in plan.members:
+            if m.pod in self.dead and m.pod not in self.pending and m.pod not in plan.fenced:
+                incident = f"inc-{m.pod}-g{plan.generation}"
+                self.log.warning("a member of the new plan had already failed; handled as "
+                                 "faulted", pod=m.pod, rank=m.rank, incident=incident)
+                self.pending[m.pod] = Pending(pod=m.pod, incident=incident, kind="crash",
+                                              ctx=None, since=now)
 
     def _reconcile(self, plan: Plan, now: float) -> None:
         """Once per lease term, after the grace period: silent members count as faulted."""
