@@ -253,6 +253,8 @@ async def test_a_member_known_dead_is_faulted_again(env, bus):
     # its fault can make the scaler act)
     await until(lambda: sc._reconciled, 10, what="the lease term's one reconciliation")
     sc.dead.add(promoted)
+    sc.dropped.add(promoted)
+    sc._dropped_n += 1
     sc._kick.set()
     await until(lambda: len(env.plans) >= 3, what="plan g3 around the dead member")
     assert promoted not in members(env.plans[2]).values()

@@ -31,7 +31,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from schemas.timeouts import DEFAULTS
+from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
 from schemas import LEASE_KEY, PLAN_KEY
 from schemas.policy import (SCALE_KEY, SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy,
                             ScriptInfo)
@@ -65,7 +65,8 @@ class PodSeen:
     rank: int | None
     last: float  # monotonic time of the last heartbeat
     step: int = -1
-    step_time: float | None = None
+    step_time: float | None = None  # the agent's median, or estimated from the view's steps
+    since: float = 0.0  # monotonic time this generation was first heard of
 
 
 @dataclass
@@ -131,7 +132,9 @@ class Scaler(Service):
         # liveness, rebuilt from heartbeats / lifecycle
         self.pods: dict[str, PodSeen] = {}
         self.dead = BoundedSet(MAX_TRACKED)       # faulted or exited non-zero: never used again
-        self._dead_checked: tuple = ()            # (generation, dead set) last checked
+        self.dropped = BoundedSet(MAX_TRACKED)    # declared faulted while not a member
+        self._dropped_n = 0                       # how many were ever added to dropped
+        self._dead_checked: tuple = ()            # (plan generation, _dropped_n) last seen
         self.done = BoundedSet(MAX_TRACKED)       # exited 0
         self.pending: dict[str, Pending] = {}
         self.waiting: str = ""       # why the last decision was Wait
@@ -275,9 +278,12 @@ class Scaler(Service):
                or seen.generation != hb.generation or seen.state != hb.state)
         if seen is None and len(self.pods) >= MAX_TRACKED:
             self._forget_silent()
+        same = seen is not None and seen.generation == hb.generation
+        last = time.monotonic() - age
         self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
-                                    rank=hb.rank, last=time.monotonic() - age, step=hb.step,
-                                    step_time=hb.step_time)
+                                    rank=hb.rank, last=last, step=hb.step,
+                                    step_time=hb.step_time or (seen.step_time if same else None),
+                                    since=seen.since if same else last)
         if new:
             self._kick.set()
 
@@ -293,6 +299,9 @@ class Scaler(Service):
             last = now - age
             if last > seen.last:
                 kick = kick or now - seen.last > ft  # silent until now: alive again
+                if seen.step_time is None and step > seen.step >= 0:
+                    # full heartbeats (with the agent's step time) come seldom in the view
+                    seen.step_time = (last - seen.last) / (step - seen.step)
                 seen.last, seen.step = last, step
         if kick:
             self._kick.set()
@@ -334,6 +343,8 @@ class Scaler(Service):
             return
         if plan.rank_of(f.pod) is None:
             self.dead.add(f.pod)
+            self.dropped.add(f.pod)
+            self._dropped_n += 1
             was_spare = f.pod in self.pods or f.pod in plan.spares
             self.pods.pop(f.pod, None)
             self._ignore(env.subject, "spare dropped from the pool" if was_spare
@@ -663,6 +674,10 @@ class Scaler(Service):
             self._kick_later(snooze - (time.time() - plan.ts))
             return
         apply = self._apply_step(plan, now)
+        if apply is None:
+            self._note_wait("placing the transition: waiting for the members' step time")
+            self._kick_later(VIEW_INTERVAL)
+            return
         why = self.scale.reason if self.scale is not None and self.scale.reason else (
             f"target {target}")
         named = [p for r in (self.scale.releases if self.scale is not None else [])
@@ -696,14 +711,19 @@ class Scaler(Service):
                     out.append(m.pod)
         return out
 
-    def _apply_step(self, plan: Plan, now: float) -> int:
+    def _apply_step(self, plan: Plan, now: float) -> int | None:
         """The first step of the new generation: after the step the members are computing
-        now, far enough ahead (``transition_lead_s``) for the plan to reach all of them."""
-        best, times = -1, []
+        now, far enough ahead (``transition_lead_s``) for the plan to reach all of them.
+        None while no member's step time is known yet and its generation is young: the
+        heartbeats seen lag, and with fast steps a guess lands in the past (the members
+        then discard the step they were computing; seen in CI as a release at step 2 placed
+        while the members computed step 7)."""
+        best, times, young = -1, [], False
         for m in plan.members:
             s = self.pods.get(m.pod)
             if s is None:
                 continue
+            young = young or now - s.since < 2 * VIEW_INTERVAL + 0.5
             est = s.step
             if s.step_time:  # heartbeats lag: estimate where the member is by now
                 est += int((now - s.last) / s.step_time)
@@ -711,6 +731,8 @@ class Scaler(Service):
             best = max(best, est)
         times.sort()
         st = times[len(times) // 2] if times else None
+        if st is None and young:
+            return None
         lead = self.cfg.policy.transition_lead_s
         ahead = 1 + (max(1, math.ceil(lead / st)) if st else 2)
         return max(0, best + ahead)
@@ -783,17 +805,19 @@ class Scaler(Service):
             self.log.info("waiting", reason=reason, generation=self.plans.generation)
 
     def _dead_members(self, plan: Plan, now: float) -> None:
-        """When the plan or the dead set changed: a member already known dead is faulted
-        again. (A spare's fault
-        that arrives while a plan promoting it is being written finds it still a spare and
-        only drops it from the pool; the monitor declares a pod once, so without this the
-        new plan kept a dead member and the job waited for it for ever.)"""
-        key = (plan.generation, len(self.dead), next(reversed(self.dead), None))
+        """A member whose fault was declared while it was not one is faulted now. (A spare's
+        fault that arrives while a plan promoting it is being written finds it still a spare
+        and only drops it from the pool; the monitor declares a pod once, so without this the
+        new plan kept a dead member and the job waited for it for ever.) Only the monitor's
+        declarations count: a member merely seen exiting is the monitor's to declare (with
+        the monitor down, the job waits for it, as the control-plane tests check)."""
+        key = (plan.generation, self._dropped_n)
         if self._dead_checked == key:  # nothing new since the last look
             return
         self._dead_checked = key
         for m in plan.members:
-            if m.pod in self.dead and m.pod not in self.pending and m.pod not in plan.fenced:
+            if m.pod in self.dropped and m.pod not in self.pending \
+                    and m.pod not in plan.fenced:
                 incident = f"inc-{m.pod}-g{plan.generation}"
                 self.log.warning("a member of the new plan had already failed; handled as "
                                  "faulted", pod=m.pod, rank=m.rank, incident=incident)
