@@ -18,7 +18,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY agent ./agent
+COPY plumbing ./plumbing
 COPY services ./services
+COPY ops ./ops
 COPY examples ./examples
 COPY bench ./bench
 # extras, e.g. --build-arg EXTRAS='[ray]' for `ceaseless up --actuator ray` (docs/cluster.md)

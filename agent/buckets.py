@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from services.common import logs
+from plumbing import logs
 
 log = logs.get("agent")
 

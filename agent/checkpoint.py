@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from services.common import logs
+from plumbing import logs
 
 log = logs.get("agent")
 

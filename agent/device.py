@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from services.common import logs
+from plumbing import logs
 
 from .collectives import choose_backend
 from .groups import gloo_address

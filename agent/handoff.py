@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from schemas.messages import AgentState, Plan, Role
-from services.common import logs
+from plumbing import logs
 
 from .ports import Entrant
 from .shadow_roles import why_not

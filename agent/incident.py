@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import trace
 
 from schemas.messages import Recovery
-from services.common import logs
+from plumbing import logs
 
 log = logs.get("agent")
 tracer = trace.get_tracer("ceaseless.agent")
@@ -83,7 +83,7 @@ class Timeline:
 
     def record_metrics(self, now: float) -> None:
         try:
-            from services.common import telemetry
+            from plumbing import telemetry
 
             inst = telemetry.instruments()
             med = self.median_step()
@@ -119,7 +119,7 @@ class Timeline:
         recover = _trace(inc, phases, first_step_end, cfg, rank, world_size)
         if downtime is not None:
             try:
-                from services.common import telemetry
+                from plumbing import telemetry
 
                 telemetry.instruments().record_recovery(downtime, 0, role=inc.role)
             except Exception:

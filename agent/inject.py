@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 from schemas.messages import Inject, InjectAction
-from services.common import logs
+from plumbing import logs
 
 from .config import AgentConfig
 from .ports import InjectRuntime

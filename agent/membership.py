@@ -28,7 +28,7 @@ from typing import Any
 
 from schemas.batching import lr_factor_at
 from schemas.messages import AgentState, Plan, ReportKind, Role
-from services.common import logs
+from plumbing import logs
 
 from .config import FALLBACK_EXIT_CODE, AgentConfig
 from .handoff import enter
@@ -389,7 +389,7 @@ class Membership:
             # teardown (about 0.5 s with torch loaded), as a scheduler killing it would.
             self.rt.stop()
             try:
-                from services.common import telemetry
+                from plumbing import telemetry
 
                 telemetry.shutdown()
             except Exception:

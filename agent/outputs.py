@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from services.common import logs
+from plumbing import logs
 
 from .train_state import TrainState
 

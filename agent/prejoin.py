@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from schemas.messages import AgentState, Plan, Role
-from services.common import logs
+from plumbing import logs
 
 from .collectives import Aborted, _park, make_group_abortable
 from .ports import PrejoinRuntime, Resumer

@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from services.common import logs
+from plumbing import logs
 
 log = logs.get("agent")
 Solo = Callable[[float], contextlib.AbstractContextManager]

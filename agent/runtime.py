@@ -26,9 +26,9 @@ from opentelemetry import context as otel_context
 
 from schemas.messages import (AgentState, Heartbeat, Inject, Plan, Report,
                               ReportKind, StateLost, Transfer, now)
-from services.common import logs
-from services.common.aio import cancel_all
-from services.common.bus import Bus, Credentials, Envelope, decode, watch_key
+from plumbing import logs
+from plumbing.aio import cancel_all
+from plumbing.bus import Bus, Credentials, Envelope, decode, watch_key
 
 from .buckets import Bucket
 from .config import AgentConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from schemas.messages import Plan
 from schemas.policy import SCRIPT_KEY, ScriptInfo
-from services.common import logs
+from plumbing import logs
 
 from .config import AgentConfig
 from .ports import KVRuntime

@@ -19,25 +19,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from schemas import micro_batch_range, num_micro_batches
 from schemas.messages import AgentState
-from schemas.policy import ScriptInfo
-from services.common import logs
 
 from .config import AgentConfig, refuse_foreign_launcher
+from .feed import BatchFeed
 from .incident import Timeline
 from .inject import InjectedFault, Injector
 from .membership import Membership
 from .outputs import Checkpoints, write_result
 from .rank0 import Rank0Hooks
-from .script_batch import check_plan_batch
 from .seeding import seed_all
 from .stepper import Stepper
 from .train_state import TrainState
 from .vocab import DISCARDED, JobStateLost
 
 __all__ = ["InjectedFault", "JobStateLost", "Session", "init"]
-log = logs.get("agent")
 
 
 def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
@@ -72,8 +68,7 @@ class Session:
         self._loop_prepared = False           # _before_loop ran (start, resume) once
         self._rank0: Rank0Hooks | None = None  # s.on_rank0(...): set-up that follows rank 0
         self._rank_warned = False
-        self._batch_checked = 0               # the generation whose batch was checked
-        self._sources: dict[tuple[int, int], Any] = {}  # (dataset, m) -> BatchSource
+        self._feed = BatchFeed(global_batch_size, seed, self.pod)
         self._inject = Injector(config)
         self._stepper = Stepper(global_batch_size, self.state)  # its parts once entered
         self._ckpt = Checkpoints()            # from the environment in both modes
@@ -103,10 +98,8 @@ class Session:
 
     last_committed = property(lambda self: self.state.last_committed)
     loss = property(lambda self: self.state.loss)  # the last committed step's global mean
-    # Honest ranks: a pod that is not a member (a spare, a pod before its first plan, a
-    # released one) has no rank (None). The same in one process, so a script that reads
-    # s.rank before s.join() behaves alone as it will in the cluster (issue 33): None
-    # until join()/steps(), then rank 0 of 1.
+    # Honest ranks: None while not a member (a spare, before the first plan, released); in
+    # one process too, None until join()/steps(), then 0 of 1, as in the cluster (issue 33).
     def _rank(self) -> int | None:
         if self.m is not None:
             return self.m.rank
@@ -342,21 +335,10 @@ class Session:
         whichever rank computes it."""
         if self.current_step is None:
             raise RuntimeError("batches() is called inside `for step in s.steps(...)`")
-        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise TypeError("s.batches() needs a map-style dataset (__len__ and __getitem__): "
-                            "the samples of a step are a pure function of the step, so that "
-                            "any rank can compute any micro-batch after a fault; an "
-                            "IterableDataset cannot be repositioned. Use s.micro_batches(m) "
-                            "and draw the samples yourself")
-        m, key = micro_batch_size, (id(dataset), micro_batch_size)
-        if key not in self._sources:
-            from .data.loader import BatchSource
-
-            self._sources[key] = BatchSource(dataset, self.global_batch_size, self.seed, m,
-                                             pin=self.device.type == "cuda")
-        src = self._sources[key]
-        src.begin(self.current_step, self.rank or 0, self.world_size or 1, self._k())
-        for k in self.micro_batches(m):
+        src = self._feed.source(dataset, micro_batch_size, self.current_step, self.rank,
+                                self.world_size, self.m.plan if self.m is not None else None,
+                                pin=self.device.type == "cuda")
+        for k in self.micro_batches(micro_batch_size):
             yield src.get(self.current_step, k)
 
     def micro_batches(self, micro_batch_size: int) -> Iterator[int]:
@@ -364,34 +346,13 @@ class Session:
         ``global_batch_size / micro_batch_size``), each with the global RNGs (torch and
         CUDA, numpy, ``random``) seeded from (seed, step, k): a script that draws its own
         samples gets the same ones whichever rank computes micro-batch ``k``."""
-        s = self.current_step
-        if s is None:
+        if (s := self.current_step) is None:
             raise RuntimeError("micro_batches() is called inside `for step in s.steps(...)`")
-        m = micro_batch_size
-        M = num_micro_batches(self.global_batch_size, m)
-        abort = self.runtime.abort if self.runtime is not None else None
-        p = self.m.plan if self.m is not None else None
-        if p is not None and self._batch_checked != p.generation:
-            check_plan_batch(self.runtime, self.cfg, p, self.rank, self.world_size,
-                             ScriptInfo(global_batch_size=self.global_batch_size,
-                                        micro_batch_size=m, total=self.total, pod=self.pod),
-                             M, first=not self._batch_checked)
-            self._batch_checked = p.generation
-        ks = micro_batch_range(M, self.world_size, self.rank, self._k())
-        self._stepper.micro_batches(m, ks, gradient_loop=self.last_committed < s)
-        for k in ks:
-            if abort is not None and abort.is_set():
-                # A newer plan: this step will be discarded anyway (s.step() sees the same
-                # flag), so stop computing it now instead of finishing every micro-batch.
-                return
-            seed_all(self.seed, s, k)
-            if self.runtime is not None:
-                self.runtime.progress()  # the stall watchdog: a micro-batch is progress
-            yield k
-
-    def _k(self) -> int:
-        p = self.m.plan if self.m is not None else None
-        return p.shard_size if p is not None else 1
+        return self._feed.micro_batches(
+            s, micro_batch_size, rank=self.rank, world_size=self.world_size,
+            plan=self.m.plan if self.m is not None else None, runtime=self.runtime,
+            cfg=self.cfg, stepper=self._stepper, gradient_loop=self.last_committed < s,
+            total=self.total)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, scaled by m / B so that the sum over all

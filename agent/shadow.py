@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from services.common import logs
+from plumbing import logs
 
 from .collectives import AbortableGroup, Aborted, make_group_abortable
 from .state import FlatState, _checksum_u8, recv_state, send_state

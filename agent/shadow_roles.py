@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from schemas.messages import Plan
-from services.common import logs
+from plumbing import logs
 
 from .config import AgentConfig
 from .ports import ShadowRuntime

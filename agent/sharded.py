@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from schemas.messages import Plan
-from services.common import logs
+from plumbing import logs
 
 from .config import AgentConfig
 from .ports import Entrant, Placement

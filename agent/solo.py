@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any, Iterator
 
-from services.common import logs
+from plumbing import logs
 
 from .ports import KVRuntime, SoloRuntime
 

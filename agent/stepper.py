@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from schemas.messages import ReportKind
-from services.common import logs
+from plumbing import logs
 
 from .config import AgentConfig
 from .ports import Faults, StepMember, StepRuntime

@@ -426,7 +426,7 @@ class StoreLoop:
     def __init__(self, url: str, job: str = "demo", creds: Any = None,
                  name: str = "ceaseless-store", kv_ttl: float = 3600.0,
                  connect_timeout: float = 15.0) -> None:
-        from services.common.bus import Bus  # the shared bus layer (reconnect, creds)
+        from plumbing.bus import Bus  # the shared bus layer (reconnect, creds)
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)

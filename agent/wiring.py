@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from schemas.messages import AgentState, ReportKind
-from services.common import logs
+from plumbing import logs
 
 from .config import AgentConfig
 from .incident import Timeline, describe
@@ -26,7 +26,7 @@ def start(cfg: AgentConfig, state: TrainState, timeline: Timeline, global_batch_
           injector: Injector, backend: str | None) -> tuple[Runtime, Membership, Stepper]:
     logs.configure("agent", os.environ.get("CEASELESS_LOG_LEVEL", "info"))
     try:
-        from services.common import telemetry
+        from plumbing import telemetry
 
         telemetry.init("agent", run_dir=cfg.run_dir, job=cfg.job, pod=cfg.pod)
     except Exception as e:
@@ -60,7 +60,7 @@ def stop(rt: Runtime, exc_type: Any, exc: BaseException | None, tb: Any) -> None
             rt.update(state=AgentState.leaving)
     rt.stop()
     try:
-        from services.common import telemetry
+        from plumbing import telemetry
 
         telemetry.shutdown()
     except Exception:

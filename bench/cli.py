@@ -1,8 +1,9 @@
 """`ceaseless bench ...`: the benchmarks, as CLI subcommands.
 
-``register(sub)`` adds ``bench`` to the top-level subparsers (services.cli registers it
-explicitly, with its other subcommands). Each benchmark adds one subcommand through a ``_<name>`` function here;
-the heavy imports happen only when a subcommand runs.
+``register(sub)`` adds ``bench`` to the top-level subparsers (ops.cli finds it through the
+entry-point group ``ceaseless.commands`` in pyproject.toml). Each benchmark adds one
+subcommand through a ``_<name>`` function here; the heavy imports happen only when a
+subcommand runs.
 """
 
 from __future__ import annotations

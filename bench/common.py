@@ -113,3 +113,11 @@ def emit(res: dict[str, Any], md: str, heading: str, json_path: str | None,
     if write_doc:
         write_section(heading, md, doc)
     return 0
+
+
+def window_gap(commits: list[tuple[int, float]], t_kill: float, t_end: float) -> float | None:
+    """The longest gap between consecutive commits (time order) that ends after ``t_kill`` and
+    no later than ``t_end`` (the first step of the recovered job on this process)."""
+    ts = sorted(t for _, t in commits)
+    gaps = [b - a for a, b in zip(ts, ts[1:]) if t_kill <= b <= t_end and a < t_end]
+    return max(gaps) if gaps else None

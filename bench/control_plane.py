@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------- agents
 async def agents_main(a: argparse.Namespace) -> None:
     from schemas.messages import AgentState, Heartbeat, Plan, Role
-    from services.common.bus import Bus, Credentials
+    from plumbing.bus import Bus, Credentials
 
     bus = await Bus.connect(a.nats, a.job, f"sim-agents-{a.first}", Credentials.load(a.creds))
     pods = [f"w{i}" for i in range(a.first, a.first + a.count)]
@@ -144,7 +144,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     from schemas.messages import Fault, Plan
-    from services.common.bus import Bus
+    from plumbing.bus import Bus
     from services.common.natsserver import NatsServer, write_credentials
 
     d.mkdir(parents=True, exist_ok=True)

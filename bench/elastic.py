@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _one(run_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
     from schemas.messages import (Capacity, CapacityChange, Decision, Lifecycle, Priority,
                                   Recovery)
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     decisions: dict[str, list[tuple[float, Decision]]] = {}
     recoveries: list[Recovery] = []

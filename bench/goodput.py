@@ -259,7 +259,7 @@ async def run_ceaseless(d: Path, a: argparse.Namespace, data: Path,
                         victims: list[int]) -> dict[str, Any]:
     import json
 
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     n_faults = len(victims)
     spares = a.spares if a.spares is not None else max(1, n_faults)

@@ -70,7 +70,7 @@ def _results(run_dir: Path) -> dict[str, dict]:
 
 async def _job(run_dir: Path, a: argparse.Namespace, workers: int, spares: int,
                fault: str | None = None, victim: int = 1) -> dict[str, Any]:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     stopped: list[int] = []
     out: dict[str, Any] = {"workers": workers, "spares": spares, "fault": fault,

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _refill(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     async with Cluster(base / f"refill{i}", a.workers, 1, a.steps, replace=True) as c:
         await c.wait_spares(1)
@@ -68,7 +68,7 @@ async def _refill(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
 
 
 async def _grow(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     async with Cluster(base / f"grow{i}", a.workers, 0, a.steps, replace=True,
                        extra=["--scale-up-snooze", str(a.snooze), "--dtype", "float64"]) as c:
@@ -93,7 +93,7 @@ def _step_median(run_dir: Path) -> float:
 
 
 async def _ckpt_pair(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     out: dict[str, Any] = {}
     for kind in ("plain", "ckpt") if i % 2 == 0 else ("ckpt", "plain"):  # interleaved

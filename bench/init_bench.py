@@ -75,7 +75,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from agent.collectives import make_group
     from agent.store import StoreLoop
-    from services.common.bus import Credentials
+    from plumbing.bus import Credentials
 
     torch.set_num_threads(1)
     d = Path(a.dir)

@@ -84,7 +84,7 @@ def _count(run_dir: Path, needle: str) -> int:
 
 
 async def _one(run_dir: Path, a: argparse.Namespace, fault: bool) -> dict[str, Any]:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     t0 = time.monotonic()
     out: dict[str, Any] = {"run_dir": str(run_dir)}

@@ -55,7 +55,7 @@ def step_time(commits: list[list[float]], warmup: int) -> float:
 
 
 async def ceaseless_run(d: Path, a: argparse.Namespace) -> float:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     extra = ["--model", a.model, "--global-batch-size", str(a.global_batch_size),
              "--micro-batch-size", str(a.micro_batch_size)]

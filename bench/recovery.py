@@ -60,7 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import cmdline, config, emit_with_plot, fmt, machine, machine_line, summary
+from bench.common import (cmdline, config, emit_with_plot, fmt, machine, machine_line, summary,
+                          window_gap)
 from bench.torchft_bench import TORCHFT_TIMEOUT
 from schemas.timeouts import DEFAULTS as TIMEOUTS
 
@@ -107,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------- one run
 async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_step: int,
                   rank: int) -> dict[str, Any]:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     _, sig, rank0 = SCENARIOS[scenario]
     extra = ["--model", a.model, "--global-batch-size", str(a.global_batch_size),
@@ -135,14 +136,6 @@ async def one_run(run_dir: Path, a: argparse.Namespace, scenario: str, fault_ste
     if code != 0:
         raise RuntimeError(f"{scenario}: cluster exited {code}:\n{c.output()}")
     return analyse(run_dir, scenario, rank, t_kill)
-
-
-def window_gap(commits: list[tuple[int, float]], t_kill: float, t_end: float) -> float | None:
-    """The longest gap between consecutive commits (time order) that ends after ``t_kill`` and
-    no later than ``t_end`` (the first step of the recovered job on this process)."""
-    ts = sorted(t for _, t in commits)
-    gaps = [b - a for a, b in zip(ts, ts[1:]) if t_kill <= b <= t_end and a < t_end]
-    return max(gaps) if gaps else None
 
 
 def analyse(run_dir: Path, scenario: str, rank: int, t_kill: float) -> dict[str, Any]:
@@ -187,7 +180,7 @@ def analyse(run_dir: Path, scenario: str, rank: int, t_kill: float) -> dict[str,
 def phases(run_dir: Path) -> dict[str, float]:
     """The incident's critical path, segment -> ms (empty if the traces are missing)."""
     try:
-        from services import trace_tools as tt
+        from ops import trace_tools as tt
 
         # The fault's incident (its id names the pod), not the initial plan's trace.
         incs = [i for i in tt.incidents(tt.load_spans(run_dir / "traces"))

@@ -181,7 +181,7 @@ def baseline_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int) -> 
 async def ceaseless_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int,
                         steps: int | None = None) -> dict[str, Any]:
     """`up --workers R*K --shard-size K --spares 0`: rank 0's step time, gen-1 sent bytes."""
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     steps = steps or a.steps
     async with Cluster(d, R * K, 0, steps, extra=up_extra(a), shard_size=K,
@@ -198,7 +198,7 @@ async def ceaseless_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: i
 
 async def crash_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int) -> dict[str, Any]:
     """SIGKILL of rank 1 with one spare: downtime, lost steps, bytes the replacement got."""
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     async with Cluster(d, R * K, 1, a.steps, extra=up_extra(a), shard_size=K,
                        cmd=example_cmd(a, data, a.steps), timeout=120 + a.steps * 20) as c:
@@ -227,7 +227,7 @@ async def crash_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int) 
 async def join_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int) -> dict[str, Any]:
     """(R-1) replicas, then Capacity(add, 1): K cold pods form replica R-1."""
     from schemas.messages import Capacity, CapacityChange, Recovery
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     steps = 100000  # the job runs until the join is measured; the cluster is then stopped
     recoveries: list[Recovery] = []

@@ -282,7 +282,7 @@ def analyse(d: Path, t_kill: float, victim: int, heartbeat_ms: int,
     smaller quorum or, when the replica is restarted (``replaced``), the first commit after
     the kill whatever its quorum: a replacement that joins before the survivors give up on the
     dead one (gloo's timeout) goes straight back to full size."""
-    from bench.recovery import window_gap
+    from bench.common import window_gap
 
     recs = read_commits(d)
     full = max(c[2] for rec in recs.values() for c in rec["commits"])

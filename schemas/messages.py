@@ -1,7 +1,7 @@
 """Pydantic v2 models of every message on the bus: the wire contract.
 
 Every model forbids unknown fields, bounds its sizes and carries ``schema_version``.
-A payload that does not validate is dropped by the bus layer (``services.common.bus``)
+A payload that does not validate is dropped by the bus layer (``plumbing.bus``)
 with the subject and the reason logged; it never reaches a handler.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from services.common.bus import Bus
+from plumbing.bus import Bus
 from services.common.natsserver import NatsServer, write_credentials
 
 

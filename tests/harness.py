@@ -1,4 +1,4 @@
-"""Test helpers: a local cluster (see services/launcher.py) and a bounded wait."""
+"""Test helpers: a local cluster (see ops/launcher.py) and a bounded wait."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import asyncio
 
-from services.launcher import REPO, Cluster, _ours  # noqa: F401  (re-exported for tests)
+from ops.launcher import REPO, Cluster, _ours  # noqa: F401  (re-exported for tests)
 
 
 async def until(pred, timeout: float = 5.0, what: str = "condition"):

@@ -13,7 +13,7 @@ from schemas import PLAN_KEY, Plan
 from schemas.messages import (BY_KIND, ActuatorCommand, AgentState, Capacity, Decision, Fault,
                               HealthView, Heartbeat, Inject, Lifecycle, Member, Priority,
                               Recovery, Report, Role, Seen, StateLost, Transfer)
-from services.common.bus import Bus, DropError, decode
+from plumbing.bus import Bus, DropError, decode
 from services.health_monitor import HealthMonitor
 from services.scaler import Scaler
 from services.state_broker import StateBroker

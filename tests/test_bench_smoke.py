@@ -70,7 +70,7 @@ def run_bench(tmp_path: Path, args: list[str], timeout: float) -> dict:
     work.mkdir()
     out_json = tmp_path / "res.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "CEASELESS_BENCH_MARKER": str(work)}
-    cmd = [sys.executable, "-m", "services.cli", "bench", *args, "--work-dir", str(work),
+    cmd = [sys.executable, "-m", "ops.cli", "bench", *args, "--work-dir", str(work),
            "--json", str(out_json), "--svg", str(tmp_path / "plot.svg")]
     log = open(tmp_path / "bench.out", "wb")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -5,7 +5,7 @@ import pytest
 
 from schemas import Heartbeat, Plan
 from schemas.messages import Member, Role
-from services.common.bus import DropError, decode
+from plumbing.bus import DropError, decode
 from harness import until
 
 
@@ -122,7 +122,7 @@ async def test_own_close_is_no_disconnect_warning_but_a_lost_server_is(nats_serv
     A server that goes away is still a warning."""
     import structlog
 
-    from services.common.bus import Bus
+    from plumbing.bus import Bus
 
     b = await Bus.connect(nats_server.url, "test", "closer", nats_server.creds)
     with structlog.testing.capture_logs() as cap:
@@ -145,8 +145,8 @@ async def test_own_close_is_no_disconnect_warning_but_a_lost_server_is(nats_serv
 
 def test_cli_logs_go_to_stderr(capsys):
     """The CLI's log lines never go to stdout (a command's output: `status --json | jq`)."""
-    from services.cli import main
-    from services.common import logs
+    from ops.cli import main
+    from plumbing import logs
 
     assert main(["schemas", "export", str(__import__("tempfile").mkdtemp())]) == 0
     capsys.readouterr()

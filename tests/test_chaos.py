@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from services.chaos import ELASTIC_KINDS, KINDS, checkpoint_every, make_schedule, percentile
-from services.launcher import REPO, _ours, job_dirs
+from ops.chaos import ELASTIC_KINDS, KINDS, checkpoint_every, make_schedule, percentile
+from ops.launcher import REPO, _ours, job_dirs
 
 CI_SEED = 1
 CI_TIMEOUT = 900  # seconds for reference + chaos on a loaded 2-core machine
@@ -87,7 +87,7 @@ def _chaos(tmp_path: Path, args: list[str], timeout: float) -> tuple[int, str, P
     out = tmp_path / "chaos.out"
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "chaos", *args, "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "ops.cli", "chaos", *args, "--run-dir", str(run_dir)],
             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

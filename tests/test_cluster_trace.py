@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from harness import REPO, Cluster
-from services import trace_tools as tt
-from services.common import telemetry as tm
+from ops import trace_tools as tt
+from plumbing import telemetry as tm
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -28,7 +28,7 @@ STEPS = 60
 def _ceaseless_all(*calls: tuple[list[str], object]) -> list[str]:
     """Run ``ceaseless ARGS`` in CWD for each (ARGS, CWD) concurrently; their stdout."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "ops.cli", *args], cwd=cwd, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for args, cwd in calls]
     outs = []

@@ -324,7 +324,7 @@ def test_session_batches_prefetch_a_token_dataset_and_build_others_in_place(corp
                     got.append(r)
                     s.backward(s.objs["model"](x).sum() * 0)
                 s.step()
-            assert all(src.loader is None for src in s._sources.values())
+            assert all(src.loader is None for src in s._feed._sources.values())
         return got
 
     noise, again = draws(), draws()  # the same draws again: seeded per micro-batch

@@ -342,7 +342,7 @@ def test_corpus_is_learnable(tmp_path):
 
 
 def _cli(argv):
-    from services.cli_data import register
+    from ops.cli_data import register
 
     parser = argparse.ArgumentParser(prog="ceaseless")
     register(parser.add_subparsers(dest="command", required=True))

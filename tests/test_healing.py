@@ -216,7 +216,7 @@ async def test_stopping_the_job_writes_a_final_checkpoint_to_resume_from(tmp_pat
 
 def _default_example(tmp_path, *args: str) -> list[str]:
     """The command `up` runs by default (what the session's `reference` runs), plus args."""
-    from services.cluster import UpOptions, _default_data, default_cmd
+    from ops.cluster import UpOptions, _default_data, default_cmd
 
     return [*default_cmd(UpOptions(steps=STEPS), _default_data(tmp_path / "data")), *args]
 

@@ -10,7 +10,7 @@ import pytest
 
 from schemas import PLAN_KEY, Plan
 from schemas.messages import (AgentState, Fault, Heartbeat, Lifecycle, Member, Report, Role)
-from services.common.bus import Bus
+from plumbing.bus import Bus
 from services.health_monitor import HealthMonitor
 from harness import until
 
@@ -430,6 +430,6 @@ async def test_status_shows_who_waits_in_the_collective(env, bus):
     await _report_waiting(bus, ["w0"], 0.4)
     st = m.status()
     assert list(st["waiting"]) == ["w0"] and st["waiting"]["w0"] >= 0.3
-    from services.cli import _render_status
+    from ops.cli import _render_status
     text = _render_status({"job": "test", "services": {"health_monitor": st}})
     assert "waiting in the all-reduce: w0" in text

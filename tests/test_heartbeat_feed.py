@@ -9,7 +9,7 @@ import asyncio
 import structlog
 
 from schemas.messages import AgentState, Heartbeat, Role
-from services.common.bus import Bus
+from plumbing.bus import Bus
 from services.common.heartbeats import HeartbeatFeed
 from services.health_monitor import HealthMonitor
 from harness import until

@@ -1,6 +1,7 @@
-"""The agent's layering (issue 29), checked on the source: no import cycle inside `agent/`
-(imports inside functions and under TYPE_CHECKING count), nothing from `services/` (the
-training library must not depend on the control plane), and modules small enough to read."""
+"""The layering (issue 29), checked on the source: no import cycle inside any package or
+between packages (imports inside functions and under TYPE_CHECKING count), each package
+importing only the packages below it (``LAYERS``: the training library never depends on the
+control plane, the product never on its tools), and agent modules small enough to read."""
 
 from __future__ import annotations
 
@@ -11,13 +12,24 @@ ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "agent"
 MAX_LINES = 500
 MAX_SESSION_LINES = 450
+# package -> the packages it may import (docs/architecture.md, "Packages")
+LAYERS: dict[str, set[str]] = {
+    "schemas": set(),                                  # the wire contract
+    "plumbing": {"schemas"},                           # bus, logs, telemetry
+    "agent": {"schemas", "plumbing"},                  # the training library
+    "services": {"schemas", "plumbing"},               # the control plane
+    "examples": {"agent", "schemas", "plumbing"},      # training scripts
+    "ops": {"schemas", "plumbing", "agent", "services"},  # the operator's tools
+    "bench": {"schemas", "plumbing", "agent", "services", "ops", "examples"},
+}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(pkgs: tuple[str, ...] = ("agent",)) -> dict[str, Path]:
     mods = {}
-    for p in AGENT.rglob("*.py"):
-        parts = p.relative_to(ROOT).with_suffix("").parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    for pkg in pkgs:
+        for p in (ROOT / pkg).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     return mods
 
 
@@ -41,9 +53,9 @@ def _imports(name: str, path: Path) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    return {n: {i for i in _imports(n, p) if i in mods and i != n and i != "agent"}
+def _graph(pkgs: tuple[str, ...] = ("agent",)) -> dict[str, set[str]]:
+    mods = _modules(pkgs)
+    return {n: {i for i in _imports(n, p) if i in mods and i != n and i not in pkgs}
             for n, p in mods.items()}
 
 
@@ -91,6 +103,49 @@ def test_no_import_cycle_in_the_agent():
     assert _cycles(_graph()) == []
 
 
+def test_no_import_cycle_in_or_between_packages():
+    assert _cycles(_graph(tuple(LAYERS))) == []
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    mods = _modules(tuple(LAYERS))
+    bad = []
+    for name, path in mods.items():
+        pkg = name.split(".")[0]
+        for imp in _imports(name, path):
+            top = imp.split(".")[0]
+            if top in LAYERS and top != pkg and top not in LAYERS[pkg]:
+                bad.append(f"{name} imports {imp}")
+    assert bad == []
+
+
+def test_every_import_of_ours_names_a_module_that_exists():
+    """A module moved between packages leaves ``from .x import y`` pointing nowhere, which
+    only fails when that line runs (a function-level import: at a pod's start)."""
+    mods = _modules(tuple(LAYERS))
+    bad = []
+    for name, path in mods.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.level:
+                    base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    mod = ".".join(base + [node.module])
+                else:
+                    mod = node.module
+            elif isinstance(node, ast.Import):
+                mod = node.names[0].name
+            else:
+                continue
+            if mod.split(".")[0] in LAYERS and mod not in mods:
+                bad.append(f"{name}:{node.lineno} imports {mod}")
+    assert bad == []
+
+
 def test_no_agent_module_is_over_500_lines():
     long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
     assert {n: k for n, k in long.items() if k > MAX_LINES} == {}
+
+
+def test_session_is_at_most_450_lines():
+    assert len((AGENT / "session.py").read_text().splitlines()) <= MAX_SESSION_LINES

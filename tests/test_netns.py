@@ -63,7 +63,7 @@ _events = log_events
 
 async def test_pods_in_namespaces_train_and_recover_across_addresses(tmp_path, netns,
                                                                       reference):
-    from services.cluster import UpOptions, _default_data, default_cmd
+    from ops.cluster import UpOptions, _default_data, default_cmd
 
     a, b = netns.namespaces
     spec = {"ns": [[ns.name, ns.root_addr, ns.addr] for ns in (a, b)],

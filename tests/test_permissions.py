@@ -9,7 +9,7 @@ import nats
 import pytest
 
 from schemas.subjects import Subjects
-from services.common.bus import Bus
+from plumbing.bus import Bus
 from services.common.natsserver import NatsServer
 from services.common.permissions import ROLES, role_permissions, write_role_credentials
 

@@ -50,7 +50,7 @@ def test_bad_policy_refused_with_reason(tmp_path, text, why):
 def test_up_refuses_a_bad_policy_before_starting_anything(tmp_path):
     f = tmp_path / "p.toml"
     f.write_text("max_replicas = 2")
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--workers", "3",
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--workers", "3",
                         "--policy", str(f), "--run-dir", str(tmp_path / "run")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--workers 3 exceeds max_replicas 2" in r.stderr

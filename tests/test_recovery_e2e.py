@@ -247,7 +247,7 @@ async def test_malformed_traffic_while_training(tmp_path, reference):
     import time
 
     from schemas.messages import BY_KIND
-    from services.common.bus import DropError, decode
+    from plumbing.bus import DropError, decode
     from test_bad_input import bad_messages
 
     # The job must outlast the flood (~20 steps/s unflooded here); the CI default keeps the

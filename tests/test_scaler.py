@@ -13,7 +13,7 @@ import pytest
 from schemas import LEASE_KEY, PLAN_KEY, Plan, num_micro_batches
 from schemas.messages import (ActuatorCommand, ActuatorReply, AgentState, Capacity, Decision,
                               Fault, FaultKind, Heartbeat, Priority, Role)
-from services.common.bus import Bus, decode
+from plumbing.bus import Bus, decode
 from schemas.policy import ScalingPolicy
 from services.scaler import PolicyConfig, Scaler, Wait, initial_plan, on_fault
 from harness import REPO, until
@@ -286,7 +286,7 @@ async def test_plans_after_the_script_is_known_take_its_batch(env, bus, from_scr
                     what="script's batch adopted")
         assert sc.status()["policy"]["batch_source"] == "script"
         assert sc.cfg.num_micro == 12
-        from services.cli import _render_status
+        from ops.cli import _render_status
 
         text = _render_status({"job": "test", "services": {"scaler": sc.status()},
                                "plan": json.loads(p1.model_dump_json()), "script": {
@@ -418,7 +418,7 @@ async def test_capacity_add_starts_spares_and_grows_at_a_step_boundary(env, bus)
     await asyncio.sleep(0.3)
     assert len(env.plans) == 2  # at the target: no further change
     assert sc.status()["scale"]["target"] == 3
-    from services.cli import _render_status
+    from ops.cli import _render_status
 
     text = _render_status({"job": "test", "services": {"scaler": sc.status()},
                            "plan": json.loads(env.plans[-1].model_dump_json()),
@@ -603,7 +603,7 @@ async def test_cli_inject_prints_the_scalers_answer(env, bus, nats_server):
     await env.scaler(workers=1)
     await env.agent("w0")
     await until(lambda: env.plans, what="initial plan")
-    base = [sys.executable, "-m", "services.cli", "inject", "--nats", nats_server.url,
+    base = [sys.executable, "-m", "ops.cli", "inject", "--nats", nats_server.url,
             "--creds", str(nats_server.creds_path), "--job", "test"]
 
     async def run(*argv):
@@ -662,7 +662,7 @@ async def test_sharded_fault_drops_a_replica_and_capacity_adds_whole_replicas(en
 
 
 def test_cli_up_refuses_bad_shard_sizes_and_status_shows_replicas(capsys):
-    from services.cli import _render_status, main as cli_main
+    from ops.cli import _render_status, main as cli_main
 
     for argv, msg in ((["--workers", "3", "--shard-size", "2"], "not a multiple of --shard-size 2"),
                       (["--workers", "4", "--shard-size", "2", "--global-batch-size", "12",

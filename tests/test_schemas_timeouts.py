@@ -36,7 +36,7 @@ def test_agent_config_refuses_a_collective_timeout_above_recovery():
 
 
 def test_up_refuses_inconsistent_timeouts(capsys):
-    from services.cli import main
+    from ops.cli import main
 
     code = main(["up", "--fault-timeout", "5", "--stall-timeout", "2", "--steps", "1"])
     assert code == 2

@@ -13,7 +13,7 @@ from opentelemetry import trace
 from schemas import PLAN_KEY, Plan
 from schemas.messages import (AgentState, Heartbeat, Lifecycle, Member, Role, StateLost,
                               Transfer)
-from services.common.bus import Bus
+from plumbing.bus import Bus
 from services.health_monitor import HealthMonitor
 from services.scaler import Scaler
 from services.state_broker import StateBroker, decide_transfer

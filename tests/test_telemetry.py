@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services import trace_tools as tt
-from services.common import telemetry as T
-from services.common.bus import Bus
+from ops import trace_tools as tt
+from plumbing import telemetry as T
+from plumbing.bus import Bus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def _clean_env() -> dict[str, str]:
 CHILD = textwrap.dedent("""
     import json, os, sys
     from opentelemetry import propagate
-    from services.common import telemetry as T
+    from plumbing import telemetry as T
     run_dir, headers = sys.argv[1], json.loads(sys.argv[2])
     T.init("scaler", run_dir=run_dir, job="t")
     T.init("other", run_dir=run_dir, job="t")      # no-op
@@ -296,7 +296,7 @@ def test_metrics_file_exporter(tmp_path):
 AGENT_CHILD = textwrap.dedent("""
     import sys, time
     from types import SimpleNamespace
-    from services.common import logs, telemetry
+    from plumbing import logs, telemetry
     telemetry.init("agent", run_dir=sys.argv[1], job="j", pod="w0")
     logs.configure("agent", stream=sys.stdout)
     from agent.incident import Incident

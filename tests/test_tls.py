@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from services.common.bus import Bus  # noqa: E402
+from plumbing.bus import Bus  # noqa: E402
 from services.common.natsserver import NatsServer, write_credentials  # noqa: E402
-from services.common.tlsgen import client_context, generate  # noqa: E402
+from plumbing.tlsgen import client_context, generate  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from opentelemetry import propagate, trace
 
-from services import cli_trace
-from services import trace_tools as tt
-from services.common import telemetry as T
+from ops import cli_trace
+from ops import trace_tools as tt
+from plumbing import telemetry as T
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -170,7 +170,7 @@ async def test_the_overlapped_sync_shows_in_a_trace(tmp_path, monkeypatch):
     steps = 6
     s = await run_job(tmp_path, "traced", 2, 0, steps=steps, extra=["--", *_example(steps)])
     assert s["final_step"] == steps - 1
-    r = subprocess.run([sys.executable, "-m", "services.cli", "trace", "steps", "--json",
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "trace", "steps", "--json",
                         "--run-dir", str(tmp_path / "traced")], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -183,7 +183,7 @@ async def test_the_overlapped_sync_shows_in_a_trace(tmp_path, monkeypatch):
     overlapped = [x for x in rows if x["during_backward"] > 0]
     assert len(overlapped) >= len(rows) // 2, rows
     assert all(x["overlap_ms"] > 0 for x in overlapped), rows
-    text = subprocess.run([sys.executable, "-m", "services.cli", "trace", "steps", "--run-dir",
+    text = subprocess.run([sys.executable, "-m", "ops.cli", "trace", "steps", "--run-dir",
                            str(tmp_path / "traced")], cwd=REPO, capture_output=True, text=True,
                           timeout=60).stdout
     assert "last backward" in text and "exposed" in text, text

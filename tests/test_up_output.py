@@ -47,7 +47,7 @@ async def test_status_json_is_pure_json_and_shows_the_scripts_batch(tmp_path):
         st = None
         for _ in range(20):  # the scaler adopts the script's batch at its first step
             p = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "services.cli", "status", "--json",
+                subprocess.run, [sys.executable, "-m", "ops.cli", "status", "--json",
                                  "--run-dir", str(run)],
                 capture_output=True, text=True, timeout=30, cwd=REPO, env=env)
             assert p.returncode == 0, p.stderr

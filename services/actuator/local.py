@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Inject,
                               InjectAction, Lifecycle, LifecycleEvent, Plan, Role)
-from services.common import logs
-from services.common.bus import Bus, Envelope
+from plumbing import logs
+from plumbing.bus import Bus, Envelope
 
 from . import podlog
 from .base import PodSpec

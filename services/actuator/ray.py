@@ -45,7 +45,7 @@ from typing import Any, Iterable
 
 from schemas.messages import (Capacity, CapacityChange, Decision, Lifecycle, LifecycleEvent,
                               Priority, Role)
-from services.common import logs
+from plumbing import logs
 
 from .base import PodSpec
 from .local import LocalActuator, record_pid

@@ -26,8 +26,8 @@ from typing import Any, Awaitable, Callable, Iterable
 from schemas.messages import MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat, Seen, new_id
 from schemas.timeouts import VIEW_INTERVAL
 
-from .aio import cancel_all, wait_event
-from .bus import Bus, Envelope
+from plumbing.aio import cancel_all, wait_event
+from plumbing.bus import Bus, Envelope
 
 # (heartbeat, subject it came on, seconds since it was received by whoever read it)
 OnHeartbeat = Callable[[Heartbeat, str, float], Awaitable[None]]

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .bus import Credentials
+from plumbing.bus import Credentials
 
 if TYPE_CHECKING:
-    from .tlsgen import TLSFiles
+    from plumbing.tlsgen import TLSFiles
 
 
 def find_binary() -> str:

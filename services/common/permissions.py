@@ -30,7 +30,7 @@ from typing import Any
 from schemas.policy import SCALE_KEY
 from schemas.subjects import Subjects
 
-from .bus import Credentials
+from plumbing.bus import Credentials
 
 ROLES = ("agent", "health_monitor", "scaler", "state_broker", "operator")
 SERVICE_ROLES = ("health_monitor", "scaler", "state_broker")

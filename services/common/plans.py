@@ -18,8 +18,8 @@ from opentelemetry import context as otel_context
 
 from schemas import PLAN_KEY, Plan
 
-from .aio import cancel_all
-from .bus import Bus, DropError, Envelope, decode
+from plumbing.aio import cancel_all
+from plumbing.bus import Bus, DropError, Envelope, decode
 
 OnChange = Callable[[Plan | None, Plan], Awaitable[None] | None]
 

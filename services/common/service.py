@@ -9,19 +9,33 @@ import json
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, Protocol
 
 import nats.micro
 
 from schemas import check_id
 
-from . import logs
-from .aio import cancel_all, wait_event  # noqa: F401  (re-exported)
-from .bus import Bus, Credentials
+from plumbing import logs
+from plumbing.aio import cancel_all, wait_event  # noqa: F401  (re-exported)
+from plumbing.bus import Bus, Credentials
+
+
+class Part(Protocol):
+    """A piece a service starts and stops with itself (``PlanFollower``, ``HeartbeatFeed``)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+Subscription = tuple[str, type, Callable[..., Awaitable[None]]]  # subject, message, handler
 
 
 class Service:
-    """Base class: subclasses set ``name`` and implement ``start`` and ``status``."""
+    """Base class: subclasses set ``name``, implement ``status`` and describe their start as
+    data: ``parts()`` (started in order, stopped in reverse), ``subscriptions()``, then
+    ``on_start()`` (spawn loops, log). ``stop`` undoes it all in reverse: subscriptions,
+    spawned tasks, the micro service, the parts, then ``on_stop()``."""
 
     name: str = "service"
     version: str = "0.1.0"
@@ -33,9 +47,32 @@ class Service:
         self.started_at = time.time()
         self._micro: Any = None
         self._tasks: list[asyncio.Task] = []
+        self._subs: list[Any] = []
+        self._started: list[Part] = []
 
-    async def start(self) -> None:  # subscribe, load state from KV, spawn loops
-        raise NotImplementedError
+    def parts(self) -> list[Part]:
+        return []
+
+    def subscriptions(self) -> list[Subscription]:
+        return []
+
+    async def on_start(self) -> None:
+        """After the parts and the subscriptions: spawn loops, say it started."""
+
+    async def on_stop(self) -> None:
+        """After everything else stopped (the scaler gives its lease back)."""
+
+    async def start(self) -> None:
+        try:
+            await self.bus.ensure_stream()
+        except Exception as e:  # another service may create it; the KV still works
+            self.log.warning("could not ensure the job stream", error=str(e)[:200])
+        for part in self.parts():
+            await part.start()
+            self._started.append(part)
+        for subject, cls, handler in self.subscriptions():
+            self._subs.append(await self.bus.subscribe(subject, cls, handler))
+        await self.on_start()
 
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -74,12 +111,21 @@ class Service:
             name="status", subject=self.bus.subjects.service_status(self.name), handler=_status)
 
     async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # disconnected: nothing left to undo
+                pass
+        self._subs.clear()
         await cancel_all(self._tasks)
         if self._micro is not None:
             try:
                 await self._micro.stop()
             except Exception:
                 pass
+        while self._started:
+            await self._started.pop().stop()
+        await self.on_stop()
 
 
 def common_args(description: str) -> argparse.ArgumentParser:
@@ -97,7 +143,7 @@ async def serve(service_cls: type[Service], args: argparse.Namespace, **kwargs: 
     check_id(args.job, "job name")
     logs.configure(service_cls.name, args.log_level)
     try:
-        from . import telemetry
+        from plumbing import telemetry
 
         telemetry.init(service_cls.name, run_dir=args.run_dir, job=args.job)
     except Exception as e:  # tracing is an aid, never a reason not to run
@@ -117,7 +163,7 @@ async def serve(service_cls: type[Service], args: argparse.Namespace, **kwargs: 
     await svc.stop()
     await bus.close()
     try:
-        from . import telemetry
+        from plumbing import telemetry
 
         telemetry.shutdown()
     except Exception:

@@ -45,8 +45,8 @@ from opentelemetry import trace
 from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, JobFailed,
                               JobFailedKind, Lifecycle, LifecycleEvent, Plan, Report,
                               ReportKind, Role)
-from services.common.bounded import BoundedSet
-from services.common.bus import Bus, Envelope
+from plumbing.bounded import BoundedSet
+from plumbing.bus import Bus, Envelope
 from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
 from services.common.plans import PlanFollower
 from services.common.service import Service
@@ -114,7 +114,6 @@ class HealthMonitor(Service):
         self.faults: deque[dict[str, Any]] = deque(maxlen=200)
         self.latencies: deque[float] = deque(maxlen=1000)
         self.ignored: dict[str, int] = {}
-        self._subs: list[Any] = []
         self._stale_logged: set[tuple[str, int]] = set()
         self._link_down_since: float | None = None
         self._last_stall_check = 0.0
@@ -128,34 +127,22 @@ class HealthMonitor(Service):
                      if view_interval else None)
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        try:
-            await self.bus.ensure_stream()
-        except Exception as e:
-            self.log.warning("could not ensure the job stream", error=str(e)[:200])
-        await self.plans.start()
-        s, b = self.bus.subjects, self.bus
-        self._subs += [
-            await b.subscribe(s.heartbeat(), Heartbeat, self._on_heartbeat),
-            await b.subscribe(s.report(), Report, self._on_report),
-            await b.subscribe(s.lifecycle(), Lifecycle, self._on_lifecycle),
-        ]
+    def parts(self) -> list:
+        return [self.plans]
+
+    def subscriptions(self) -> list:
+        s = self.bus.subjects
+        return [(s.heartbeat(), Heartbeat, self._on_heartbeat),
+                (s.report(), Report, self._on_report),
+                (s.lifecycle(), Lifecycle, self._on_lifecycle)]
+
+    async def on_start(self) -> None:
         self.spawn(self._check_loop())
         if self.view is not None:
             self.spawn(self.view.run())
         self.log.info("health monitor started", generation=self.plans.generation,
                       fault_timeout=self.fault_timeout, stall_timeout=self.stall_timeout,
                       suspect_timeout=self.suspect_timeout)
-
-    async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
-        self._subs.clear()
-        await super().stop()
-        await self.plans.stop()
 
     # ------------------------------------------------------------------ plan
     @property

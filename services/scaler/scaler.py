@@ -38,9 +38,9 @@ from schemas.policy import (SCALE_KEY, SCRIPT_KEY, PendingRelease, ScaleState, S
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, CapacityChange, Decision, Fault, Heartbeat, Lifecycle,
                               LifecycleEvent, Plan, Priority, Role)
-from services.common import telemetry
-from services.common.bounded import BoundedSet
-from services.common.bus import Bus, Envelope, watch_key
+from plumbing import telemetry
+from plumbing.bounded import BoundedSet
+from plumbing.bus import Bus, Envelope, watch_key
 from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
 from services.common.service import Service, wait_event
@@ -145,7 +145,6 @@ class Scaler(Service):
         self.ignored: dict[str, int] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        self._subs: list[Any] = []
         self._last_wait_log = ""
         self._last_elastic = 0.0
         self._elastic_due = False
@@ -154,20 +153,19 @@ class Scaler(Service):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        try:
-            await self.bus.ensure_stream()
-        except Exception as e:
-            self.log.warning("could not ensure the job stream", error=str(e)[:200])
         self.kv = await self.bus.kv()
-        await self.plans.start()
-        s, b = self.bus.subjects, self.bus
-        await self.feed.start()
-        self._subs += [
-            await b.subscribe(s.lifecycle(), Lifecycle, self._on_lifecycle),
-            await b.subscribe(s.fault, Fault, self._on_fault),
-            await b.subscribe(s.capacity, Capacity, self._on_capacity),
-            await b.subscribe(s.priority, Priority, self._on_priority),
-        ]
+        await super().start()
+
+    def parts(self) -> list:
+        return [self.plans, self.feed]
+
+    def subscriptions(self) -> list:
+        s = self.bus.subjects
+        return [(s.lifecycle(), Lifecycle, self._on_lifecycle), (s.fault, Fault, self._on_fault),
+                (s.capacity, Capacity, self._on_capacity),
+                (s.priority, Priority, self._on_priority)]
+
+    async def on_start(self) -> None:
         self.t0 = time.monotonic()
         self.spawn(self._lease_loop())
         self.spawn(self._tick_loop())
@@ -177,16 +175,7 @@ class Scaler(Service):
                       workers=self.cfg.workers, min_replicas=self.cfg.min_replicas,
                       shard_size=self.cfg.shard_size)
 
-    async def stop(self) -> None:
-        await self.feed.stop()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
-        self._subs.clear()
-        await super().stop()
-        await self.plans.stop()
+    async def on_stop(self) -> None:
         await self._release_lease()
 
     # ------------------------------------------------------------------ lease

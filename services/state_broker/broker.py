@@ -35,7 +35,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from schemas.messages import Heartbeat, Plan, StateLost, Transfer
-from services.common.bus import Bus, Envelope
+from plumbing.bus import Bus, Envelope
 from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
 from services.common.service import Service, cancel_all, wait_event
@@ -203,35 +203,23 @@ class StateBroker(Service):
         self._task: asyncio.Task | None = None
         self._task_gen = 0
         self._changed = asyncio.Event()
-        self._subs: list[Any] = []
         self._published: set[int] = set()
         self.transfers_published = 0
         self.state_lost_published = 0
         # heartbeats from the monitor's health view, or read directly while there is none
         self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat, self._on_beats)
 
-    async def start(self) -> None:
-        try:
-            await self.bus.ensure_stream()
-        except Exception as e:
-            self.log.warning("could not ensure the job stream", error=str(e)[:200])
-        await self.feed.start()
-        await self.plans.start()  # adopts the KV plan -> _on_plan
+    def parts(self) -> list:
+        return [self.feed, self.plans]  # the plan follower adopts the KV plan -> _on_plan
+
+    async def on_start(self) -> None:
         self.log.info("state broker started", generation=self.plans.generation,
                       member_wait=self.member_wait)
 
     async def stop(self) -> None:
-        await self.feed.stop()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
-        self._subs.clear()
-        if self._task is not None:
+        if self._task is not None:  # the transfer in flight
             await cancel_all([self._task])
         await super().stop()
-        await self.plans.stop()
 
     # ------------------------------------------------------------------ inputs
     def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:

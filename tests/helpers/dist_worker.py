@@ -24,7 +24,7 @@ from agent.collectives import (AbortableGroup, Aborted, PeerError, abandoned,  #
 from agent.state import (StateMismatch, digest, recv_state, send_state,  # noqa: E402
                          snapshot)
 from agent.store import StoreLoop  # noqa: E402
-from services.common.bus import Credentials  # noqa: E402
+from plumbing.bus import Credentials  # noqa: E402
 
 torch.set_num_threads(1)
 

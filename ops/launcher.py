@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from schemas.messages import Heartbeat, Plan
-from services.common.bus import Bus, Credentials, Envelope
+from plumbing.bus import Bus, Credentials, Envelope
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,7 @@ class Cluster:
                  extra: list[str] | None = None, cmd: list[str] | None = None,
                  timeout: float = 240.0, replace: bool = False, shard_size: int = 1) -> None:
         self.run_dir = run_dir
-        self.argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
+        self.argv = [sys.executable, "-m", "ops.cli", "up", "--run-dir", str(run_dir),
                      "--workers", str(workers), "--spares", str(spares), "--steps", str(steps),
                      "--quiet", "--timeout", str(timeout),
                      # Tests compare against fault-free runs of the full world size: on a
@@ -71,7 +71,7 @@ class Cluster:
 
     async def _attach(self, job_dir: Path) -> None:
         info = json.loads((job_dir / "cluster.json").read_text())
-        from services.common.tlsgen import client_options
+        from plumbing.tlsgen import client_options
 
         self.bus = await Bus.connect(info["nats_url"], info["job"], "test-harness",
                                      Credentials.load(info["creds"]),

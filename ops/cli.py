@@ -26,7 +26,7 @@ def _add_conn(p: argparse.ArgumentParser) -> None:
 
 
 async def _connect(args: argparse.Namespace, name: str):
-    from services.common.bus import Bus, Credentials
+    from plumbing.bus import Bus, Credentials
 
     from .runinfo import ClusterInfo, find_run_dir
 
@@ -35,7 +35,7 @@ async def _connect(args: argparse.Namespace, name: str):
         return await Bus.connect(args.nats, args.job or "demo", name, creds,
                                  max_reconnect_attempts=2)
     info = ClusterInfo.read(find_run_dir(args.run_dir))
-    from services.common.tlsgen import client_options
+    from plumbing.tlsgen import client_options
 
     return await Bus.connect(info.nats_url, args.job or info.job, name,
                              Credentials.load(info.creds), max_reconnect_attempts=2,
@@ -474,14 +474,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     # Registered explicitly: a module that cannot be imported is a broken install, said
     # when it happens, never a subcommand that silently disappears.
-    from bench import cli as bench_cli
-    from services import chaos, cli_data, cli_trace
+    from ops import chaos, cli_data, cli_trace
 
     cli_trace.register(sub)
     cli_data.register(sub)
     chaos.register(sub)
-    bench_cli.register(sub, lazy=argv is not None and "bench" not in argv)
+    # Commands of packages above this one (``bench``) come through the entry-point group
+    # ``ceaseless.commands`` (pyproject.toml), so the operator tools never import the
+    # benchmarks that are built on them. One that fails to load raises here, as above.
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
+        ep.load()(sub, lazy=argv is not None and ep.name not in argv)
     return p
+
+
+COMMANDS = "ceaseless.commands"  # entry-point group: register(subparsers, lazy) per command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     # The CLI's own log lines (`up`'s supervisor, a bus warning) go to stderr: stdout is the
     # command's output (`ceaseless status --json | jq`).
-    from services.common import logs
+    from plumbing import logs
 
     logs.configure(None, os.environ.get("CEASELESS_LOG_LEVEL", "info"), json=False)
     return int(args.func(args) or 0)

@@ -2,7 +2,7 @@
 (and, with CEASELESS_TRACE_STEPS=1, the overlap of each step's gradient sync).
 
 ``register(sub)`` adds the ``trace`` command to an argparse subparsers object; every leaf sets
-``func`` (``args.func(args)`` returns the exit code). ``python -m services.cli_trace ...`` runs
+``func`` (``args.func(args)`` returns the exit code). ``python -m ops.cli_trace ...`` runs
 it stand-alone.
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from services import trace_tools as tt
+from ops import trace_tools as tt
 
 RUNS_DIR = Path("runs")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 from xml.sax.saxutils import escape
 
-from services.common import telemetry as T
+from plumbing import telemetry as T
 
 # ============================================================================ reading
 

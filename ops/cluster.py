@@ -24,11 +24,11 @@ from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Rec
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
-from services.common import logs
-from services.common.bus import Bus, Envelope
+from plumbing import logs
+from plumbing.bus import Bus, Envelope
 from services.common.natsserver import NatsServer
 from services.common.permissions import role_permissions, write_role_credentials
-from services.common.tlsgen import CA_ENV
+from plumbing.tlsgen import CA_ENV
 
 from .runinfo import ClusterInfo, new_run_dir
 
@@ -243,7 +243,7 @@ async def run(opts: UpOptions) -> int:
         bus_host = opts.bus_host or ray_act.node_ip()
     tls = None
     if opts.tls:
-        from services.common.tlsgen import generate
+        from plumbing.tlsgen import generate
 
         tls = generate(run_dir / "tls", hosts=tuple(dict.fromkeys(
             ("127.0.0.1", "localhost", bus_host))))
@@ -325,7 +325,7 @@ async def run(opts: UpOptions) -> int:
         env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    from .actuator.gpus import GpuAssigner, visible_gpus
+    from services.actuator.gpus import GpuAssigner, visible_gpus
 
     # with Ray, Ray assigns the devices (num_gpus = --gpus-per-pod per actor)
     gpus = (GpuAssigner(visible_gpus(), expected=opts.workers + opts.spares,

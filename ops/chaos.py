@@ -3,7 +3,7 @@
     ceaseless chaos --duration 600 --seed 1 [--workers 3 --spares 2] [--elastic]
 
 1. A fault-free reference run of the same example, world size and steps.
-2. The chaos run (``ceaseless up`` via services/launcher.py's ``Cluster``), where a schedule
+2. The chaos run (``ceaseless up`` via ops/launcher.py's ``Cluster``), where a schedule
    drawn from ``--seed`` injects, one after the other, worker SIGKILLs, hangs (SIGSTOP),
    training-thread stalls (``inject stall``: heartbeats go on, the pod's watchdog reports it), spare
    kills, rank-0 kills, SIGKILLs of each control-plane service, nats-server SIGKILLs (the
@@ -541,7 +541,7 @@ class Chaos:
     def pods(self) -> list[tuple[str, int]]:
         """Every live pod `up` (its actuator) started: members, spares, replacements, in
         the run dir and its restarts, as recorded in pids.txt (not services, nats-server)."""
-        from services.launcher import _ours
+        from ops.launcher import _ours
 
         return [(n, pid) for n, pid in self.c.pids()
                 if n not in SERVICES and n != "nats-server" and _ours(pid, str(self.c.run_dir))]
@@ -584,7 +584,7 @@ class Chaos:
                       f"{r['from_step']}, {out.recomputed} step(s) recomputed")
 
     def cleanup(self) -> None:
-        from services.launcher import _ours
+        from ops.launcher import _ours
 
         for pid in self.stopped:
             if _ours(pid, str(self.c.run_dir)):
@@ -624,7 +624,7 @@ async def _reference(base: Path, opts: ChaosOptions, steps: int, timeout: float)
 
 
 async def _reference_once(run_dir: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     async with Cluster(run_dir, opts.workers, 0, steps, timeout=timeout,
                        extra=["--model", opts.model, "--dtype", opts.example_dtype]) as c:
@@ -638,7 +638,7 @@ async def _reference_once(run_dir: Path, opts: ChaosOptions, steps: int, timeout
 
 
 async def run(opts: ChaosOptions) -> int:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     steps = opts.steps or default_steps(opts)
     base = Path(opts.run_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}-s{opts.seed}")
@@ -668,7 +668,7 @@ async def run(opts: ChaosOptions) -> int:
 
 async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
                       schedule: list[Event], ref: dict, ref_s: float, run_timeout: float) -> int:
-    from services.launcher import Cluster
+    from ops.launcher import Cluster
 
     outcomes: list[Outcome] = []
     failures: list[str] = []
@@ -887,7 +887,7 @@ def register(sub: Any) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m services.chaos")
+    ap = argparse.ArgumentParser(prog="python -m ops.chaos")
     register(ap.add_subparsers(dest="command", required=True))
     a = ap.parse_args(["chaos", *sys.argv[1:]])
     sys.exit(a.func(a))
