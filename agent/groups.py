@@ -29,6 +29,7 @@ DEFAULT_SLICE_S = 0.05
 _GROUP_META: dict[int, dict[str, Any]] = {}   # id(pg) -> store/timeout, picked up by the wrapper
 _GRAVEYARD: list[Any] = []                    # groups (and works) that must never be destroyed
 _GRAVEYARD_LOCK = threading.Lock()
+_INCREFD: dict[int, bool] = {}                # parked objects given an extra reference
 
 
 def _default_backend() -> str:
@@ -200,8 +201,33 @@ def abandoned() -> int:
         return sum(1 for x in _GRAVEYARD if not isinstance(x, dist.Work))
 
 
+def reap() -> int:
+    """Let go of the parked works that have finished (failed on a dead peer, or done): what
+    they hold (gradient buckets, transfer pieces) is freed, instead of one gradient's worth
+    kept per aborted generation for the life of the process (issue 34). Works still pending
+    (a stopped peer) and the groups themselves stay parked. Returns how many went."""
+    with _GRAVEYARD_LOCK:
+        done = [o for o in _GRAVEYARD if isinstance(o, dist.Work) and _finished(o)]
+        if not done:
+            return 0
+        ids = {id(o) for o in done}
+        _GRAVEYARD[:] = [o for o in _GRAVEYARD if id(o) not in ids]
+    for o in done:
+        if _INCREFD.pop(id(o), None) is not None:
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(o))  # the reference _park added
+    return len(done)
+
+
+def _finished(w: Any) -> bool:
+    try:
+        return bool(w.is_completed())
+    except Exception:
+        return False
+
+
 def _park(*objs: Any) -> None:
-    """Keep objects alive forever (their destructors may block on a stuck peer)."""
+    """Keep objects alive (their destructors may block on a stuck peer); ``reap`` lets
+    finished works go."""
     with _GRAVEYARD_LOCK:
         for o in objs:
             if o is None:
@@ -209,6 +235,7 @@ def _park(*objs: Any) -> None:
             _GRAVEYARD.append(o)
             try:  # survive interpreter teardown too: a destructor there would hang the exit
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
+                _INCREFD[id(o)] = True
             except Exception:
                 pass
 

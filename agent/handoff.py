@@ -33,17 +33,16 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     """Enter ``plan``'s generation (raises on failure: the caller counts attempts)."""
     inc = _open_incident(m, plan, plan_ctx, first)
     rank = _join(m, plan)
-    snap: list[Any] = []  # the committed state, copied while the peers connect
-    _rendezvous(m, plan, rank, snap)
+    _rendezvous(m, plan, rank)
     if inc is not None:
         inc.t_group = time.time()
-    restore_step, received, sent, held = _handoff_state(m, plan, rank, snap, keep_grads)
+    restore_step, received, sent = _handoff_state(m, plan, rank, keep_grads)
     if inc is not None:
         inc.t_sync = time.time()
         inc.restore_step = restore_step
         inc.bytes_received, inc.bytes_sent = received, sent
         inc.role = "recipient" if received else ("source" if sent else "survivor")
-    _start_streaming(m, plan, rank, held)
+    _start_streaming(m, plan, rank)
     # data_resume: the loader position is a pure function of the step
     if inc is not None:
         inc.t_data = time.time()
@@ -91,11 +90,10 @@ def _join(m: Entrant, plan: Plan) -> int:
     return rank
 
 
-def _meanwhile(m: Entrant, plan: Plan, rank: int, pre: Any,
-               snap: list[Any]) -> Callable[[], None] | None:
+def _meanwhile(m: Entrant, plan: Plan, rank: int, pre: Any) -> Callable[[], None] | None:
     """Report the step this pod holds to the broker, and what to do while the peers
-    connect (None: nothing): a following spare applies its stream first, a likely source
-    copies its state (into ``snap``). A prejoin reported already."""
+    connect (None: nothing): a following spare applies its stream first. A prejoin
+    reported already. (A source sends from its live tensors: nothing to copy ahead.)"""
     rt, state, g = m.rt, m.state, plan.generation
 
     def report() -> None:  # the broker takes this step and digest for the generation
@@ -114,14 +112,10 @@ def _meanwhile(m: Entrant, plan: Plan, rank: int, pre: Any,
 
         return settle
     report()
-    # A member holding committed state (or anyone at generation 1, where rank 0 is
-    # the source) is likely a source: copy the state while the peers connect.
-    if state.last_committed >= 0 or g == 1:
-        return lambda: snap.append(state.snapshot())
     return None
 
 
-def _rendezvous(m: Entrant, plan: Plan, rank: int, snap: list[Any]) -> None:
+def _rendezvous(m: Entrant, plan: Plan, rank: int) -> None:
     """Build the generation's group (``m.group``; ranks from the plan, the store on NATS)
     by one of three paths: a promoted spare's early join taken over (sharded), a prejoin's
     group taken over, or a fresh group. Sharded: the shard and position groups too."""
@@ -129,7 +123,7 @@ def _rendezvous(m: Entrant, plan: Plan, rank: int, snap: list[Any]) -> None:
 
     rt, cfg, g = m.rt, m.cfg, plan.generation
     pre = rt.take_prejoin(g)
-    meanwhile = _meanwhile(m, plan, rank, pre, snap)
+    meanwhile = _meanwhile(m, plan, rank, pre)
     # sharded: the replica's shard group and the position group connect meanwhile (a
     # promoted spare started all three while its script sharded the model: EarlyJoin)
     early = sharded = None
@@ -164,13 +158,14 @@ def _rendezvous(m: Entrant, plan: Plan, rank: int, snap: list[Any]) -> None:
         m.state.shard = divmod(rank, plan.shard_size)
 
 
-def _handoff_state(m: Entrant, plan: Plan, rank: int, snap: list[Any],
-                   keep_grads: bool) -> tuple[int, int, int, Any]:
+def _handoff_state(m: Entrant, plan: Plan, rank: int,
+                   keep_grads: bool) -> tuple[int, int, int]:
     """The state handoff the broker plans (it names sources and recipients): receive,
     send, or check the restore step held. Returns (the restore step, bytes received, bytes
-    sent, the committed state this rank holds as a FlatState, if it has one)."""
+    sent). Nothing is copied whole: a source sends its live tensors, a recipient receives
+    into its own (``agent/transfer.py``)."""
     from .collectives import Aborted
-    from .state import recv_state, send_state
+    from .transfer import recv_state, send_state
 
     rt, cfg, state, g = m.rt, m.cfg, m.state, plan.generation
     got = rt.wait_transfer(g, cfg.recovery_timeout)
@@ -182,9 +177,12 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int, snap: list[Any],
         raise JobStateLost(got.lost.reason)
     transfer = got.transfer
     received = sent = 0
-    held = None  # the committed state this rank holds as a FlatState, if it has one
     if rank in transfer.sources:
-        st = held = recv_state(m.group, rank, transfer.sources[rank], rt.abort)
+        # received into its own tensors: until verified whole, it holds no step at all (a
+        # failed transfer leaves them half written; a retry must not report them)
+        state.forget()
+        st = recv_state(m.group, rank, transfer.sources[rank], rt.abort,
+                        into=state.destinations)
         state.restore(st, transfer.restore_step)
         received = st.nbytes
         if state.last_committed != transfer.restore_step:
@@ -195,21 +193,16 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int, snap: list[Any],
             raise RuntimeError(f"transfer plan restores step {transfer.restore_step} but this "
                                f"rank holds step {state.last_committed} and receives nothing")
         mine = {r: srcs for r, srcs in transfer.sources.items() if rank in srcs}
-        if snap:
-            held = snap[0]
-        if mine:
-            st = held = held or state.snapshot()
-            sent = send_state(m.group, st, rank, mine, rt.abort) or 0
+        if mine:  # the state is at the restore step and nothing changes it meanwhile
+            sent = send_state(m.group, state.describe(), rank, mine, rt.abort) or 0
     if not keep_grads:
         state.zero_grad()
     m.restored(plan, transfer.restore_step)
-    return transfer.restore_step, received, sent, held
+    return transfer.restore_step, received, sent
 
 
-def _start_streaming(m: Entrant, plan: Plan, rank: int, held: Any) -> None:
-    """Rank 0 streams to the plan's spares (``shadow_roles.ShadowLeader``), from the state
-    it holds; spares may ask later."""
+def _start_streaming(m: Entrant, plan: Plan, rank: int) -> None:
+    """Rank 0 streams to the plan's spares (``shadow_roles.ShadowLeader``); the copy of the
+    state a spare starts from is taken only if one asks."""
     if rank == 0 and why_not(m.cfg, m.state) is None:
-        if plan.spares and held is None:
-            held = m.state.snapshot()
-        m.leader.lead(plan, held)
+        m.leader.lead(plan, m.state.snapshot)

@@ -32,6 +32,7 @@ from plumbing.bus import Bus, Credentials, Envelope, decode, watch_key
 
 from .buckets import Bucket
 from .config import AgentConfig
+from .groups import reap
 from .vocab import Arrival, StepLife, StepPhase, StepView, Verdict, plan_arrival
 from .watchdog import Watchdog
 
@@ -365,6 +366,7 @@ class Runtime:
                 await self._send_heartbeat()
                 await self._report_if_stuck()
                 await self._report_if_stalled()
+                reap()  # aborted generations' finished works: their buffers go back
             except Exception as e:  # reconnecting: the next beat goes through
                 log.debug("heartbeat failed", error=str(e)[:200])
             await asyncio.sleep(self.cfg.heartbeat_interval)

@@ -44,7 +44,8 @@ from torch import Tensor
 from plumbing import logs
 
 from .collectives import AbortableGroup, Aborted, make_group_abortable
-from .state import FlatState, _checksum_u8, recv_state, send_state
+from .state import FlatState, _checksum_u8
+from .transfer import recv_state, send_state
 
 log = logs.get("agent")
 
@@ -220,7 +221,7 @@ class ShadowSender:
 
 class ShadowReceiver:
     """A spare's end: receives in a background thread; the training thread ``take()``s the
-    items (``("state", FlatState)`` first, then ``("step", Update)`` and ``("confirm",
+    items (``("state", TensorState)`` first, then ``("step", Update)`` and ``("confirm",
     Confirm)`` in order) and applies them. ``notify`` is called (from the background thread)
     whenever an item arrives."""
 

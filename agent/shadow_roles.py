@@ -73,12 +73,15 @@ class ShadowLeader:
 
     def lead(self, plan: Plan, held: Any) -> None:
         """Stream the committed state, then every committed step, to each spare that asks
-        (the plan's spares at once, from ``held``; later ones at a step boundary)."""
+        (the plan's spares at once, from ``held``: a snapshot, or a function taking one,
+        called only if a spare asked; later ones at a step boundary)."""
         g = self.generation = plan.generation
         self._watch(g)
         for pod in plan.spares:
             rid = self._rt.stores.get(_request_key(g, pod))
             if rid is not None:
+                if callable(held):
+                    held = held()
                 self._serve(pod, rid.decode(), held)
 
     def _watch(self, generation: int | None) -> None:

@@ -1,43 +1,30 @@
-"""Training state as a few flat buffers, and its peer-to-peer handoff.
+"""Training state as a picklable skeleton plus tensors: live, flat-copied, or received.
 
-* ``snapshot(objs, extra) -> FlatState``: every tensor of every ``state_dict()`` (nested
-  dicts/lists/tuples) copied into one contiguous 1-D buffer per (dtype, device), plus a
-  picklable skeleton (the structure, non-tensor leaves, per-tensor dtype/shape/offset).
-* ``FlatState.restore(objs)``: rebuilds each state dict and calls ``load_state_dict``
-  (module parameters are copied in place, so optimizers keep referencing them; an optimizer
-  that never stepped accepts a peer's full state).
-* ``send_state`` / ``recv_state``: a transfer plan ``{recipient rank: [source ranks]}``. The
-  first source sends the skeleton and per-chunk checksums; buffer bytes are cut into
-  ``len(sources)`` contiguous chunks, chunk ``i`` sent by ``sources[i]``, so big state is
-  striped over all sources. Point-to-point over an ``AbortableGroup`` (abort-aware waits).
-  The recipient verifies every chunk: a mismatch raises ``StateMismatch``, never silently.
+* ``describe(objs, extra) -> TensorState``: every tensor of every ``state_dict()`` (nested
+  dicts/lists/tuples) by reference, no copy, plus a picklable skeleton (the structure,
+  non-tensor leaves, each tensor's dtype/shape/device). What a source sends from.
+* ``snapshot(objs, extra) -> FlatState``: the same tensors copied into one contiguous 1-D
+  buffer per (dtype, device): a frozen copy (checkpoints, a shadow spare's first state).
+* ``destinations(objs, skeleton)``: where a recipient receives each tensor: the objects' own
+  tensor of the same path, dtype and shape (received in place: no second copy of the state),
+  else a new one (an optimizer that never stepped has no state yet).
+* ``TensorState.restore`` / ``FlatState.restore``: rebuild each state dict and call
+  ``load_state_dict`` (module parameters keep their identity, so optimizers keep referencing
+  them; an optimizer that never stepped adopts the received tensors without a copy).
 * ``checksum(buffers)`` (exact, ~30 GB/s on CPU) and ``digest(model)`` (a strided sample of
-  the parameters, for heartbeats).
-
-Wire format per (source -> recipient), all on tag ``TAG_BASE + n``:
-  +0  int64[4] control: MAGIC, layout hash, skeleton bytes (first source, else 0), state bytes
-  +1  uint8[skeleton bytes] pickle of (skeleton, chunk checksums)   (first source only)
-  +16+b  uint8 chunk ``i`` of buffer ``b``                          (every source, if not empty)
+  the parameters, for heartbeats). The wire: ``agent/transfer.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import pickle
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-from .collectives import on_wire
-
-MAGIC = 0x6365_6173_6531  # "ceas" "e1"
-TAG_BASE = 0x3EA0_0000
-_TAG_CTRL, _TAG_SKEL, _TAG_BUF = 0, 1, 16
 _ALIGN = 64          # chunk boundaries (bytes): int64 views of chunks stay aligned
 _BLOCK = 1024        # int64 words per checksum block
 _M64 = (1 << 64) - 1
@@ -62,6 +49,21 @@ class BufferSpec(NamedTuple):
     dtype: torch.dtype
     device: str
     numel: int
+
+
+class TensorSpec(NamedTuple):
+    """One tensor of a ``TensorState``: what a recipient allocates or matches."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 class _TRef(NamedTuple):
@@ -95,93 +97,40 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if DTensor and isinstance(t, DTensor) else t
 
 
-# ---------------------------------------------------------------------------- flat state
-@dataclass
-class FlatState:
-    """State dicts split into a picklable ``skeleton`` and a few 1-D ``buffers``."""
-
-    skeleton: dict[str, Any]
-    buffers: list[Tensor]
-    stats: dict[str, Any] = field(default_factory=dict)  # transfer telemetry (recv_state)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.skeleton["objs"])
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """The ``extra`` dict given to ``snapshot`` (tensors in it are fresh copies)."""
-        return self._fill(self.skeleton["extra"], clone=True)
-
-    def layout_hash(self) -> int:
-        return _layout_hash(self.skeleton["specs"])
-
-    def tensor(self, i: int) -> Tensor:
-        """Tensor ``i`` of the skeleton, as a view into its buffer."""
-        m: TensorMeta = self.skeleton["metas"][i]
-        return self.buffers[m.buffer][m.offset:m.offset + m.numel].view(m.shape)
-
-    def state_dict_of(self, name: str, clone: bool = True) -> Any:
-        """The rebuilt state dict of ``name`` (``clone=False``: views into the buffers)."""
-        return self._fill(self.skeleton["objs"][name], clone)
-
-    def restore(self, objs: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
-        """``load_state_dict`` on every object; returns ``extra``. Modules get views into the
-        buffers (their load copies in place, parameters keep their identity); everything
-        else gets fresh tensors, so optimizer state never aliases these buffers.
-        ``strict``: the names of ``objs`` and of the state must be the same."""
-        have = self.skeleton["objs"]
-        if strict and set(have) != set(objs):
-            raise KeyError(f"state holds {sorted(have)}, objects are {sorted(objs)}")
-        self._mesh = _mesh_of(objs)  # sharded (FSDP2) state is rebuilt on the objects' mesh
-        for name, obj in objs.items():
-            if name not in have:
-                continue
-            is_module = isinstance(obj, torch.nn.Module)
-            obj.load_state_dict(self._fill(have[name], clone=not is_module))
-        return self.extra
-
-    def _fill(self, node: Any, clone: bool) -> Any:
-        if isinstance(node, _TRef):
-            t = self.tensor(node.index)
-            return t.clone() if clone else t
-        if isinstance(node, _DRef):
-            mesh = getattr(self, "_mesh", None)
-            if mesh is None:
-                raise TypeError("sharded (DTensor) state restored into objects with no "
-                                "sharded parameter to take the mesh from")
-            DTensor = _dtensor_type()
-            t = self.tensor(node.index)
-            return DTensor.from_local(t.clone() if clone else t, mesh, node.placements,
-                                      run_check=False, shape=torch.Size(node.shape),
-                                      stride=node.stride)
-        if isinstance(node, dict):
-            new = copy.copy(node)
-            for k, v in node.items():
-                new[k] = self._fill(v, clone)
-            return new
-        if isinstance(node, list):
-            return [self._fill(v, clone) for v in node]
-        if isinstance(node, tuple):
-            items = [self._fill(v, clone) for v in node]
-            return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
-        return node
+# ---------------------------------------------------------------------------- skeletons
+def _fill(node: Any, get: Callable[[int], Tensor], clone: bool, mesh: Any = None) -> Any:
+    """``node`` (a skeleton part) with its placeholders replaced by ``get(index)`` (cloned
+    when ``clone``); a ``_DRef`` becomes a ``DTensor`` on ``mesh``."""
+    if isinstance(node, _TRef):
+        t = get(node.index)
+        return t.clone() if clone else t
+    if isinstance(node, _DRef):
+        if mesh is None:
+            raise TypeError("sharded (DTensor) state restored into objects with no "
+                            "sharded parameter to take the mesh from")
+        t = get(node.index)
+        return _dtensor_type().from_local(t.clone() if clone else t, mesh, node.placements,
+                                          run_check=False, shape=torch.Size(node.shape),
+                                          stride=node.stride)
+    if isinstance(node, dict):
+        new = copy.copy(node)  # keeps the dict type and attributes (``_metadata``)
+        for k, v in node.items():
+            new[k] = _fill(v, get, clone, mesh)
+        return new
+    if isinstance(node, list):
+        return [_fill(v, get, clone, mesh) for v in node]
+    if isinstance(node, tuple):
+        items = [_fill(v, get, clone, mesh) for v in node]
+        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    return node
 
 
-def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-             to_host: bool = False) -> FlatState:
-    """Copy the state of ``objs`` (name -> object with ``state_dict()``) and ``extra`` into a
-    FlatState: one contiguous buffer per (dtype, device). Tensors that share memory (tied
-    weights) are stored once. Non-tensor leaves must be picklable. ``to_host``: buffers of
-    CUDA tensors are built in pinned host memory, tensor by tensor (no second copy of the
-    state on the GPU); the specs keep the device, so a restore puts them back there."""
+def _strip(objs: Mapping[str, Any], extra: Mapping[str, Any] | None
+           ) -> tuple[dict[str, Any], Any, list[Tensor]]:
+    """The state dicts of ``objs`` and ``extra`` with every tensor replaced by a placeholder,
+    and the tensors (by reference; tensors sharing memory, tied weights, once)."""
     refs: list[Tensor] = []
     seen: dict[tuple, int] = {}
-
     DTensor = _dtensor_type()
 
     def strip(node: Any) -> Any:
@@ -212,7 +161,187 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
         return node
 
     structures = {name: strip(obj.state_dict()) for name, obj in objs.items()}
-    extra_s = strip(dict(extra or {}))
+    return structures, strip(dict(extra or {})), refs
+
+
+def _check_names(have: Mapping[str, Any], objs: Mapping[str, Any], strict: bool) -> None:
+    if strict and set(have) != set(objs):
+        raise KeyError(f"state holds {sorted(have)}, objects are {sorted(objs)}")
+
+
+# ---------------------------------------------------------------------------- live / received
+@dataclass
+class TensorState:
+    """State dicts as a picklable ``skeleton`` (``objs``, ``extra``, ``tensors``: one
+    ``TensorSpec`` per placeholder) and the ``tensors`` themselves: the objects' live tensors
+    (``describe``), views into a snapshot (``FlatState.view``) or what a recipient received
+    (``in_place``: the indices received straight into the objects' own tensors)."""
+
+    skeleton: dict[str, Any]
+    tensors: list[Tensor]
+    stats: dict[str, Any] = field(default_factory=dict)  # transfer telemetry (recv_state)
+    in_place: frozenset[int] = frozenset()
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return self.skeleton["tensors"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return _fill(self.skeleton["extra"], self.tensors.__getitem__, clone=True)
+
+    def layout_hash(self) -> int:
+        return _layout_hash([(s.dtype, s.shape) for s in self.specs])
+
+    def restore(self, objs: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
+        """``load_state_dict`` on every object, with the tensors themselves (no copy:
+        received tensors become the optimizer's state); module entries received in place
+        are left out of the load (they are the module's own tensors already). Returns
+        ``extra``."""
+        have = self.skeleton["objs"]
+        _check_names(have, objs, strict)
+        mesh = _mesh_of(objs)
+        get = self.tensors.__getitem__
+        for name, obj in objs.items():
+            node = have.get(name)
+            if node is None:
+                continue
+            done: set[str] = set()
+            if isinstance(obj, torch.nn.Module) and isinstance(node, dict) and self.in_place:
+                live = obj.state_dict()
+                done = {k for k, v in node.items() if type(v) is _TRef and v.index in self.in_place
+                        and isinstance(live.get(k), Tensor)
+                        and live[k].data_ptr() == self.tensors[v.index].data_ptr()}
+            if not done:
+                obj.load_state_dict(_fill(node, get, clone=False, mesh=mesh))
+                continue
+            rest = copy.copy(node)
+            for k in done:
+                del rest[k]
+            missing, unexpected = obj.load_state_dict(_fill(rest, get, False, mesh),
+                                                      strict=False)
+            if unexpected or set(missing) - done:
+                raise KeyError(f"{name}: state does not fit (missing "
+                               f"{sorted(set(missing) - done)}, unexpected {unexpected})")
+        return self.extra
+
+
+def describe(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> TensorState:
+    """The state of ``objs`` (name -> object with ``state_dict()``) and ``extra`` by
+    reference: no copy. Valid while nothing changes the objects (a source sends from it)."""
+    structures, extra_s, refs = _strip(objs, extra)
+    specs = [TensorSpec(t.dtype, tuple(t.shape), str(t.device)) for t in refs]
+    skeleton = {"version": 2, "objs": structures, "extra": extra_s, "tensors": specs}
+    return TensorState(skeleton=skeleton, tensors=refs)
+
+
+def destinations(objs: Mapping[str, Any], skeleton: Mapping[str, Any]
+                 ) -> tuple[list[Tensor], frozenset[int]]:
+    """Where a recipient receives each tensor of ``skeleton``: the objects' own tensor at the
+    same place of their state dicts when it has the same dtype, shape and device and is
+    contiguous and aligned (received in place), else a new one on the spec's device. Returns
+    the tensors and the indices received in place."""
+    specs: list[TensorSpec] = skeleton["tensors"]
+    out: list[Tensor | None] = [None] * len(specs)
+    used: set[int] = set()   # data pointers taken: two indices never share one tensor
+    DTensor = _dtensor_type()
+
+    def match(node: Any, live: Any) -> None:
+        if isinstance(node, (_TRef, _DRef)):
+            t = live.to_local() if DTensor and isinstance(live, DTensor) else live
+            sp = specs[node.index]
+            if (out[node.index] is None and isinstance(t, Tensor)
+                    and t.dtype == sp.dtype and tuple(t.shape) == sp.shape
+                    and str(t.device) == sp.device and t.is_contiguous()
+                    and t.data_ptr() % _ALIGN == 0 and t.data_ptr() not in used):
+                out[node.index] = t.detach() if t.requires_grad else t  # keep identity
+                used.add(t.data_ptr())
+        elif isinstance(node, dict) and isinstance(live, dict):
+            for k, v in node.items():
+                if k in live:
+                    match(v, live[k])
+        elif isinstance(node, (list, tuple)) and isinstance(live, (list, tuple)) \
+                and len(node) == len(live):
+            for v, w in zip(node, live):
+                match(v, w)
+
+    for name, node in skeleton["objs"].items():
+        if name in objs:
+            match(node, objs[name].state_dict())
+    in_place = frozenset(i for i, t in enumerate(out) if t is not None)
+    tensors = [t if t is not None else torch.empty(sp.shape, dtype=sp.dtype, device=sp.device)
+               for t, sp in zip(out, specs)]
+    return tensors, in_place
+
+
+# ---------------------------------------------------------------------------- flat state
+@dataclass
+class FlatState:
+    """State dicts split into a picklable ``skeleton`` and a few 1-D ``buffers``: a frozen
+    copy of the state (``snapshot``, a checkpoint)."""
+
+    skeleton: dict[str, Any]
+    buffers: list[Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.skeleton["objs"])
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The ``extra`` dict given to ``snapshot`` (tensors in it are fresh copies)."""
+        return _fill(self.skeleton["extra"], self.tensor, clone=True)
+
+    def tensor(self, i: int) -> Tensor:
+        """Tensor ``i`` of the skeleton, as a view into its buffer."""
+        m: TensorMeta = self.skeleton["metas"][i]
+        return self.buffers[m.buffer][m.offset:m.offset + m.numel].view(m.shape)
+
+    def view(self) -> TensorState:
+        """This copy as a ``TensorState`` of views into the buffers (what is sent)."""
+        metas: list[TensorMeta] = self.skeleton["metas"]
+        specs = self.skeleton["specs"]
+        tspecs = [TensorSpec(specs[m.buffer].dtype, tuple(m.shape), specs[m.buffer].device)
+                  for m in metas]
+        sk = {"version": 2, "objs": self.skeleton["objs"], "extra": self.skeleton["extra"],
+              "tensors": tspecs}
+        return TensorState(skeleton=sk, tensors=[self.tensor(i) for i in range(len(metas))])
+
+    def state_dict_of(self, name: str, clone: bool = True) -> Any:
+        """The rebuilt state dict of ``name`` (``clone=False``: views into the buffers)."""
+        return _fill(self.skeleton["objs"][name], self.tensor, clone)
+
+    def restore(self, objs: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
+        """``load_state_dict`` on every object; returns ``extra``. Modules get views into the
+        buffers (their load copies in place, parameters keep their identity); everything
+        else gets fresh tensors, so optimizer state never aliases these buffers.
+        ``strict``: the names of ``objs`` and of the state must be the same."""
+        have = self.skeleton["objs"]
+        _check_names(have, objs, strict)
+        mesh = _mesh_of(objs)  # sharded (FSDP2) state is rebuilt on the objects' mesh
+        for name, obj in objs.items():
+            if name in have:
+                is_module = isinstance(obj, torch.nn.Module)
+                obj.load_state_dict(_fill(have[name], self.tensor, not is_module, mesh))
+        return self.extra
+
+
+def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
+             to_host: bool = False) -> FlatState:
+    """Copy the state of ``objs`` (name -> object with ``state_dict()``) and ``extra`` into a
+    FlatState: one contiguous buffer per (dtype, device). Tensors that share memory (tied
+    weights) are stored once. Non-tensor leaves must be picklable. ``to_host``: buffers of
+    CUDA tensors are built in pinned host memory, tensor by tensor (no second copy of the
+    state on the GPU); the specs keep the device, so a restore puts them back there."""
+    structures, extra_s, refs = _strip(objs, extra)
     groups: dict[tuple[torch.dtype, str], list[int]] = {}
     for i, t in enumerate(refs):
         groups.setdefault((t.dtype, str(t.device)), []).append(i)
@@ -220,20 +349,21 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
     buffers: list[Tensor] = []
     specs: list[BufferSpec] = []
     for b, ((dtype, dev), idx) in enumerate(groups.items()):
+        # every tensor starts 64-byte aligned: a view of it can be checksummed and sent as is
+        step = max(1, _ALIGN // torch.empty((), dtype=dtype).element_size())
         off = 0
         for i in idx:
             n = refs[i].numel()
             metas[i] = TensorMeta(b, off, n, tuple(refs[i].shape))
-            off += n
-        if to_host and torch.device(dev).type == "cuda":
-            buf = torch.empty(off, dtype=dtype, pin_memory=True)
-            for i in idx:
-                m = metas[i]
-                buf[m.offset:m.offset + m.numel].copy_(refs[i].reshape(-1))
-        elif off:
-            buf = torch.cat([refs[i].reshape(-1) for i in idx])
-        else:
-            buf = torch.empty(0, dtype=dtype, device=dev)
+            off += -(-n // step) * step
+        host = to_host and torch.device(dev).type == "cuda"
+        buf = (torch.empty(off, dtype=dtype, pin_memory=True) if host
+               else torch.empty(off, dtype=dtype, device=dev))
+        for j, i in enumerate(idx):
+            m = metas[i]
+            buf[m.offset:m.offset + m.numel].copy_(refs[i].reshape(-1))
+            end = metas[idx[j + 1]].offset if j + 1 < len(idx) else off
+            buf[m.offset + m.numel:end].zero_()  # padding: checksums see the same bytes
         buffers.append(buf)
         specs.append(BufferSpec(dtype, dev, off))
     skeleton = {"version": 1, "objs": structures, "extra": extra_s, "metas": metas,
@@ -304,18 +434,9 @@ def chunk_bounds(nbytes: int, k: int) -> list[int]:
     return out
 
 
-def _chunk_checksums(buffers: Sequence[Tensor], k: int) -> list[list[int]]:
-    out = []
-    for b in buffers:
-        u8 = _u8(b)
-        bd = chunk_bounds(u8.numel(), k)
-        out.append([_checksum_u8(u8[bd[i]:bd[i + 1]]) for i in range(k)])
-    return out
-
-
-def _layout_hash(specs: Sequence[BufferSpec]) -> int:
-    h = hashlib.blake2b(repr([(str(s.dtype), s.numel) for s in specs]).encode(),
-                        digest_size=8)
+def _layout_hash(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    """Dtypes and shapes of a state's tensors, as a non-negative int62."""
+    h = hashlib.blake2b(repr([(str(d), tuple(sh)) for d, sh in specs]).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 62) - 1)
 
 
@@ -343,108 +464,3 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
             h.update(torch.cat(ps).view(torch.uint8).cpu().numpy().tobytes())
     h.update(total.to_bytes(8, "little"))
     return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------- transfer
-def send_state(group: Any, state: FlatState, my_rank: int,
-               recipients: Mapping[int, Sequence[int]], abort: threading.Event | None,
-               timeout_s: float | None = None) -> int:
-    """Send ``state`` to every recipient that lists ``my_rank`` among its sources (plan:
-    ``{recipient: [sources]}``). All sends are posted, then waited (abort-aware). Returns the
-    bytes this rank sent. Raises Aborted / PeerError like the group's waits."""
-    dev = group.device
-    lh = state.layout_hash()
-    wire = [on_wire(b, dev) for b in state.buffers]
-    u8s = [_u8(b) for b in wire]
-    keep: list[Tensor] = []   # tensors must outlive their sends
-    works = []
-    sent = 0
-    csums: dict[int, list[list[int]]] = {}
-    for r, sources in sorted(recipients.items()):
-        sources = [int(s) for s in sources]
-        if my_rank not in sources:
-            continue
-        i, k = sources.index(my_rank), len(sources)
-        blob = None
-        if i == 0:
-            if k not in csums:
-                csums[k] = _chunk_checksums(wire, k)
-            payload = pickle.dumps((state.skeleton, csums[k]), protocol=pickle.HIGHEST_PROTOCOL)
-            blob = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-        ctrl = torch.tensor([MAGIC, lh, 0 if blob is None else blob.numel(), state.nbytes],
-                            dtype=torch.int64, device=dev)
-        keep.append(ctrl)
-        works.append(group.isend(ctrl, r, TAG_BASE + _TAG_CTRL))
-        if blob is not None:
-            keep.append(blob)
-            works.append(group.isend(blob, r, TAG_BASE + _TAG_SKEL))
-            sent += blob.numel()
-        for b, u8 in enumerate(u8s):
-            bd = chunk_bounds(u8.numel(), k)
-            if bd[i + 1] > bd[i]:
-                works.append(group.isend(u8[bd[i]:bd[i + 1]], r, TAG_BASE + _TAG_BUF + b))
-                sent += bd[i + 1] - bd[i]
-    group.wait_all(works, abort, "state send", timeout_s=timeout_s)
-    del keep
-    return sent
-
-
-def recv_state(group: Any, my_rank: int, sources: Sequence[int],
-               abort: threading.Event | None, timeout_s: float | None = None,
-               tamper: Callable[[list[Tensor]], None] | None = None) -> FlatState:
-    """Receive a FlatState striped over ``sources`` (the first one also sends the skeleton)
-    and verify every chunk. ``.stats`` holds bytes, seconds and bytes per source.
-    ``tamper`` (tests only) may modify the received buffers before verification.
-    Raises StateMismatch (layout or checksum), Aborted / PeerError (transport)."""
-    t0 = time.perf_counter()
-    sources = [int(s) for s in sources]
-    if not sources or my_rank in sources:
-        raise ValueError(f"bad sources {sources} for recipient {my_rank}")
-    dev = group.device
-    ctrls = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in sources]
-    group.wait_all([group.irecv(c, s, TAG_BASE + _TAG_CTRL) for c, s in zip(ctrls, sources)],
-                   abort, "state header", timeout_s=timeout_s)
-    heads = [c.cpu().tolist() for c in ctrls]
-    for s, h in zip(sources, heads):
-        if h[0] != MAGIC:
-            raise StateMismatch(f"source {s} sent a bad header {h}")
-    if len({h[1] for h in heads}) != 1 or len({h[3] for h in heads}) != 1:
-        raise StateMismatch("sources hold different state layouts: " + ", ".join(
-            f"rank {s}: hash {h[1]:x}, {h[3]} bytes" for s, h in zip(sources, heads)))
-    blob = torch.empty(heads[0][2], dtype=torch.uint8, device=dev)
-    group.wait_all([group.irecv(blob, sources[0], TAG_BASE + _TAG_SKEL)], abort,
-                   "state skeleton", timeout_s=timeout_s)
-    skeleton, csums = pickle.loads(blob.cpu().numpy().tobytes())
-    specs: list[BufferSpec] = skeleton["specs"]
-    if _layout_hash(specs) != heads[0][1]:
-        raise StateMismatch("skeleton does not match the announced layout")
-    k = len(sources)
-    wire = [torch.empty(sp.numel, dtype=sp.dtype, device=dev) for sp in specs]
-    per_source = {s: 0 for s in sources}
-    per_source[sources[0]] += blob.numel()
-    works = []
-    for b, buf in enumerate(wire):
-        u8 = _u8(buf)
-        bd = chunk_bounds(u8.numel(), k)
-        for i, s in enumerate(sources):
-            if bd[i + 1] > bd[i]:
-                works.append(group.irecv(u8[bd[i]:bd[i + 1]], s, TAG_BASE + _TAG_BUF + b))
-                per_source[s] += bd[i + 1] - bd[i]
-    group.wait_all(works, abort, "state chunks", timeout_s=timeout_s)
-    t_recv = time.perf_counter()
-    if tamper is not None:
-        tamper(wire)
-    got = _chunk_checksums(wire, k)
-    bad = [(b, sources[i]) for b in range(len(wire)) for i in range(k)
-           if got[b][i] != csums[b][i]]
-    if bad:
-        raise StateMismatch(f"checksum mismatch in {len(bad)} chunk(s) "
-                            f"(buffer, source rank): {bad}", bad)
-    buffers = [w if w.device.type == torch.device(sp.device).type else w.to(sp.device)
-               for w, sp in zip(wire, specs)]
-    t1 = time.perf_counter()
-    st = FlatState(skeleton=skeleton, buffers=buffers)
-    st.stats = {"bytes": sum(per_source.values()), "state_bytes": st.nbytes,
-                "seconds": t1 - t0, "transfer_seconds": t_recv - t0,
-                "verify_seconds": t1 - t_recv, "per_source": per_source}
-    return st

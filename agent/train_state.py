@@ -208,8 +208,23 @@ class TrainState:
         return snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
                                     "lr_factor": self.lr_factor}, to_host=True)
 
+    def describe(self) -> Any:
+        """The committed state by reference (a ``TensorState`` of the live tensors): what a
+        source sends from, with no copy. Valid until the state next changes."""
+        from .state import describe
+
+        return describe(self.objs, {"step": self.last_committed, "loss": self.loss,
+                                    "lr_factor": self.lr_factor})
+
+    def destinations(self, skeleton: dict[str, Any]) -> Any:
+        """Where a received state's tensors go: the registered objects' own tensors where
+        they fit (``state.destinations``)."""
+        from .state import destinations
+
+        return destinations(self.objs, skeleton)
+
     def restore(self, st: Any, default_step: int = -1) -> int:
-        """Load a FlatState (a snapshot, a transfer); returns the step it holds."""
+        """Load a FlatState or TensorState (a snapshot, a transfer); returns its step."""
         extra = st.restore(self.objs) or {}
         self.last_committed = int(extra.get("step", default_step))
         self.loss = extra.get("loss")

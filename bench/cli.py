@@ -45,7 +45,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "goodput": "fixed-length run with a fault every K seconds: useful time / wall time",
         "liveness": "rank-0 SIGKILLs with a spare under CPU load, repeated: hangs, bitwise",
         "healing": "replacement pods (refill, grow back) and last-resort checkpoints' cost",
-        "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join"}
+        "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join",
+        "size": "real model sizes: peak memory per role, transfer vs the link, kill bitwise"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -67,4 +68,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "liveness", "bench.liveness")
     _module(bsub, "healing", "bench.healing")
     _module(bsub, "sharded", "bench.sharded")
+    _module(bsub, "size", "bench.size")
     return p

@@ -28,7 +28,14 @@ MODELS = {
     "tiny": (64, 2, 4, 32),
     "small": (128, 4, 4, 64),
     "10m": (384, 6, 6, 128),
+    # GPT-2 shapes (issue 34: state at the sizes users train), with GPT-2's vocabulary of
+    # 50257 tokens when the data is synthetic: 124M, 355M and 1.2B parameters (tied head)
+    "124m": (768, 12, 12, 1024),
+    "350m": (1024, 24, 16, 1024),
+    "1b": (2048, 22, 16, 1024),
 }
+GPT2_VOCAB = 50257
+GPT2_SIZES = ("124m", "350m", "1b")
 MLP_MODELS = {
     # name: (d_model, context tokens, hidden, seq_len): a feed-forward LM, no attention
     "mlp10m": (256, 8, 2304, 128),
@@ -147,13 +154,14 @@ class SyntheticTokens(torch.utils.data.Dataset):
         return s[:-1], s[1:]
 
 
-def load_dataset(data: str | None, seq_len: int):
+def load_dataset(data: str | None, seq_len: int, vocab: int = 257):
+    """The data dir's tokens, or synthetic ones over ``vocab`` tokens."""
     if data and (Path(data) / "index.json").exists():
         from agent.data import TokenDataset
 
         ds = TokenDataset(data, seq_len=seq_len)
         return ds, ds.vocab_size
-    return SyntheticTokens(4096, seq_len), 257
+    return SyntheticTokens(4096, seq_len, vocab=vocab), vocab
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,7 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--model", choices=ALL_MODELS, default="tiny",
-                   help="GPT sizes, or mlp10m: a feed-forward LM of about 10M parameters")
+                   help="GPT sizes (124m, 350m, 1b: GPT-2 shapes and vocabulary), or mlp10m: "
+                        "a feed-forward LM of about 10M parameters")
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="tokens per sample (default: the model's; at most the model's)")
     p.add_argument("--data", help="a data dir from `ceaseless data prepare|generate`")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=0.1)
@@ -213,7 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    dataset, vocab = load_dataset(a.data, seq_len_of(a.model))
+    seq_len = a.seq_len or seq_len_of(a.model)
+    if not 0 < seq_len <= seq_len_of(a.model):
+        raise SystemExit(f"--seq-len {a.seq_len}: 1 to {seq_len_of(a.model)} for {a.model}")
+    dataset, vocab = load_dataset(a.data, seq_len,
+                                  GPT2_VOCAB if a.model in GPT2_SIZES else 257)
     torch.manual_seed(a.seed)  # every rank builds the same model; rank 0's weights win anyway
     if a.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts

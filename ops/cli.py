@@ -412,7 +412,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--bus-host", metavar="ADDR",
                     help="the address nats-server listens on and pods connect to (default "
                          "127.0.0.1; with --actuator ray the IP of this machine's Ray node)")
-    up.add_argument("--model", default="tiny", help="example model size: tiny | small | 10m")
+    up.add_argument("--model", default="tiny", help="example model: tiny | small | 10m | mlp10m | 124m | 350m | 1b "
+                         "(the last three: GPT-2 shapes on synthetic tokens)")
     up.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                     help="the example's parameter dtype")
     up.add_argument("--timeout", type=float, help="give up after this many seconds")

@@ -210,9 +210,12 @@ class Observer:
 
 def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
     B, m = opts.batch
+    # GPT-2 sizes train on synthetic tokens over GPT-2's vocabulary (the generated data's
+    # 257 tokens would make a smaller model than the name says)
+    data = [] if opts.model in ("124m", "350m", "1b") else ["--data", str(data_dir)]
     return [sys.executable, "-m", "examples.train_gpt", "--steps", str(opts.steps),
             "--global-batch-size", str(B), "--micro-batch-size", str(m),
-            "--model", opts.model, "--dtype", opts.dtype, "--data", str(data_dir)]
+            "--model", opts.model, "--dtype", opts.dtype, *data]
 
 
 async def run(opts: UpOptions) -> int:

@@ -18,7 +18,7 @@ UNIT_FILES = {
     "test_heartbeat_feed.py", "test_layers.py", "test_membership.py", "test_permissions.py",
     "test_policy_file.py", "test_policy_properties.py", "test_ports.py", "test_repeats.py",
     "test_scaler.py", "test_schemas_timeouts.py", "test_session_local.py",
-    "test_state_broker.py", "test_store.py", "test_trace_cli.py",
+    "test_state_broker.py", "test_store.py", "test_trace_cli.py", "test_transfer.py",
 }
 
 

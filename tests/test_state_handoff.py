@@ -19,6 +19,9 @@ def test_state_handoff(nats_server):
         g.expect_all("done", timeout=30)
     one, striped, after, corrupt = phases
     recipient = world - 1
+    # one source sent its live tensors into the recipient's own (issue 34: no second copy)
+    assert one[recipient]["stats"]["in_place_bytes"] > 0, one[recipient]
+    assert striped[recipient]["stats"]["in_place_bytes"] == 0, striped[recipient]
     for ph in (one, striped):
         hashes = {m["hash"] for m in ph}
         assert len(hashes) == 1, ph  # recipient == every source, bitwise, incl. optimizer

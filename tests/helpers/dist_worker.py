@@ -21,8 +21,9 @@ import torch  # noqa: E402
 
 from agent.collectives import (AbortableGroup, Aborted, PeerError, abandoned,  # noqa: E402
                                grads_of, make_group)
-from agent.state import (StateMismatch, digest, recv_state, send_state,  # noqa: E402
+from agent.state import (StateMismatch, describe, destinations, digest,  # noqa: E402
                          snapshot)
+from agent.transfer import recv_state, send_state  # noqa: E402
 from agent.store import StoreLoop  # noqa: E402
 from plumbing.bus import Credentials  # noqa: E402
 
@@ -328,18 +329,20 @@ def sc_state(cfg: dict) -> None:
     train(src_objs, 3, seed=1)
     extra = {"step": 2, "loss": 0.25}
 
-    def phase(plan: dict[int, list[int]], fresh_seed: int, tamper=None):
-        """One transfer; returns (objs, stats or None)."""
+    def phase(plan: dict[int, list[int]], fresh_seed: int, tamper=None, live=True):
+        """One transfer (``live``: sent from the live tensors, received into the objects' own;
+        else from a snapshot into new tensors); returns (objs, stats or None)."""
         if rank == recipient:
             objs = build(fresh_seed)  # different init, optimizer never stepped
             params = list(objs["model"].parameters())
-            st = recv_state(g, rank, plan[rank], abort, tamper=tamper)
+            into = (lambda sk: destinations(objs, sk)) if live else None
+            st = recv_state(g, rank, plan[rank], abort, tamper=tamper, into=into)
             got_extra = st.restore(objs)
             same_ids = all(a is b for a, b in zip(params, objs["model"].parameters()))
             opt_params_ok = all(a is b for a, b in zip(params, objs["opt"].param_groups[0]["params"]))
             return objs, dict(st.stats, extra=got_extra, same_ids=same_ids and opt_params_ok)
         if rank in plan[recipient]:
-            st = snapshot(src_objs, extra)
+            st = describe(src_objs, extra) if live else snapshot(src_objs, extra)
             sent = send_state(g, st, rank, plan, abort)
             return src_objs, {"sent": sent}
         return src_objs, None
@@ -349,7 +352,7 @@ def sc_state(cfg: dict) -> None:
     g.barrier(abort)
     out("phase", name="one_source", hash=state_hash(objs), stats=_jsonable(stats))
     # B: striped over all sources
-    objs, stats = phase({recipient: sources}, fresh_seed=456)
+    objs, stats = phase({recipient: sources}, fresh_seed=456, live=False)
     g.barrier(abort)
     out("phase", name="striped", hash=state_hash(objs), stats=_jsonable(stats),
         digest=digest(objs["model"]))
@@ -358,8 +361,8 @@ def sc_state(cfg: dict) -> None:
     out("phase", name="after_step", hash=param_hash(objs), state=state_hash(objs))
     g.barrier(abort)
     # C: a corrupted chunk (flip one byte of the last source's chunk before verification)
-    def flip(bufs):
-        b = bufs[0].view(torch.uint8)
+    def flip(tensors):  # the last tensor: in the last source's stripe
+        b = tensors[-1].reshape(-1).view(torch.uint8)
         b[b.numel() - 3] ^= 0x10
 
     try:
@@ -376,7 +379,7 @@ def sc_state(cfg: dict) -> None:
     for label, plan in (("1->1", {recipient: [0]}), (f"{len(sources)}->1", {recipient: sources})):
         if rank == recipient:
             big["big"].w.zero_()
-            st = recv_state(g, rank, plan[rank], abort)
+            st = recv_state(g, rank, plan[rank], abort, into=lambda sk: destinations(big, sk))
             st.restore(big)
             timings[label] = {"MB": st.stats["state_bytes"] / 2**20,
                               "seconds": st.stats["seconds"],
@@ -384,8 +387,8 @@ def sc_state(cfg: dict) -> None:
                               "verify_seconds": st.stats["verify_seconds"]}
         elif rank in plan[recipient]:
             t0 = time.perf_counter()
-            st = snapshot(big)
-            timings[label] = {"snapshot_s": time.perf_counter() - t0}
+            st = describe(big)
+            timings[label] = {"describe_s": time.perf_counter() - t0}
             send_state(g, st, rank, plan, abort)
         g.barrier(abort)
     ok_big = bool(torch.equal(big["big"].w, Big(n, 0).w)) if rank == recipient else True

@@ -1,0 +1,298 @@
+"""Model size: peak memory per role, state transfer against the link, recovery at real sizes.
+
+    ceaseless bench size [--models 124m] [--workers 2] [--seq-len 64] [--steps 14]
+
+Per model (the example's GPT-2 shapes, synthetic tokens), on this machine (gloo over
+loopback; CPU: peak memory is the process's peak RSS, ``VmHWM``):
+
+* ``plain``: the example alone in one process (no cluster, no bus): the baseline peak;
+* ``ref``: W workers, no fault: the final parameters' sha256 to compare against;
+* ``join``: W workers; at step K ``capacity add 1`` starts a cold pod that joins and receives
+  the whole state from the members (striped). Each member's peak just before the event and
+  after the join, the joiner's peak, the members' pause, the state bytes and the throughput
+  (bytes received / the joiner's ``state_sync`` phase: plan wait and checksums included);
+* ``kill0``: W workers + 1 spare that follows rank 0, SIGKILL of rank 0 at step K: the final
+  parameters against ``ref`` (bitwise), the downtime, the peaks of rank 0 while a spare
+  followed it and of the promoted spare.
+
+The link, measured in the same run: a memcpy and one loopback TCP stream (the medians of 5
+transfers of 256 MiB). Figures go to docs/benchmarks.md ("Model size").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import cmdline, config, emit, machine, machine_line
+
+HEADING = "## Model size: memory per role, transfer against the link"
+REPO = Path(__file__).resolve().parent.parent
+MB = 2**20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="124m", help="comma-separated: 124m, 350m, 1b")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (CPU: short)")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--fault-step", type=int, default=5, help="the join / the kill after it")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per pod")
+    p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--write-doc", action="store_true", help="update docs/benchmarks.md")
+
+
+def _script(a: argparse.Namespace, model: str) -> list[str]:
+    W = a.workers
+    return [sys.executable, "-m", "examples.train_gpt", "--model", model, "--seq-len",
+            str(a.seq_len), "--steps", str(a.steps), "--global-batch-size", str(W),
+            "--micro-batch-size", "1", "--dropout", "0", "--threads", str(a.threads)]
+
+
+def vm_hwm(pid: int) -> int | None:
+    """Peak resident set of ``pid`` in bytes (None: gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------- the link
+def memcpy_gbs(nbytes: int = 256 * MB, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts) / 1e9
+
+
+def tcp_gbs(nbytes: int = 256 * MB, repeats: int = 5) -> float:
+    """One loopback TCP stream (the sender and the receiver in two threads of this process:
+    socket calls release the GIL)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    payload = memoryview(bytearray(nbytes))
+    ts: list[float] = []
+
+    def receive(conn: socket.socket) -> None:
+        buf = memoryview(bytearray(4 * MB))
+        for _ in range(repeats):
+            left = nbytes
+            t0 = time.perf_counter()
+            while left:
+                n = conn.recv_into(buf, min(left, len(buf)))
+                if not n:
+                    return
+                left -= n
+            ts.append(time.perf_counter() - t0)
+            conn.sendall(b"k")
+
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    th = threading.Thread(target=receive, args=(conn,))
+    th.start()
+    for _ in range(repeats):
+        cli.sendall(payload)
+        cli.recv(1)
+    th.join()
+    for s in (cli, conn, srv):
+        s.close()
+    return nbytes / statistics.median(ts) / 1e9
+
+
+# ---------------------------------------------------------------------------- runs
+def plain_peak(a: argparse.Namespace, model: str, run_dir: Path) -> dict[str, Any]:
+    """The example alone: one process, the same model and batch, no cluster."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    env["PYTHONPATH"] = str(REPO)
+    code = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
+            "try:\n    runpy.run_module('examples.train_gpt', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    argv = _script(a, model)[3:]
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code, "examples.train_gpt", *argv], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=3600)
+    peak = [int(x.split()[1]) for x in out.stdout.splitlines() if x.startswith("PEAK")]
+    if out.returncode != 0 or not peak:
+        raise RuntimeError(f"plain run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return {"peak_rss": peak[0], "seconds": time.perf_counter() - t0}
+
+
+async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
+                      scenario: str) -> dict[str, Any]:
+    from ops.launcher import Cluster
+    from schemas.messages import Capacity, CapacityChange, Recovery
+
+    spares = 1 if scenario == "kill0" else 0
+    recoveries: list[Recovery] = []
+    out: dict[str, Any] = {"scenario": scenario}
+    async with Cluster(run_dir, a.workers, spares, a.steps, cmd=_script(a, model),
+                       timeout=600 + a.steps * 60) as c:
+        async def on_rec(r: Recovery, _e: Any) -> None:
+            recoveries.append(r)
+
+        await c.bus.subscribe(c.bus.subjects.recovery, Recovery, on_rec)
+        if spares:
+            await c.wait_spares(spares, timeout=600)
+        await c.wait_rank_step(0, a.fault_step, timeout=600 + a.fault_step * 60)
+        pids = {pod: h.pid for pod, h in c.hb.items()}
+        before = {pod: vm_hwm(pid) for pod, pid in pids.items()}
+        members = [m.pod for m in c.plans[-1].members]
+        out["members"], out["before"] = members, before
+        g = c.plans[-1].generation
+        t = time.time()
+        if scenario == "join":
+            await c.bus.publish(c.bus.subjects.capacity,
+                                Capacity(change=CapacityChange.add, count=1, request_id="size"))
+
+            def joined() -> bool:
+                p = c.plans[-1]
+                return (p.generation > g and p.world_size == a.workers + 1 and all(
+                    (h := c.hb.get(m.pod)) is not None and h.generation == p.generation
+                    and h.step >= (p.apply_step or 0) + 1 for m in p.members))
+
+            await c.wait_for(joined, 900, "the joiner training")
+            out["after"] = {pod: vm_hwm(h.pid) for pod, h in c.hb.items()}
+            out["joiner"] = c.plans[-1].pod_of(a.workers)
+        elif scenario == "kill0":
+            os.kill(pids[members[0]], signal.SIGKILL)
+            out["killed"] = members[0]
+            out["spare"] = [pod for pod in pids if pod not in members][0]
+
+            def recovered() -> bool:
+                p = c.plans[-1]
+                h = c.hb.get(out["spare"])
+                return p.generation > g and h is not None and h.generation == p.generation \
+                    and h.step >= a.fault_step + 2
+
+            await c.wait_for(recovered, 900, "the promoted spare training")
+            out["after"] = {pod: vm_hwm(h.pid) for pod, h in c.hb.items()
+                            if pod != members[0]}
+        code = await c.finish(timeout=600 + a.steps * 60)
+        summ = c.summary()
+    if code != 0:
+        raise RuntimeError(f"{scenario}: cluster exited {code}:\n{c.output()[-3000:]}")
+    out["t_event"] = t
+    out["param_sha256"] = summ.get("param_sha256")
+    out["final_step"] = summ.get("final_step")
+    out["lost_steps"] = summ.get("lost_steps")
+    out["recoveries"] = [r.model_dump(mode="json") for r in recoveries if r.generation > g]
+    return out
+
+
+def analyse(model: str, plain: dict[str, Any], ref: dict[str, Any], join: dict[str, Any],
+            kill: dict[str, Any], link: dict[str, float]) -> dict[str, Any]:
+    base = plain["peak_rss"]
+    members = join["members"]
+    member_before = max(join["before"][p] for p in members)
+    growth = {p: join["after"][p] / join["before"][p] for p in members}
+    joiner = join["joiner"]
+    jrec = [r for r in join["recoveries"] if r["pod"] == joiner]
+    brecv = max((r["bytes_received"] for r in jrec), default=0)
+    sync = max((r["phases"].get("state_sync", 0.0) for r in jrec), default=0.0)
+    pauses = [r["downtime"] for r in join["recoveries"]
+              if r["pod"] != joiner and r["downtime"] is not None]
+    kdown = [r["downtime"] for r in kill["recoveries"] if r["downtime"] is not None]
+    spare = kill["spare"]
+    r0_before = kill["before"][kill["members"][0]]
+    res = {
+        "model": model, "plain_peak_gb": base / 1e9,
+        "member_peak_gb": member_before / 1e9,
+        "member_vs_plain": member_before / base,
+        "member_growth_on_join": growth,
+        "joiner_peak_gb": join["after"][joiner] / 1e9,
+        "joiner_vs_member": join["after"][joiner] / member_before,
+        "rank0_with_spare_vs_plain": r0_before / base,
+        "spare_vs_plain": kill["after"][spare] / base,
+        "state_gb": brecv / 1e9, "state_sync_s": sync,
+        "transfer_gbs": brecv / sync / 1e9 if sync else None,
+        "link_tcp_gbs": link["tcp_gbs"], "link_memcpy_gbs": link["memcpy_gbs"],
+        "join_pause_s": max(pauses) if pauses else None,
+        "kill0_downtime_s": max(kdown) if kdown else None,
+        "kill0_bitwise": kill["param_sha256"] is not None
+        and kill["param_sha256"] == ref["param_sha256"],
+        "kill0_lost_steps": kill["lost_steps"],
+    }
+    res["transfer_vs_link"] = (res["transfer_gbs"] / link["tcp_gbs"]
+                               if res["transfer_gbs"] else None)
+    return res
+
+
+def markdown(res: dict[str, Any], a: argparse.Namespace) -> str:
+    m = res["machine"]
+    rows = []
+    for r in res["models"]:
+        g = ", ".join(f"{p} {v:.2f}x" for p, v in r["member_growth_on_join"].items())
+        rows.append(
+            f"| {r['model']} | {r['plain_peak_gb']:.2f} GB | {r['member_vs_plain']:.2f}x | "
+            f"{g} | {r['joiner_vs_member']:.2f}x | {r['rank0_with_spare_vs_plain']:.2f}x | "
+            f"{r['spare_vs_plain']:.2f}x | {r['state_gb']:.2f} GB in {r['state_sync_s']:.2f} s "
+            f"({(r['transfer_gbs'] or 0):.2f} GB/s, {100 * (r['transfer_vs_link'] or 0):.0f} % "
+            f"of TCP {r['link_tcp_gbs']:.2f} GB/s) | {r['join_pause_s'] or 0:.2f} s | "
+            f"{r['kill0_downtime_s'] or 0:.2f} s, {'bitwise' if r['kill0_bitwise'] else 'NOT bitwise'} |")
+    return (f"{HEADING}\n\n{machine_line(m)} Command: `{cmdline('size')}` ({a.workers} workers, "
+            f"sequence {a.seq_len}, micro-batch 1, {a.steps} steps, event at step "
+            f"{a.fault_step}; memcpy {res['link']['memcpy_gbs']:.1f} GB/s measured in the same "
+            "run). Peaks are each process's peak RSS (`VmHWM`); *plain* is the example alone in "
+            "one process.\n\n"
+            "| model | plain peak | member / plain | members after a join / before | joiner / "
+            "member | rank 0 with a following spare / plain | promoted spare / plain | state "
+            "received by the joiner | pause of the members (join) | rank-0 kill with a spare |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+def run(a: argparse.Namespace) -> int:
+    link = {"memcpy_gbs": memcpy_gbs(), "tcp_gbs": tcp_gbs()}
+    print(f"link: memcpy {link['memcpy_gbs']:.2f} GB/s, loopback TCP {link['tcp_gbs']:.2f} GB/s",
+          flush=True)
+    models = []
+    with tempfile.TemporaryDirectory(prefix="ceaseless-size-") as tmp:
+        root = Path(a.work_dir or tmp)
+        for model in [m.strip() for m in a.models.split(",") if m.strip()]:
+            plain = plain_peak(a, model, root / f"{model}-plain")
+            print(f"{model} plain: peak {plain['peak_rss'] / 1e9:.2f} GB", flush=True)
+            runs = {}
+            for sc in ("ref", "join", "kill0"):
+                runs[sc] = asyncio.run(cluster_run(a, model, root / f"{model}-{sc}", sc))
+                print(f"{model} {sc}: done (final step {runs[sc]['final_step']})", flush=True)
+            r = analyse(model, plain, runs["ref"], runs["join"], runs["kill0"], link)
+            r["runs"] = runs
+            print(json.dumps({k: v for k, v in r.items() if k != "runs"}, indent=1), flush=True)
+            models.append(r)
+    res = {"config": config(a), "machine": machine(), "link": link, "models": models}
+    return emit(res, markdown(res, a), HEADING, a.json, a.write_doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

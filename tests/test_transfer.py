@@ -1,0 +1,194 @@
+"""The state transfer (agent/transfer.py) and the state's descriptions (agent/state.py): the
+pieces cover every byte once, a recipient receives into its own tensors (no second copy of
+the state), over a real gloo group of threads of this process (an in-memory store)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.collectives import AbortableGroup, make_group
+from agent.state import (StateMismatch, describe, destinations, snapshot)
+from agent.transfer import plan_pieces, recv_state, send_state
+from agent import transfer
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=12), st.integers(1, 5),
+       st.sampled_from([64, 128, 1024]))
+def test_pieces_cover_every_byte_once_aligned(nbytes, k, piece):
+    pieces = plan_pieces(nbytes, k, piece_bytes=piece)
+    seen = [[0] * n for n in nbytes]
+    for p in pieces:
+        assert 0 <= p.start < p.end <= nbytes[p.tensor] and 0 <= p.source < k
+        assert p.start % 64 == 0 and p.end - p.start <= piece
+        for b in range(p.start, p.end):
+            seen[p.tensor][b] += 1
+    assert all(c == 1 for row in seen for c in row)
+    # a source's pieces are contiguous in the stream: stripes, not a scatter
+    order = [p.source for p in pieces]
+    assert order == sorted(order)
+
+
+def _objs(seed: int, stepped: bool) -> dict:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    m[2].weight = torch.nn.Parameter(m[2].weight.detach().clone())
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if stepped:
+        for i in range(3):
+            o.zero_grad()
+            m(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+            o.step()
+    return {"model": m, "opt": o}
+
+
+def _flat(objs: dict) -> bytes:
+    sd = snapshot(objs)
+    return b"".join(b.numpy().tobytes() for b in sd.buffers)
+
+
+def test_destinations_are_the_objects_own_tensors():
+    src = _objs(0, stepped=True)
+    dst = _objs(1, stepped=False)  # an optimizer that never stepped has no state yet
+    live = describe(src, {"step": 7})
+    tensors, in_place = destinations(dst, live.skeleton)
+    params = list(dst["model"].parameters())
+    ptrs = {p.data_ptr() for p in params}
+    assert {tensors[i].data_ptr() for i in in_place} == ptrs  # every parameter, in place
+    assert len(tensors) == len(live.tensors) and len(in_place) == len(params)
+    for t, s in zip(tensors, live.tensors):
+        assert t.shape == s.shape and t.dtype == s.dtype
+
+
+def _run_ranks(fn, world: int) -> list:
+    store = dist.HashStore()
+    out: list = [None] * world
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            g = AbortableGroup(make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo"))
+            out[r] = fn(r, g)
+            g.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("stepped_recipient", [False, True])
+def test_received_in_place_bitwise_with_small_pieces(monkeypatch, stepped_recipient):
+    """Two sources striped, pieces and windows far smaller than the state (many of each):
+    the recipient ends bitwise equal to the sources, its parameters (and, when its optimizer
+    had stepped, its optimizer state) are the same tensor objects, nothing else allocated
+    for them."""
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 256)
+    monkeypatch.setattr(transfer, "WINDOW_BYTES", 1024)
+    src = _objs(0, stepped=True)
+    expect = _flat(src)
+
+    def fn(r: int, g: AbortableGroup):
+        if r < 2:
+            return send_state(g, describe(copy.deepcopy(src) if r else src, {"step": 5}),
+                              r, {2: [0, 1]}, None)
+        objs = _objs(3, stepped=stepped_recipient)
+        before = [id(t) for t in objs["model"].parameters()]
+        opt_before = [id(v) for s in objs["opt"].state.values() for v in s.values()]
+        got = recv_state(g, 2, [0, 1], None, into=lambda sk: destinations(objs, sk))
+        extra = got.restore(objs)
+        opt_after = [id(v) for s in objs["opt"].state.values() for v in s.values()]
+        return (extra, _flat(objs), before == [id(t) for t in objs["model"].parameters()],
+                opt_before == opt_after if stepped_recipient else True, got.stats)
+
+    out = _run_ranks(fn, 3)
+    extra, flat, same_params, same_opt, stats = out[2]
+    assert extra == {"step": 5} and flat == expect and same_params and same_opt
+    assert out[0] > 0 and out[1] > 0  # both sources sent a stripe
+    assert stats["in_place_bytes"] > 0
+
+
+def test_a_corrupted_piece_is_named_and_raises():
+    src = _objs(0, stepped=True)
+
+    def flip(tensors):
+        tensors[0].reshape(-1).view(torch.uint8)[5] ^= 1
+
+    def fn(r: int, g: AbortableGroup):
+        if r == 0:
+            return send_state(g, snapshot(src), 0, {1: [0]}, None)
+        with pytest.raises(StateMismatch) as e:
+            recv_state(g, 1, [0], None, tamper=flip)
+        return e.value.bad
+
+    assert _run_ranks(fn, 2)[1] == [(0, 0)]
+
+
+def test_a_live_description_holds_no_copy():
+    """``describe`` references the live tensors (a tied weight once); a snapshot copies."""
+    objs = _objs(0, stepped=True)
+    live = describe(objs)
+    ptrs = {t.data_ptr() for t in live.tensors}
+    assert all(p.data_ptr() in ptrs for p in objs["model"].parameters())
+    assert all(v.data_ptr() in ptrs for s in objs["opt"].state.values() for v in s.values())
+    flat = snapshot(objs).view()
+    assert not ptrs & {t.data_ptr() for t in flat.tensors}
+    assert [t.shape for t in flat.tensors] == [t.shape for t in live.tensors]
+    assert all(t.data_ptr() % 64 == 0 for t in flat.tensors)  # aligned: sent as views
+
+
+def test_an_aborted_works_buffers_go_once_it_finished():
+    """A group closed with an all-reduce pending is parked (its destructor could block on a
+    stuck peer) and the work's tensor with it; once the peer is gone the work fails, and
+    ``reap`` lets it go: nothing is held per incident after its aborted work finished."""
+    import weakref
+
+    from agent.groups import reap
+
+    store = dist.HashStore()
+    parked, peer_closed = threading.Event(), threading.Event()
+    out: dict = {}
+
+    def rank0() -> None:
+        g = AbortableGroup(make_group(dist.PrefixStore("w", store), 0, 2, 30.0, "gloo"))
+        t = torch.ones(1 << 16)
+        ref = weakref.ref(t)
+        pending = g.allreduce_start([t])  # rank 1 never joins it
+        g.close()
+        del pending, t
+        out["held_while_pending"] = ref() is not None
+        parked.set()
+        peer_closed.wait(30)
+        deadline = time.monotonic() + 20
+        while ref() is not None and time.monotonic() < deadline:
+            reap()
+            time.sleep(0.05)
+        out["freed"] = ref() is None
+
+    def rank1() -> None:
+        g = AbortableGroup(make_group(dist.PrefixStore("w", store), 1, 2, 30.0, "gloo"))
+        parked.wait(30)
+        g.close()  # idle: destroyed, its connections close
+        peer_closed.set()
+
+    ts = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert out == {"held_while_pending": True, "freed": True}
