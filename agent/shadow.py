@@ -107,6 +107,8 @@ class Update:
     # the optimizers' hyper-parameters this update used (``TrainState.hypers``): a script
     # that sets ``param_group['lr']`` in its loop is followed too
     hypers: list[float] = field(default_factory=list)
+    # CUDA: the tensors are host copies made on a side stream; wait for this event first
+    ready: Any = None
 
 
 @dataclass
@@ -211,9 +213,9 @@ class ShadowSender:
         loss = math.nan if u.loss is None else float(u.loss)
         scalars = torch.tensor([loss, u.lr_factor, float(u.skip), *u.hypers],
                                dtype=torch.float64)
-        # gloo sends host memory: CUDA tensors (a model on the GPU) are copied out here, in
-        # this background thread, off the training thread's path
-        tensors = [t.detach().to("cpu").contiguous() for t in u.tensors]
+        if u.ready is not None:  # rank 0 copied the step to host memory on a side stream
+            u.ready.synchronize()
+        tensors = [t.detach().to("cpu").contiguous() for t in u.tensors]  # host already: no copy
         works = [group.isend(head, 1, TAG_HEAD), group.isend(scalars, 1, TAG_SCALARS)]
         works += [group.isend(t, 1, TAG_TENSORS) for t in tensors]
         group.wait_all(works, self._abort, "shadow step", timeout_s=self._timeout_s)

@@ -66,6 +66,7 @@ class ShadowLeader:
         self._requests: dict[str, str] = {}
         self._watching: int | None = None
         self._unwatch: Callable[[], None] | None = None
+        self._stream: Any = None            # CUDA: the side stream of the copies to spares
 
     @property
     def streaming(self) -> bool:
@@ -136,11 +137,38 @@ class ShadowLeader:
         optimizer hyper-parameters (``skip``: the fp16 scaler skipped its update)."""
         from .shadow import Update
 
+        if not self._out:
+            return
         bufs = [b.detach().clone() for b in self._state.buffers()]  # the next forward changes them
-        u = Update(step=s, loss=self._state.loss, lr_factor=f, tensors=list(grads) + bufs,
-                   skip=skip, hypers=list(hypers or []))
-        for out in self._out.values():
+        tensors, ready = list(grads) + bufs, None
+        if any(t.is_cuda for t in tensors):
+            tensors, ready = self._to_host(tensors)
+        u = Update(step=s, loss=self._state.loss, lr_factor=f, tensors=tensors,
+                   skip=skip, hypers=list(hypers or []), ready=ready)
+        for out in self._out.values():  # one copy, shared by every spare's stream
             out.offer(u)
+
+    def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        """One device-to-host copy of a step's tensors for every spare, on a side stream (not
+        the training stream), into pinned memory; the queues then hold no GPU tensor (issue
+        34). Returns the host tensors and the event the senders wait for."""
+        dev = next(t.device for t in tensors if t.is_cuda)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        computed = torch.cuda.Event()
+        computed.record(torch.cuda.current_stream(dev))  # the gradients are final here
+        host = []
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(computed)
+            for t in tensors:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                if t.is_cuda:  # its memory is not reused before the copy read it
+                    t.record_stream(self._stream)
+                host.append(h)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return host, ready
 
     def confirm(self, s: int) -> None:
         """Back from the script after committing ``s``: the state the spares must hold

@@ -11,9 +11,9 @@ optimizer that never stepped).
 The tensors' bytes, laid end to end (each 64-byte aligned), are cut into ``len(sources)``
 contiguous stripes, stripe ``i`` sent by ``sources[i]``, and each tensor's part of a stripe
 into pieces of at most ``PIECE_BYTES``; both ends compute the same pieces (``plan_pieces``).
-The first source sends the skeleton and a checksum of every piece (it holds them all, so a
-source whose bytes differ is caught too); the recipient verifies each piece as its window
-completes: a mismatch raises ``StateMismatch``, never silently. At most two windows of
+The first source sends the skeleton; each source checksums its pieces while they are on the
+wire and sends the checksums after them; the recipient checksums each piece as its window
+completes and compares at the end: a mismatch raises ``StateMismatch``, never silently. At most two windows of
 ``WINDOW_BYTES`` per peer are in flight, so the staging that a device mismatch needs (CUDA
 tensors over gloo, host ones over NCCL) stays bounded.
 
@@ -22,8 +22,9 @@ must treat its state as lost (``TrainState.forget`` before receiving).
 
 Wire format per (source -> recipient), version 2 (``MAGIC``):
   tag +0   int64[4] control: MAGIC, layout hash, skeleton bytes (first source, else 0), state bytes
-  tag +1   uint8[skeleton bytes] pickle of (skeleton, piece checksums)  (first source only)
+  tag +1   uint8[skeleton bytes] pickle of the skeleton                 (first source only)
   tag +16+n  uint8 piece ``n`` of ``plan_pieces`` (the source it names)
+  tag +2   int64[pieces of this source, 2] their checksums, in piece order (after them)
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from .state import (_ALIGN, FlatState, StateMismatch, TensorSpec, TensorState,
 
 MAGIC = 0x6365_6173_6532  # "ceas" "e2": per-tensor pieces
 TAG_BASE = 0x3EA0_0000
-_TAG_CTRL, _TAG_SKEL, _TAG_PIECE = 0, 1, 16
+_TAG_CTRL, _TAG_SKEL, _TAG_SUMS, _TAG_PIECE = 0, 1, 2, 16
+_M64 = (1 << 64) - 1
 PIECE_BYTES = 32 * 2**20    # a piece: one message, one checksum
 WINDOW_BYTES = 256 * 2**20  # per peer; two windows in flight
 
@@ -106,8 +108,15 @@ def _aligned(u8: Tensor) -> Tensor:
     return u8 if u8.data_ptr() % 8 == 0 else u8.clone()
 
 
-def _piece_sum(tensors: Sequence[Tensor], p: Piece) -> int:
-    return _checksum_u8(_aligned(_bytes_of(tensors[p.tensor])[p.start:p.end]))
+def _piece_sum(tensors: Sequence[Tensor], p: Piece) -> tuple[int, int]:
+    """The exact checksum of a piece (``state._checksum_u8``) as two int64 words (its length
+    is the piece's)."""
+    c = _checksum_u8(_aligned(_bytes_of(tensors[p.tensor])[p.start:p.end]))
+    return _signed(c & _M64), _signed((c >> 64) & _M64)
+
+
+def _signed(w: int) -> int:
+    return w - (1 << 64) if w >= 1 << 63 else w
 
 
 def _pipeline(group: Any, lanes: Sequence[list[list[Any]]],
@@ -153,10 +162,11 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
     st = _as_tensors(state)
     dev = group.device
     lh, nbytes = st.layout_hash(), [s.nbytes for s in st.specs]
-    sums: dict[int, list[int]] = {}
+    sums: dict[tuple[int, int], tuple[int, int]] = {}  # (sources, piece) -> checksum words
     heads: list[Any] = []
     keep: list[Tensor] = []  # tensors outlive their sends
     lanes: list[list[list[Any]]] = []
+    trailers: list[tuple[int, int, list[int]]] = []  # (recipient, sources, my pieces)
     sent = 0
     for r, sources in sorted(recipients.items()):
         sources = [int(s) for s in sources]
@@ -166,9 +176,7 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
         pieces = plan_pieces(nbytes, k)
         blob = None
         if i == 0:
-            if k not in sums:
-                sums[k] = [_piece_sum(st.tensors, p) for p in pieces]
-            payload = pickle.dumps((st.skeleton, sums[k]), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(st.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
             blob = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
         ctrl = torch.tensor([MAGIC, lh, 0 if blob is None else blob.numel(), st.nbytes],
                             dtype=torch.int64, device=dev)
@@ -180,14 +188,23 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
             sent += blob.numel()
         mine = [(n, p) for n, p in enumerate(pieces) if p.source == i]
         sent += sum(p.end - p.start for _, p in mine)
-        lanes.append([[(r, n, p) for n, p in w] for w in _windows(mine)])
+        lanes.append([[(r, k, n, p) for n, p in w] for w in _windows(mine)])
+        trailers.append((r, k, [n for n, _ in mine]))
 
-    def post(item: tuple[int, int, Piece]) -> tuple[Any, Tensor]:
-        r, n, p = item
+    def post(item: tuple[int, int, int, Piece]) -> tuple[Any, Tensor]:
+        r, k, n, p = item
         u8 = on_wire(_bytes_of(st.tensors[p.tensor])[p.start:p.end], dev)
-        return group.isend(u8, r, TAG_BASE + _TAG_PIECE + n), u8
+        work = group.isend(u8, r, TAG_BASE + _TAG_PIECE + n)
+        if (k, n) not in sums:  # while the piece is on the wire
+            sums[(k, n)] = _piece_sum(st.tensors, p)
+        return work, u8
 
     _pipeline(group, lanes, post, lambda it, t: None, abort, "state send", timeout_s)
+    for r, k, ns in trailers:  # this source's checksums, after its pieces
+        if ns:
+            t = torch.tensor([sums[(k, n)] for n in ns], dtype=torch.int64, device=dev)
+            keep.append(t)
+            heads.append(group.isend(t, r, TAG_BASE + _TAG_SUMS))
     group.wait_all(heads, abort, "state header send", timeout_s=timeout_s)
     del keep
     return sent
@@ -223,7 +240,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     blob = torch.empty(heads[0][2], dtype=torch.uint8, device=dev)
     group.wait_all([group.irecv(blob, sources[0], TAG_BASE + _TAG_SKEL)], abort,
                    "state skeleton", timeout_s=timeout_s)
-    skeleton, sums = pickle.loads(blob.cpu().numpy().tobytes())
+    skeleton = pickle.loads(blob.cpu().numpy().tobytes())
     specs: list[TensorSpec] = skeleton["tensors"]
     if _layout_hash([(s.dtype, s.shape) for s in specs]) != heads[0][1]:
         raise StateMismatch("skeleton does not match the announced layout")
@@ -231,17 +248,19 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
         [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in specs], frozenset())
     k = len(sources)
     pieces = plan_pieces([s.nbytes for s in specs], k)
-    if len(sums) != len(pieces):
-        raise StateMismatch(f"{len(sums)} checksums for {len(pieces)} pieces")
     per_source = {s: 0 for s in sources}
     per_source[sources[0]] += blob.numel()
-    bad: list[tuple[int, int]] = []
+    # each source's checksums come after its pieces: posted now, compared at the end
+    owned = [[n for n, p in enumerate(pieces) if p.source == i] for i in range(k)]
+    theirs = [torch.zeros(len(ns), 2, dtype=torch.int64, device=dev) for ns in owned]
+    trailer_works = [group.irecv(t, s, TAG_BASE + _TAG_SUMS)
+                     for t, s in zip(theirs, sources) if t.numel()]
+    mine: dict[int, tuple[int, int]] = {}
     verify = [0.0]
 
     def check(n: int, p: Piece) -> None:
         v0 = time.perf_counter()
-        if _piece_sum(tensors, p) != sums[n]:
-            bad.append((p.tensor, sources[p.source]))
+        mine[n] = _piece_sum(tensors, p)
         verify[0] += time.perf_counter() - v0
 
     def post(item: tuple[int, Piece]) -> tuple[Any, Tensor]:
@@ -264,11 +283,14 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i])
              for i in range(k)]
     _pipeline(group, lanes, post, done, abort, "state chunks", timeout_s)
+    group.wait_all(trailer_works, abort, "state checksums", timeout_s=timeout_s)
     t_recv = time.perf_counter()
     if tamper is not None:
         tamper(tensors)
         for n, p in enumerate(pieces):
             check(n, p)
+    bad = [(pieces[n].tensor, sources[i]) for i, ns in enumerate(owned)
+           for n, w in zip(ns, theirs[i].cpu().tolist()) if tuple(w) != mine[n]]
     if bad:
         raise StateMismatch(f"checksum mismatch in {len(bad)} piece(s) "
                             f"(tensor, source rank): {bad}", bad)

@@ -237,6 +237,9 @@ def analyse(model: str, plain: dict[str, Any], ref: dict[str, Any], join: dict[s
         "kill0_bitwise": kill["param_sha256"] is not None
         and kill["param_sha256"] == ref["param_sha256"],
         "kill0_lost_steps": kill["lost_steps"],
+        # a spare that followed rank 0 receives nothing at promotion
+        "kill0_spare_received_gb": max((r.get("bytes_received", 0) for r in kill["recoveries"]
+                                        if r["pod"] == spare), default=0) / 1e9,
     }
     res["transfer_vs_link"] = (res["transfer_gbs"] / link["tcp_gbs"]
                                if res["transfer_gbs"] else None)
@@ -254,7 +257,8 @@ def markdown(res: dict[str, Any], a: argparse.Namespace) -> str:
             f"{r['spare_vs_plain']:.2f}x | {r['state_gb']:.2f} GB in {r['state_sync_s']:.2f} s "
             f"({(r['transfer_gbs'] or 0):.2f} GB/s, {100 * (r['transfer_vs_link'] or 0):.0f} % "
             f"of TCP {r['link_tcp_gbs']:.2f} GB/s) | {r['join_pause_s'] or 0:.2f} s | "
-            f"{r['kill0_downtime_s'] or 0:.2f} s, {'bitwise' if r['kill0_bitwise'] else 'NOT bitwise'} |")
+            f"{r['kill0_downtime_s'] or 0:.2f} s, {'bitwise' if r['kill0_bitwise'] else 'NOT bitwise'}"
+            f", the spare received {r['kill0_spare_received_gb']:.2f} GB |")
     return (f"{HEADING}\n\n{machine_line(m)} Command: `{cmdline('size')}` ({a.workers} workers, "
             f"sequence {a.seq_len}, micro-batch 1, {a.steps} steps, event at step "
             f"{a.fault_step}; memcpy {res['link']['memcpy_gbs']:.1f} GB/s measured in the same "
