@@ -54,6 +54,7 @@ def on_wire(t: Tensor, device: torch.device) -> Tensor:
 
 # group creation and the graveyard: agent/groups.py (re-exported here, their old home)
 from .groups import (NCCL_ENV, _GROUP_META, _Background, _park, abandoned,  # noqa: E402,F401
+                     cuda_device,
                      choose_backend, gloo_device, make_group, make_group_abortable,
                      nccl_env_defaults)
 
@@ -143,8 +144,7 @@ class AbortableGroup:
         # The device the wire takes: tensors elsewhere are staged (copied in, and back out
         # after the operation): CUDA tensors over gloo (pods sharing a GPU), CPU scalars
         # over NCCL.
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self._nccl
-                       else torch.device("cpu"))
+        self.device = cuda_device() if self._nccl else torch.device("cpu")
         self._pending: list[Any] = []
         self._p2p: set[int] = set()   # ids of pending send/recv works (see _wait_in_thread)
         self._state = "ok"          # ok | aborted | broken | closed

@@ -32,6 +32,24 @@ _GRAVEYARD_LOCK = threading.Lock()
 _INCREFD: dict[int, bool] = {}                # parked objects given an extra reference
 
 
+_CUDA_DEVICE: list[torch.device] = []          # the job's CUDA device (bind_device)
+
+
+def bind_device(dev: torch.device) -> None:
+    """The CUDA device this pod's groups use, from any thread. ``torch.cuda.current_device()``
+    is per thread: a helper thread that builds a group (``make_group_abortable``) would read
+    cuda:0 there, not the model's device (issue 30)."""
+    dev = torch.device(dev)
+    if dev.index is None:  # "cuda": the current device of the binding (training) thread
+        dev = torch.device("cuda", torch.cuda.current_device())
+    _CUDA_DEVICE[:] = [dev]
+
+
+def cuda_device() -> torch.device:
+    """The bound device, else this thread's current one."""
+    return _CUDA_DEVICE[0] if _CUDA_DEVICE else torch.device("cuda", torch.cuda.current_device())
+
+
 def _default_backend() -> str:
     """Without knowing where the tensors are: gloo (it carries CPU tensors on any machine,
     and CUDA tensors staged through host memory). ``choose_backend`` knows better."""
@@ -40,15 +58,39 @@ def _default_backend() -> str:
 
 # PyTorch's NCCL watchdog must never kill a survivor: on a timeout or an abort it would tear
 # the process down by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3 in torch 2.11-2.13), and its
-# heartbeat monitor kills a process whose watchdog looks stuck. Recovery is in-process here:
-# only abort the communicator (2), no monitor, no dumps. A user's own setting wins.
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+# heartbeat monitor kills a process whose watchdog looks stuck. Recovery is in-process here.
+# Required (set over the user's value, with one warning naming it; nvidia-resiliency-ext's
+# in-process restart requires the same): only abort the communicator (2), never rethrow a
+# CUDA error from the watchdog (that ends the process), no NVLink SHARP (its communicators do
+# not abort cleanly; CEASELESS_NCCL_NVLS=1 keeps the user's value).
+NCCL_ENV_REQUIRED = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                     "NCCL_NVLS_ENABLE": "0"}
+# Defaults (a user's own setting wins): no heartbeat monitor, no dumps.
+NCCL_ENV = {"TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 
 
-def nccl_env_defaults() -> None:
+def nccl_env_defaults(environ: Any = None) -> list[str]:
+    """Apply our NCCL environment to ``environ`` (``os.environ``) before a communicator is
+    built. Returns one line per user value replaced (also logged as a warning)."""
+    env = os.environ if environ is None else environ
+    replaced = []
+    for k, v in NCCL_ENV_REQUIRED.items():
+        if k == "NCCL_NVLS_ENABLE" and env.get("CEASELESS_NCCL_NVLS") == "1":
+            continue
+        old = env.get(k)
+        if old is not None and old != v:
+            replaced.append(f"{k}={old} replaced by {v}: with {old} a peer's failure could end "
+                            "this process or block its abort (in-process recovery needs " + v + ")")
+        env[k] = v
     for k, v in NCCL_ENV.items():
-        os.environ.setdefault(k, v)
+        env.setdefault(k, v)
+    if replaced:
+        from plumbing import logs
+
+        for line in replaced:
+            logs.get("agent").warning("NCCL setting replaced", detail=line)
+    return replaced
 
 
 def choose_backend(tensor_device: torch.device | str | None, override: str | None = None,
@@ -121,7 +163,7 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float =
         # watchdog gets twice that, so it is never the one that decides (and with the
         # settings above it would only abort the communicator, never the process).
         opts._timeout = timedelta(seconds=2 * timeout_s)
-        dev = device or torch.device("cuda", torch.cuda.current_device())
+        dev = device or cuda_device()
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         try:  # eager communicator init, so that rendezvous happens here and not at step 1
             pg.eager_connect_single_device(dev)

@@ -31,6 +31,7 @@ from schemas.messages import AgentState, Plan, ReportKind, Role
 from plumbing import logs
 
 from .config import FALLBACK_EXIT_CODE, AgentConfig
+from .device import cuda_broken
 from .handoff import enter
 from .incident import Timeline
 from .ports import MembershipRuntime
@@ -248,6 +249,9 @@ class Membership:
                 self.fallback(f"recovery attempt failed and no newer plan came in {wait_s:.0f}s")
             if got.kind != "plan":
                 return False  # finished or released (the phase says which)
+            if not first and (why := cuda_broken(self.state.device)) is not None:
+                rt.report_sync(ReportKind.recovery_failed, f"CUDA context broken: {why}")
+                self.fallback(f"the CUDA context is broken after the abort ({why})")
             try:
                 enter(self, got.plan, got.ctx, first)
                 self._to(Phase.MEMBER, f"entered generation {got.plan.generation}")

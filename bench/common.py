@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
@@ -93,7 +93,7 @@ def emit_with_plot(a: Any, res: dict[str, Any], md: str, heading: str, img: str,
     """``emit``, plus the plot ``plot(res)`` (SVG text) written to ``--svg`` or, with
     ``--write-doc``, to docs/img/``img``."""
     if a.svg or a.write_doc:
-        from bench import svg
+        from bench.report import svg
 
         p = Path(a.svg) if a.svg else svg.IMG / img
         svg.write(p.name, plot(res), p.parent)
@@ -121,3 +121,24 @@ def window_gap(commits: list[tuple[int, float]], t_kill: float, t_end: float) ->
     ts = sorted(t for _, t in commits)
     gaps = [b - a for a, b in zip(ts, ts[1:]) if t_kill <= b <= t_end and a < t_end]
     return max(gaps) if gaps else None
+
+
+def main(module: str, argv: list[str] | None = None,
+         modes: dict[str, Callable[[list[str]], Any]] | None = None) -> int:
+    """The one command line of every benchmark: ``python -m bench.<name> [args]`` parses
+    ``add_arguments`` and calls ``run`` of ``module`` (``__name__`` of the caller), as
+    ``ceaseless bench <name>`` does (bench/cli.py). ``modes``: internal first words (a
+    benchmark's own worker processes, ``worker ...``) and what runs them."""
+    import argparse
+    import importlib
+    import sys
+
+    mod = sys.modules.get(module) or importlib.import_module(module)
+    argv = sys.argv[1:] if argv is None else argv
+    if modes and argv[:1] and argv[0] in modes:
+        modes[argv[0]](argv[1:])
+        return 0
+    name = getattr(mod.__spec__, "name", module) if module == "__main__" else module
+    p = argparse.ArgumentParser(prog=f"python -m {name}", description=mod.__doc__.split("\n")[0])
+    mod.add_arguments(p)
+    return mod.run(p.parse_args(argv))

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary
+from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary, main
 from schemas.timeouts import DEFAULTS as TIMEOUTS
 from schemas.timeouts import VIEW_INTERVAL
 
@@ -425,7 +425,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any]) -> str:
-    from bench import svg
+    from bench.report import svg
 
     groups, vals = [], {}
     for r in [x for x in res["runs"] if not x.get("failed")]:
@@ -449,21 +449,16 @@ def run(a: argparse.Namespace) -> int:
     return emit_with_plot(a, res, markdown(res), SECTION, "bench-control-plane.svg", plot)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["agents"]:
-        p = argparse.ArgumentParser(description="simulated agents (one process)")
-        for k in ("--nats", "--creds", "--job", "--out"):
-            p.add_argument(k, required=True)
-        p.add_argument("--first", type=int, required=True)
-        p.add_argument("--count", type=int, required=True)
-        p.add_argument("--t0", type=float, required=True)
-        asyncio.run(agents_main(p.parse_args(argv[1:])))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
+def _agents(argv: list[str]) -> None:
+    """One process of simulated agents: a mode of this benchmark's command line."""
+    p = argparse.ArgumentParser(description="simulated agents (one process)")
+    for k in ("--nats", "--creds", "--job", "--out"):
+        p.add_argument(k, required=True)
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--t0", type=float, required=True)
+    asyncio.run(agents_main(p.parse_args(argv)))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__, modes={"agents": _agents}))

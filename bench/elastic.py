@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import config, emit, fmt, machine, machine_line, summary
+from bench.common import config, emit, fmt, machine, machine_line, summary, main
 
 HEADING = "## Elastic transitions"
 
@@ -187,11 +187,5 @@ def run(a: argparse.Namespace) -> int:
     return emit(res, md, HEADING, a.json, not a.no_doc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__name__))

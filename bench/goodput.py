@@ -7,9 +7,9 @@
 
 The systems are those of ``bench recovery``: ``ceaseless`` (a real `ceaseless up` cluster with
 one hot spare per fault), ``ckptN`` (plain DDP under ``torchrun --max-restarts``, ``torch.save``
-every N steps, ``bench/ckpt_restart.py``; torchrun restarts every worker and they reload the
+every N steps, ``bench/baselines/ckpt_restart.py``; torchrun restarts every worker and they reload the
 last checkpoint) and ``torchftMS`` (torchft, one process per replica group, lighthouse
-heartbeat timeout MS ms, ``bench/torchft_bench.py``; the killed replica is not replaced: the
+heartbeat timeout MS ms, ``bench/baselines/torchft_bench.py``; the killed replica is not replaced: the
 group continues with fewer replicas and the same global batch). The default is every system
 whose dependencies are installed (torchft is optional).
 
@@ -56,10 +56,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import (REPO, cmdline, config, emit_with_plot, fmt, machine, machine_line,
+from bench.common import (main, REPO, cmdline, config, emit_with_plot, fmt, machine, machine_line,
                           summary)
 from bench.recovery import label
-from bench.torchft_bench import TORCHFT_TIMEOUT
+from bench.baselines.torchft_bench import TORCHFT_TIMEOUT
 from schemas.timeouts import DEFAULTS as TIMEOUTS
 
 SECTION = "## Goodput"
@@ -331,7 +331,7 @@ def _ceaseless_logs(d: Path) -> list[list[Event]]:
 # ---------------------------------------------------------------------------- checkpoint-restart
 def run_ckpt(d: Path, a: argparse.Namespace, every: int, data: Path,
              victims: list[int]) -> dict[str, Any]:
-    from bench import ckpt_restart as cr
+    from bench.baselines import ckpt_restart as cr
     from services.common.natsserver import free_port
 
     d.mkdir(parents=True, exist_ok=True)
@@ -411,7 +411,7 @@ def run_ckpt(d: Path, a: argparse.Namespace, every: int, data: Path,
 # ---------------------------------------------------------------------------- torchft
 def run_torchft(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path,
                 victims: list[int]) -> dict[str, Any]:
-    from bench import torchft_bench as tb
+    from bench.baselines import torchft_bench as tb
     from services.common.natsserver import free_port
 
     d.mkdir(parents=True, exist_ok=True)
@@ -433,7 +433,7 @@ def run_torchft(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path,
                f"127.0.0.1:{lh_port}", "--min_replicas", "1", "--join_timeout_ms", "60000",
                "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", str(heartbeat_ms)],
               "lighthouse")
-        workers = [start([sys.executable, "-m", "bench.torchft_bench", "worker", "--dir", str(d),
+        workers = [start([sys.executable, "-m", "bench.baselines.torchft_bench", "worker", "--dir", str(d),
                           "--replica", str(r), "--steps", str(BIG_STEPS), "--model", a.model,
                           "--data", str(data), "--global-batch-size", str(a.global_batch_size),
                           "--micro-batch-size", str(a.micro_batch_size), "--min-replicas", "1",
@@ -498,7 +498,7 @@ def run_torchft(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path,
 # ---------------------------------------------------------------------------- many runs
 def parse_systems(spec: str | None) -> list[str]:
     if spec is None:
-        from bench import torchft_bench
+        from bench.baselines import torchft_bench
 
         return ["ceaseless", BASELINE] + ([] if torchft_bench.available() else ["torchft1000"])
     systems = [s.strip() for s in spec.split(",") if s.strip()]
@@ -530,7 +530,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--fault-every must be shorter than --duration (no fault otherwise)")
     skipped = {}
     if any(x.startswith("torchft") for x in systems):
-        from bench import torchft_bench
+        from bench.baselines import torchft_bench
 
         why = torchft_bench.available()
         if why:
@@ -651,7 +651,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any]) -> str:
-    from bench import svg
+    from bench.report import svg
 
     c, agg = res["config"], res["summary"]
     systems = [s for s in c["systems_run"].split(",") if s]
@@ -673,15 +673,5 @@ def run(a: argparse.Namespace) -> int:
     return emit_with_plot(a, res, markdown(res), SECTION, "bench-goodput.svg", plot)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        worker(argv[1:])
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__, modes={"worker": worker}))

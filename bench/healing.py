@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import cmdline, config, emit, fmt, machine, machine_line, summary
+from bench.common import cmdline, config, emit, fmt, machine, machine_line, summary, main
 
 SECTION = "## Healing"
 
@@ -172,11 +172,5 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__))

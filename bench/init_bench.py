@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary
+from bench.common import REPO, config, emit_with_plot, fmt, machine, machine_line, summary, main
 
 SECTION = "## Process-group init"
 KINDS = ("nats", "tcp")
@@ -258,7 +258,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any]) -> str:
-    from bench import svg
+    from bench.report import svg
 
     groups, vals = [], {}
     for W, a in res["summary"].items():
@@ -280,20 +280,15 @@ def run(a: argparse.Namespace) -> int:
     return emit_with_plot(a, res, markdown(res), SECTION, "bench-init.svg", plot)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        p = argparse.ArgumentParser(description="one rank")
-        for k in ("--dir", "--nats", "--creds", "--job"):
-            p.add_argument(k, required=True)
-        for k in ("--rank", "--world", "--generations"):
-            p.add_argument(k, type=int, required=True)
-        worker(p.parse_args(argv[1:]))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
+def _worker(argv: list[str]) -> None:
+    """One rank: a mode of this benchmark's command line."""
+    p = argparse.ArgumentParser(description="one rank")
+    for k in ("--dir", "--nats", "--creds", "--job"):
+        p.add_argument(k, required=True)
+    for k in ("--rank", "--world", "--generations"):
+        p.add_argument(k, type=int, required=True)
+    worker(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__, modes={"worker": _worker}))

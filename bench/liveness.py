@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, emit, machine, machine_line, summary
+from bench.common import REPO, emit, machine, machine_line, summary, main
 
 DOC = REPO / "docs" / "reliability.md"
 SECTION = "## Liveness under load: rank-0 kills with a spare"
@@ -195,11 +195,5 @@ def run(a: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__))

@@ -6,7 +6,7 @@ loop with plain ``DistributedDataParallel`` and no Ceaseless.
     ceaseless bench overhead ...        (same options)
 
 Ceaseless runs are `ceaseless up --spares 0` (nats-server, the three services, heartbeats,
-the session's own bucketed all-reduce); baseline runs are ``bench/plain_ddp.py`` started as
+the session's own bucketed all-reduce); baseline runs are ``bench/baselines/plain_ddp.py`` started as
 one process per rank with a gloo ``env://`` rendezvous on loopback. Same model, corpus,
 global batch, micro-batches, optimizer, one intra-op thread per process. Runs alternate
 (C D C D …). The step time of a run is the median gap between rank 0's committed steps,
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import config, REPO, emit, fmt, machine, machine_line, summary
+from bench.common import config, REPO, emit, fmt, machine, machine_line, summary, main
 
 SECTION = "## Overhead"
 
@@ -88,7 +88,7 @@ def ddp_run(d: Path, data: Path, a: argparse.Namespace) -> float:
                    "PYTHONPATH": str(REPO)}
             log = open(d / f"rank{r}.log", "wb")
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.plain_ddp", "--steps", str(a.steps),
+                [sys.executable, "-m", "bench.baselines.plain_ddp", "--steps", str(a.steps),
                  "--model", a.model, "--global-batch-size", str(a.global_batch_size),
                  "--micro-batch-size", str(a.micro_batch_size), "--data", str(data),
                  "--out", str(out)], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -152,11 +152,5 @@ def run(a: argparse.Namespace) -> int:
     return emit(res, markdown(res), SECTION, a.json, a.write_doc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__))

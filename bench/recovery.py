@@ -8,9 +8,9 @@ checkpoint-restart baseline measured in the same invocation.
     ceaseless bench recovery ...        (same options)
 
 Systems: ``ceaseless`` (every scenario below) and ``ckptN``: plain DDP under ``torchrun
---max-restarts`` with ``torch.save`` every N steps and a load on start (``bench/ckpt_restart.py``;
+--max-restarts`` with ``torch.save`` every N steps and a load on start (``bench/baselines/ckpt_restart.py``;
 the SIGKILL-of-a-worker scenario only) and ``torchftMS``: torchft (when installed), one
-process per replica group, lighthouse heartbeat timeout MS ms (``bench/torchft_bench.py``;
+process per replica group, lighthouse heartbeat timeout MS ms (``bench/baselines/torchft_bench.py``;
 SIGKILL of a worker only; survivors continue without it) or ``torchftMShttp`` /
 ``torchftMSpg``: the same, but the killed replica group is restarted at once and heals from
 a survivor over torchft's HTTP or process-group checkpoint transport. In each repeat every system gets the same fault step
@@ -60,9 +60,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (cmdline, config, emit_with_plot, fmt, machine, machine_line, summary,
+from bench.common import (main, cmdline, config, emit_with_plot, fmt, machine, machine_line, summary,
                           window_gap)
-from bench.torchft_bench import TORCHFT_TIMEOUT
+from bench.baselines.torchft_bench import TORCHFT_TIMEOUT
 from schemas.timeouts import DEFAULTS as TIMEOUTS
 
 SECTION = "## Recovery"
@@ -238,7 +238,7 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     hi = max(lo, a.steps - max(6, a.steps // 4))
     skipped = {}
     if any(x.startswith("torchft") for x in systems):
-        from bench import torchft_bench
+        from bench.baselines import torchft_bench
 
         why = torchft_bench.available()
         if why:
@@ -270,14 +270,14 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
                 if system == "ceaseless":
                     res = await one_run(d, a, scenario, fault_step, rank)
                 elif system.startswith("torchft"):
-                    from bench import torchft_bench
+                    from bench.baselines import torchft_bench
 
                     res = await asyncio.to_thread(
                         torchft_bench.run_once, d, a, torchft_hb(system), data, fault_step,
                         rank, 120 + a.steps * 30, torchft_transport(system))
                     res["scenario"] = "kill"
                 else:
-                    from bench import ckpt_restart
+                    from bench.baselines import ckpt_restart
 
                     res = await asyncio.to_thread(
                         ckpt_restart.run_once, d, a, ckpt_every(system), data, fault_step,
@@ -504,7 +504,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any]) -> str:
-    from bench import svg
+    from bench.report import svg
 
     c, agg = res["config"], res["summary"]
     systems, scenarios = _systems(c)
@@ -537,11 +537,5 @@ def run(a: argparse.Namespace) -> int:
     return emit_with_plot(a, res, markdown(res), SECTION, "bench-recovery.svg", plot)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__))

@@ -8,7 +8,7 @@ crash downtime with a spare, and the join of a replica, per layout R x K.
 For each layout RxK (R replicas of K shard ranks), with the example (`examples/train_gpt.py`,
 `s.shard(model, *model.blocks)`):
 
-1. **Step time**: ``bench/plain_hsdp.py`` (R*K processes, TCPStore on loopback, gloo, a 2-D
+1. **Step time**: ``bench/baselines/plain_hsdp.py`` (R*K processes, TCPStore on loopback, gloo, a 2-D
    mesh ``(replicate R, shard K)``, ``fully_shard`` on every block and the model: HSDP; the
    same model, data, micro-batch assignment and AdamW) against ``ceaseless up --workers R*K
    --shard-size K --spares 0``. Runs alternate (baseline, ceaseless, baseline, ...). A run's
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, config, emit, fmt, machine, machine_line, summary
+from bench.common import REPO, config, emit, fmt, machine, machine_line, summary, main
 
 SECTION = "## Sharded models"
 RESULTS = REPO / "bench" / "results"
@@ -144,7 +144,7 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------------- runs
 def baseline_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int) -> dict[str, Any]:
-    """bench/plain_hsdp.py on R*K processes; its rank 0's output, plus the step time."""
+    """bench/baselines/plain_hsdp.py on R*K processes; its rank 0's output, plus the step time."""
     d.mkdir(parents=True, exist_ok=True)
     out, port, world = d / "hsdp.json", _free_port(), R * K
     procs = []
@@ -155,7 +155,7 @@ def baseline_run(d: Path, data: Path, a: argparse.Namespace, R: int, K: int) -> 
                    "PYTHONPATH": str(REPO)}
             log = open(d / f"rank{r}.log", "wb")
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.plain_hsdp", "--shard-size", str(K),
+                [sys.executable, "-m", "bench.baselines.plain_hsdp", "--shard-size", str(K),
                  "--steps", str(a.steps), "--model", a.model,
                  "--global-batch-size", str(a.global_batch_size),
                  "--micro-batch-size", str(a.micro_batch_size), "--threads", str(a.threads),
@@ -455,11 +455,5 @@ def run(a: argparse.Namespace) -> int:
     return emit(res, markdown(res), SECTION, a.json, a.write_doc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__name__))

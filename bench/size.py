@@ -1,6 +1,6 @@
 """Model size: peak memory per role, state transfer against the link, recovery at real sizes.
 
-    ceaseless bench size [--models 124m] [--workers 2] [--seq-len 64] [--steps 14]
+    ceaseless bench size [--models 124m] [--workers 2] [--seq-len 64] [--steps 24]
 
 Per model (the example's GPT-2 shapes, synthetic tokens), on this machine (gloo over
 loopback; CPU: peak memory is the process's peak RSS, ``VmHWM``):
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import cmdline, config, emit, machine, machine_line
+from bench.common import cmdline, config, emit, machine, machine_line, main
 
 HEADING = "## Model size: memory per role, transfer against the link"
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="124m", help="comma-separated: 124m, 350m, 1b")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (CPU: short)")
-    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--fault-step", type=int, default=5, help="the join / the kill after it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per pod")
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
@@ -56,9 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _script(a: argparse.Namespace, model: str) -> list[str]:
-    W = a.workers
+    W = a.workers  # a batch that W and W + 1 replicas both divide (the join)
     return [sys.executable, "-m", "examples.train_gpt", "--model", model, "--seq-len",
-            str(a.seq_len), "--steps", str(a.steps), "--global-batch-size", str(W),
+            str(a.seq_len), "--steps", str(a.steps), "--global-batch-size", str(W * (W + 1)),
             "--micro-batch-size", "1", "--dropout", "0", "--threads", str(a.threads)]
 
 
@@ -125,22 +125,28 @@ def tcp_gbs(nbytes: int = 256 * MB, repeats: int = 5) -> float:
 
 # ---------------------------------------------------------------------------- runs
 def plain_peak(a: argparse.Namespace, model: str, run_dir: Path) -> dict[str, Any]:
-    """The example alone: one process, the same model and batch, no cluster."""
+    """The example alone: one process, the same model and batch, no cluster. Its peak RSS is
+    read from /proc while it runs (it ends with ``os._exit``: nothing runs after it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
     env["PYTHONPATH"] = str(REPO)
-    code = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
-            "try:\n    runpy.run_module('examples.train_gpt', run_name='__main__')\n"
-            "except SystemExit:\n    pass\n"
-            "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    argv = _script(a, model)[3:]
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, "examples.train_gpt", *argv], env=env,
-                         cwd=REPO, capture_output=True, text=True, timeout=3600)
-    peak = [int(x.split()[1]) for x in out.stdout.splitlines() if x.startswith("PEAK")]
-    if out.returncode != 0 or not peak:
-        raise RuntimeError(f"plain run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return {"peak_rss": peak[0], "seconds": time.perf_counter() - t0}
+    with open(run_dir / "plain.out", "wb") as out:
+        proc = subprocess.Popen(_script(a, model), env=env, cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+        peak = 0
+        try:
+            while proc.poll() is None:
+                peak = max(peak, vm_hwm(proc.pid) or 0)
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0 or not peak:
+        raise RuntimeError(f"plain run failed ({proc.returncode}): "
+                           f"{(run_dir / 'plain.out').read_text()[-2000:]}")
+    return {"peak_rss": peak, "seconds": time.perf_counter() - t0}
 
 
 async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
@@ -260,7 +266,8 @@ def markdown(res: dict[str, Any], a: argparse.Namespace) -> str:
             f"{r['kill0_downtime_s'] or 0:.2f} s, {'bitwise' if r['kill0_bitwise'] else 'NOT bitwise'}"
             f", the spare received {r['kill0_spare_received_gb']:.2f} GB |")
     return (f"{HEADING}\n\n{machine_line(m)} Command: `{cmdline('size')}` ({a.workers} workers, "
-            f"sequence {a.seq_len}, micro-batch 1, {a.steps} steps, event at step "
+            f"sequence {a.seq_len}, micro-batch 1, global batch {a.workers * (a.workers + 1)}, "
+            f"{a.steps} steps, event at step "
             f"{a.fault_step}; memcpy {res['link']['memcpy_gbs']:.1f} GB/s measured in the same "
             "run). Peaks are each process's peak RSS (`VmHWM`); *plain* is the example alone in "
             "one process.\n\n"
@@ -292,11 +299,5 @@ def run(a: argparse.Namespace) -> int:
     return emit(res, markdown(res, a), HEADING, a.json, a.write_doc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__name__))

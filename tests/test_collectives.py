@@ -68,3 +68,20 @@ def test_p2p_waits_longer_than_a_slice(nats_server):
         assert r["late_ok"], r
         assert r["late_s"] >= 0.4, r  # the wait really did outlast several 0.05 s slices
     assert res[1]["aborted_after"] is not None and res[1]["aborted_after"] < 1.0, res[1]
+
+
+def test_the_nccl_environment_replaces_values_that_would_kill_survivors():
+    """Issue 30: a cluster's TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down on error), a
+    rethrow of CUDA errors or NVLS would end survivors or block the abort: replaced, each with
+    one line naming it; the defaults leave a user's own choice alone."""
+    from agent.groups import nccl_env_defaults
+
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    lines = nccl_env_defaults(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert env["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert len(lines) == 1 and lines[0].startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 replaced")
+    env = {"NCCL_NVLS_ENABLE": "1", "CEASELESS_NCCL_NVLS": "1"}
+    assert nccl_env_defaults(env) == [] and env["NCCL_NVLS_ENABLE"] == "1"
+    assert nccl_env_defaults({"NCCL_NVLS_ENABLE": "1"})[0].startswith("NCCL_NVLS_ENABLE=1")

@@ -84,3 +84,22 @@ async def test_cuda_one_gpu_per_pod_survives_a_kill_over_nccl(tmp_path):
     assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0
     if n_spares:
         assert s["param_sha256"] == ref["param_sha256"]
+
+
+def test_a_working_cuda_context_passes_the_health_check_and_a_bound_device_is_used():
+    """Issue 30: after an abort a pod checks its CUDA context before it re-enters (a probe
+    kernel); a helper thread reads the bound device, not its own current device."""
+    import threading
+
+    from agent.device import cuda_broken
+    from agent.groups import bind_device, cuda_device
+
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    assert cuda_broken(dev) is None
+    torch.cuda.set_device(dev)
+    bind_device(torch.device("cuda"))
+    seen = []
+    th = threading.Thread(target=lambda: seen.append(cuda_device()))
+    th.start()
+    th.join()
+    assert seen == [dev]

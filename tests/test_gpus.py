@@ -70,3 +70,13 @@ def test_shared_flag_from_the_environment(monkeypatch):
     monkeypatch.setenv(SHARED_ENV, "1")
     assert choose_backend("cuda:0") == "gloo"
 
+
+
+def test_a_cpu_model_has_no_cuda_context_to_check():
+    """Issue 30: the CUDA health check after an abort is a no-op for a CPU model (the CUDA
+    probe itself runs in tests/test_cuda.py on a GPU machine)."""
+    import torch
+
+    from agent.device import cuda_broken
+
+    assert cuda_broken(torch.device("cpu")) is None

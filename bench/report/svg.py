@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-IMG = Path(__file__).resolve().parent.parent / "docs" / "img"  # (bench.common imports us)
+IMG = Path(__file__).resolve().parents[2] / "docs" / "img"  # (bench.common imports us)
 COLOURS = ["#2b7bba", "#e6842a", "#5aa05a", "#c44e52", "#8172b2", "#937860", "#da8bc3",
            "#8c8c8c"]
 

@@ -1,6 +1,6 @@
 """Re-render a benchmark's docs/benchmarks.md section and SVG from its saved JSON:
 
-    python -m bench.render recovery|control-plane|init|goodput|sharded RESULT.json [--no-doc] [--svg PATH]
+    python -m bench.report.render recovery|control-plane|init|goodput|sharded RESULT.json [--no-doc] [--svg PATH]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-doc", action="store_true", help="print only")
     p.add_argument("--svg", help="SVG path (default: docs/img/<name>.svg)")
     a = p.parse_args(argv)
-    from bench import svg
+    from bench.report import svg
     from bench.common import write_section
 
     mod_name, img = MODULES[a.benchmark]

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # torchft's collective timeout (ProcessGroupGloo and Manager) in every benchmark that runs it
 TORCHFT_TIMEOUT = 10.0
 
@@ -195,7 +195,7 @@ def run_once(d: Path, a: argparse.Namespace, heartbeat_ms: int, data: Path, faul
                str(max(1, a.workers - 1)), "--join_timeout_ms", "60000", "--quorum_tick_ms",
                "100", "--heartbeat_timeout_ms", str(heartbeat_ms)], "lighthouse")
         def cmd(r: int, *extra: str) -> list[str]:
-            return [sys.executable, "-m", "bench.torchft_bench", "worker", "--dir", str(d),
+            return [sys.executable, "-m", "bench.baselines.torchft_bench", "worker", "--dir", str(d),
                     "--replica", str(r), "--steps", str(a.steps), "--model", a.model,
                     "--data", str(data), "--global-batch-size", str(a.global_batch_size),
                     "--micro-batch-size", str(a.micro_batch_size), "--min-replicas",

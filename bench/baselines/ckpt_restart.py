@@ -1,9 +1,9 @@
 """Checkpoint-restart baseline of ``bench recovery``: plain DDP under ``torchrun --max-restarts``
 with ``torch.save`` of model + optimizer (+ scheduler) every N steps and a load on start.
 
-The worker (``python -m bench.ckpt_restart worker ...``, one process per rank, started by
+The worker (``python -m bench.baselines.ckpt_restart worker ...``, one process per rank, started by
 torchrun) trains the same model, data, global batch, micro-batches, AdamW and scheduler as
-``examples/train_gpt.py`` / ``bench/plain_ddp.py``, gloo on CPU. On start it loads
+``examples/train_gpt.py`` / ``bench/baselines/plain_ddp.py``, gloo on CPU. On start it loads
 ``<dir>/ckpt.pt`` when there is one and continues after its step. After each committed step
 it appends ``step wall-time`` to ``<dir>/commits/rank<R>.attempt<A>.txt`` (``A`` =
 ``TORCHELASTIC_RESTART_COUNT``) and flushes; rank 0 then saves the checkpoint every N steps
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- the worker
@@ -138,7 +138,7 @@ def torchrun_cmd(d: Path, a: argparse.Namespace, every: int, data: Path, port: i
             "--monitor-interval", str(a.monitor_interval), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ckpt-{os.getpid()}",
             "--local-addr", "127.0.0.1", "--master-addr", "127.0.0.1",
-            "-m", "bench.ckpt_restart", "worker", "--dir", str(d), "--every", str(every),
+            "-m", "bench.baselines.ckpt_restart", "worker", "--dir", str(d), "--every", str(every),
             "--steps", str(a.steps), "--model", a.model, "--data", str(data),
             "--global-batch-size", str(a.global_batch_size),
             "--micro-batch-size", str(a.micro_batch_size)]

@@ -1,0 +1,1 @@
+"""What the benchmarks compare against: plain DDP / HSDP scripts, checkpoint-restart, torchft."""

@@ -1,0 +1,1 @@
+"""Rendering results: SVG plots (svg.py) and re-rendering them from kept JSON (render.py)."""
