@@ -1,6 +1,6 @@
 """Model size: peak memory per role, state transfer against the link, recovery at real sizes.
 
-    ceaseless bench size [--models 124m] [--workers 2] [--seq-len 64] [--steps 24]
+    ceaseless bench size [--models 124m] [--workers 2] [--seq-len 64] [--steps 40]
 
 Per model (the example's GPT-2 shapes, synthetic tokens), on this machine (gloo over
 loopback; CPU: peak memory is the process's peak RSS, ``VmHWM``):
@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="124m", help="comma-separated: 124m, 350m, 1b")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (CPU: short)")
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--follow-wait", type=float, default=90.0,
+                   help="kill0: seconds to wait for the spare to follow rank 0 before the kill")
     p.add_argument("--fault-step", type=int, default=5, help="the join / the kill after it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per pod")
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
@@ -157,6 +159,7 @@ async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
     spares = 1 if scenario == "kill0" else 0
     recoveries: list[Recovery] = []
     out: dict[str, Any] = {"scenario": scenario}
+    t_start = time.time()
     async with Cluster(run_dir, a.workers, spares, a.steps, cmd=_script(a, model),
                        timeout=600 + a.steps * 60) as c:
         async def on_rec(r: Recovery, _e: Any) -> None:
@@ -186,15 +189,29 @@ async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
             out["after"] = {pod: vm_hwm(h.pid) for pod, h in c.hb.items()}
             out["joiner"] = c.plans[-1].pod_of(a.workers)
         elif scenario == "kill0":
+            spare = out["spare"] = [pod for pod in pids if pod not in members][0]
+            # a hot spare holds a committed step once it follows rank 0: wait for that (up to
+            # --follow-wait), then kill; a spare that never got there is reported as such
+            try:
+                await c.wait_for(lambda: (h := c.hb.get(spare)) is not None and h.step >= 0,
+                                 a.follow_wait, "the spare following rank 0")
+            except (AssertionError, TimeoutError):
+                pass
+            h = c.hb.get(spare)
+            out["spare_step_at_kill"] = h.step if h is not None else None
+            out["rank0_step_at_kill"] = (c.hb[members[0]].step if members[0] in c.hb else None)
+            out["spare_following_after_s"] = (time.time() - t_start
+                                              if h is not None and h.step >= 0 else None)
+            before = out["before"] = {pod: vm_hwm(pid) for pod, pid in pids.items()}
+            kill_step = out["rank0_step_at_kill"] or a.fault_step
             os.kill(pids[members[0]], signal.SIGKILL)
             out["killed"] = members[0]
-            out["spare"] = [pod for pod in pids if pod not in members][0]
 
             def recovered() -> bool:
                 p = c.plans[-1]
                 h = c.hb.get(out["spare"])
                 return p.generation > g and h is not None and h.generation == p.generation \
-                    and h.step >= a.fault_step + 2
+                    and h.step >= kill_step + 2
 
             await c.wait_for(recovered, 900, "the promoted spare training")
             out["after"] = {pod: vm_hwm(h.pid) for pod, h in c.hb.items()
@@ -208,7 +225,17 @@ async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
     out["final_step"] = summ.get("final_step")
     out["lost_steps"] = summ.get("lost_steps")
     out["recoveries"] = [r.model_dump(mode="json") for r in recoveries if r.generation > g]
+    out["median_step_s"] = _median_step(run_dir)
     return out
+
+
+def _median_step(run_dir: Path) -> float | None:
+    """The median time between consecutive commits of every pod (its results file)."""
+    diffs = []
+    for f in (run_dir / "results").glob("*.json"):
+        ts = [float(t) for _, t in json.loads(f.read_text()).get("commits", [])]
+        diffs += [b - x for x, b in zip(ts, ts[1:])]
+    return statistics.median(diffs) if diffs else None
 
 
 def analyse(model: str, plain: dict[str, Any], ref: dict[str, Any], join: dict[str, Any],
@@ -224,6 +251,7 @@ def analyse(model: str, plain: dict[str, Any], ref: dict[str, Any], join: dict[s
     pauses = [r["downtime"] for r in join["recoveries"]
               if r["pod"] != joiner and r["downtime"] is not None]
     kdown = [r["downtime"] for r in kill["recoveries"] if r["downtime"] is not None]
+    step = ref.get("median_step_s") or 0.0
     spare = kill["spare"]
     r0_before = kill["before"][kill["members"][0]]
     res = {
@@ -238,8 +266,13 @@ def analyse(model: str, plain: dict[str, Any], ref: dict[str, Any], join: dict[s
         "state_gb": brecv / 1e9, "state_sync_s": sync,
         "transfer_gbs": brecv / sync / 1e9 if sync else None,
         "link_tcp_gbs": link["tcp_gbs"], "link_memcpy_gbs": link["memcpy_gbs"],
-        "join_pause_s": max(pauses) if pauses else None,
-        "kill0_downtime_s": max(kdown) if kdown else None,
+        "median_step_s": step,
+        # the longest gap between a survivor's commits across the event, less a median step
+        "join_pause_s": max(pauses) - step if pauses else None,
+        "kill0_downtime_s": max(kdown) - step if kdown else None,
+        "kill0_spare_step_at_kill": kill.get("spare_step_at_kill"),
+        "kill0_rank0_step_at_kill": kill.get("rank0_step_at_kill"),
+        "spare_following_after_s": kill.get("spare_following_after_s"),
         "kill0_bitwise": kill["param_sha256"] is not None
         and kill["param_sha256"] == ref["param_sha256"],
         "kill0_lost_steps": kill["lost_steps"],
@@ -264,13 +297,18 @@ def markdown(res: dict[str, Any], a: argparse.Namespace) -> str:
             f"({(r['transfer_gbs'] or 0):.2f} GB/s, {100 * (r['transfer_vs_link'] or 0):.0f} % "
             f"of TCP {r['link_tcp_gbs']:.2f} GB/s) | {r['join_pause_s'] or 0:.2f} s | "
             f"{r['kill0_downtime_s'] or 0:.2f} s, {'bitwise' if r['kill0_bitwise'] else 'NOT bitwise'}"
-            f", the spare received {r['kill0_spare_received_gb']:.2f} GB |")
+            f", the spare received {r['kill0_spare_received_gb']:.2f} GB (it held step "
+            f"{r['kill0_spare_step_at_kill']} when rank 0 was at "
+            f"{r['kill0_rank0_step_at_kill']}) |")
     return (f"{HEADING}\n\n{machine_line(m)} Command: `{cmdline('size')}` ({a.workers} workers, "
             f"sequence {a.seq_len}, micro-batch 1, global batch {a.workers * (a.workers + 1)}, "
-            f"{a.steps} steps, event at step "
-            f"{a.fault_step}; memcpy {res['link']['memcpy_gbs']:.1f} GB/s measured in the same "
-            "run). Peaks are each process's peak RSS (`VmHWM`); *plain* is the example alone in "
-            "one process.\n\n"
+            f"{a.steps} steps, the join at step {a.fault_step}, the kill once the spare follows "
+            f"(at most {a.follow_wait:.0f} s later); memcpy {res['link']['memcpy_gbs']:.1f} GB/s measured in the same "
+            f"run; median step {res['models'][0]['median_step_s'] or 0:.2f} s). Peaks are each "
+            "process's "
+            "peak RSS (`VmHWM`); *plain* is the example alone in one process; pauses and "
+            "downtimes are the longest gap between a survivor's commits across the event, less "
+            "the median step.\n\n"
             "| model | plain peak | member / plain | members after a join / before | joiner / "
             "member | rank 0 with a following spare / plain | promoted spare / plain | state "
             "received by the joiner | pause of the members (join) | rank-0 kill with a spare |\n"
