@@ -13,9 +13,10 @@ contiguous stripes, stripe ``i`` sent by ``sources[i]``, and each tensor's part 
 into pieces of at most ``PIECE_BYTES``; both ends compute the same pieces (``plan_pieces``).
 The first source sends the skeleton; each source checksums its pieces while they are on the
 wire and sends the checksums after them; the recipient checksums each piece as its window
-completes and compares at the end: a mismatch raises ``StateMismatch``, never silently. At most two windows of
-``WINDOW_BYTES`` per peer are in flight, so the staging that a device mismatch needs (CUDA
-tensors over gloo, host ones over NCCL) stays bounded.
+completes and compares at the end: a mismatch raises ``StateMismatch``, never silently. At
+most two windows per peer are in flight (``WINDOW_BYTES`` shared by the peers), so the
+staging that a device mismatch needs (CUDA tensors over gloo, host ones over NCCL) stays
+bounded.
 
 A recipient that received into its own tensors and then failed holds garbage: the caller
 must treat its state as lost (``TrainState.forget`` before receiving).
@@ -46,7 +47,7 @@ TAG_BASE = 0x3EA0_0000
 _TAG_CTRL, _TAG_SKEL, _TAG_SUMS, _TAG_PIECE = 0, 1, 2, 16
 _M64 = (1 << 64) - 1
 PIECE_BYTES = 32 * 2**20    # a piece: one message, one checksum
-WINDOW_BYTES = 256 * 2**20  # per peer; two windows in flight
+WINDOW_BYTES = 256 * 2**20  # a window, shared by the peers; two in flight per peer
 
 
 class Piece(NamedTuple):
@@ -79,15 +80,17 @@ def plan_pieces(nbytes: Sequence[int], k: int, piece_bytes: int | None = None) -
     return out
 
 
-def _windows(items: list[tuple[int, Piece]]) -> list[list[tuple[int, Piece]]]:
-    """``items`` (piece index, piece) cut into runs of at most ``WINDOW_BYTES`` (one piece
-    at least): both ends of a pair cut the same."""
-    out: list[list[tuple[int, Piece]]] = []
-    cur: list[tuple[int, Piece]] = []
-    size = 0
+def _windows(items: list[Any], lanes: int = 1) -> list[list[Any]]:
+    """``items`` (piece index, piece) cut into runs of at most ``WINDOW_BYTES / lanes`` (one
+    piece at least), so what is in flight (and staged) stays bounded however many peers.
+    The two ends need not cut alike: both post a pair's pieces in the same order and wait
+    only for pieces they posted, so the earliest unfinished piece is always posted on both."""
+    out: list[list[Any]] = []
+    cur: list[Any] = []
+    size, limit = 0, WINDOW_BYTES // max(1, lanes)
     for it in items:
-        n = it[1].end - it[1].start
-        if cur and size + n > WINDOW_BYTES:
+        n = it[-1].end - it[-1].start
+        if cur and size + n > limit:
             out.append(cur)
             cur, size = [], 0
         cur.append(it)
@@ -165,7 +168,7 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
     sums: dict[tuple[int, int], tuple[int, int]] = {}  # (sources, piece) -> checksum words
     heads: list[Any] = []
     keep: list[Tensor] = []  # tensors outlive their sends
-    lanes: list[list[list[Any]]] = []
+    per_peer: list[list[Any]] = []  # each recipient's pieces from this source, in order
     trailers: list[tuple[int, int, list[int]]] = []  # (recipient, sources, my pieces)
     sent = 0
     for r, sources in sorted(recipients.items()):
@@ -188,8 +191,9 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
             sent += blob.numel()
         mine = [(n, p) for n, p in enumerate(pieces) if p.source == i]
         sent += sum(p.end - p.start for _, p in mine)
-        lanes.append([[(r, k, n, p) for n, p in w] for w in _windows(mine)])
+        per_peer.append([(r, k, n, p) for n, p in mine])
         trailers.append((r, k, [n for n, _ in mine]))
+    lanes = [_windows(items, len(per_peer)) for items in per_peer]
 
     def post(item: tuple[int, int, int, Piece]) -> tuple[Any, Tensor]:
         r, k, n, p = item
@@ -280,7 +284,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
         if tamper is None:
             check(n, p)
 
-    lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i])
+    lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i], k)
              for i in range(k)]
     _pipeline(group, lanes, post, done, abort, "state chunks", timeout_s)
     group.wait_all(trailer_works, abort, "state checksums", timeout_s=timeout_s)

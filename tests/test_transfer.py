@@ -192,3 +192,21 @@ def test_an_aborted_works_buffers_go_once_it_finished():
     for t in ts:
         t.join(60)
     assert out == {"held_while_pending": True, "freed": True}
+
+
+def test_one_source_serves_two_recipients_at_once(monkeypatch):
+    """Two lanes on the source (its window shared between them): both recipients bitwise."""
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 512)
+    monkeypatch.setattr(transfer, "WINDOW_BYTES", 2048)
+    src = _objs(0, stepped=True)
+    expect = _flat(src)
+
+    def fn(r: int, g: AbortableGroup):
+        if r == 0:
+            return send_state(g, describe(src), 0, {1: [0], 2: [0]}, None)
+        objs = _objs(r, stepped=False)
+        recv_state(g, r, [0], None, into=lambda sk: destinations(objs, sk)).restore(objs)
+        return _flat(objs)
+
+    out = _run_ranks(fn, 3)
+    assert out[1] == expect and out[2] == expect and out[0] >= 2 * describe(src).nbytes
