@@ -239,11 +239,13 @@ def describe(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None) ->
     return TensorState(skeleton=skeleton, tensors=refs)
 
 
-def destinations(objs: Mapping[str, Any], skeleton: Mapping[str, Any]
-                 ) -> tuple[list[Tensor], frozenset[int]]:
+def destinations(objs: Mapping[str, Any], skeleton: Mapping[str, Any],
+                 device: torch.device | None = None) -> tuple[list[Tensor], frozenset[int]]:
     """Where a recipient receives each tensor of ``skeleton``: the objects' own tensor at the
-    same place of their state dicts when it has the same dtype, shape and device and is
-    contiguous and aligned (received in place), else a new one on the spec's device. Returns
+    same place of their state dicts when it has the same dtype, shape and device type and is
+    contiguous and aligned (received in place), else a new one: on ``device`` (the
+    recipient's model device) where the source's was a GPU, so a pod whose model is on
+    another index than the source's gets it on its own; else on the spec's device. Returns
     the tensors and the indices received in place."""
     specs: list[TensorSpec] = skeleton["tensors"]
     out: list[Tensor | None] = [None] * len(specs)
@@ -256,7 +258,7 @@ def destinations(objs: Mapping[str, Any], skeleton: Mapping[str, Any]
             sp = specs[node.index]
             if (out[node.index] is None and isinstance(t, Tensor)
                     and t.dtype == sp.dtype and tuple(t.shape) == sp.shape
-                    and str(t.device) == sp.device and t.is_contiguous()
+                    and t.device.type == torch.device(sp.device).type and t.is_contiguous()
                     and t.data_ptr() % _ALIGN == 0 and t.data_ptr() not in used):
                 out[node.index] = t.detach() if t.requires_grad else t  # keep identity
                 used.add(t.data_ptr())
@@ -273,7 +275,11 @@ def destinations(objs: Mapping[str, Any], skeleton: Mapping[str, Any]
         if name in objs:
             match(node, objs[name].state_dict())
     in_place = frozenset(i for i, t in enumerate(out) if t is not None)
-    tensors = [t if t is not None else torch.empty(sp.shape, dtype=sp.dtype, device=sp.device)
+    def home(sp: TensorSpec) -> Any:
+        on_gpu = torch.device(sp.device).type == "cuda"
+        return device if on_gpu and device is not None and device.type == "cuda" else sp.device
+
+    tensors = [t if t is not None else torch.empty(sp.shape, dtype=sp.dtype, device=home(sp))
                for t, sp in zip(out, specs)]
     return tensors, in_place
 

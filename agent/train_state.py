@@ -221,7 +221,7 @@ class TrainState:
         they fit (``state.destinations``)."""
         from .state import destinations
 
-        return destinations(self.objs, skeleton)
+        return destinations(self.objs, skeleton, self.device)
 
     def restore(self, st: Any, default_step: int = -1) -> int:
         """Load a FlatState or TensorState (a snapshot, a transfer); returns its step."""
