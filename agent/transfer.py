@@ -14,9 +14,12 @@ into pieces of at most ``PIECE_BYTES``; both ends compute the same pieces (``pla
 The first source sends the skeleton; each source checksums its pieces while they are on the
 wire and sends the checksums after them; the recipient checksums each piece as its window
 completes and compares at the end: a mismatch raises ``StateMismatch``, never silently. At
-most two windows per peer are in flight (``WINDOW_BYTES`` shared by the peers), so the
-staging that a device mismatch needs (CUDA tensors over gloo, host ones over NCCL) stays
-bounded.
+most two windows per peer are in flight (``WINDOW_BYTES`` shared by the peers). A recipient
+receives each piece into a buffer of its own and copies it into place once its window
+completed: an abandoned receive may still complete later (gloo's works are parked, not
+cancelled) and must land there, never in tensors a later transfer filled and verified. That
+staging, like the one a device mismatch needs (CUDA tensors over gloo), stays bounded by the
+windows.
 
 A recipient that received into its own tensors and then failed holds garbage: the caller
 must treat its state as lost (``TrainState.forget`` before receiving).
@@ -47,7 +50,7 @@ TAG_BASE = 0x3EA0_0000
 _TAG_CTRL, _TAG_SKEL, _TAG_SUMS, _TAG_PIECE = 0, 1, 2, 16
 _M64 = (1 << 64) - 1
 PIECE_BYTES = 32 * 2**20    # a piece: one message, one checksum
-WINDOW_BYTES = 256 * 2**20  # a window, shared by the peers; two in flight per peer
+WINDOW_BYTES = 64 * 2**20  # a window, shared by the peers; two in flight per peer
 
 
 class Piece(NamedTuple):
@@ -268,18 +271,19 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
         verify[0] += time.perf_counter() - v0
 
     def post(item: tuple[int, Piece]) -> tuple[Any, Tensor]:
+        # Never straight into the destination: an abandoned receive (a newer plan, a peer
+        # error) is parked, not cancelled, and gloo may still finish it later. It then lands
+        # in this piece's own buffer (kept by the parked work), never in the model's tensors
+        # a later transfer has filled and verified. Staging stays bounded by the windows.
         n, p = item
-        dst = _bytes_of(tensors[p.tensor])[p.start:p.end]
-        wire = dst if dst.device.type == dev.type else torch.empty(
-            dst.numel(), dtype=torch.uint8, device=dev,
-            pin_memory=dev.type == "cpu" and dst.device.type == "cuda")
+        t = tensors[p.tensor]
+        wire = torch.empty(p.end - p.start, dtype=torch.uint8, device=dev,
+                           pin_memory=dev.type == "cpu" and t.device.type == "cuda")
         return group.irecv(wire, sources[p.source], TAG_BASE + _TAG_PIECE + n), wire
 
     def done(item: tuple[int, Piece], wire: Tensor) -> None:
         n, p = item
-        dst = _bytes_of(tensors[p.tensor])[p.start:p.end]
-        if wire.data_ptr() != dst.data_ptr():
-            dst.copy_(wire)
+        _bytes_of(tensors[p.tensor])[p.start:p.end].copy_(wire)
         per_source[sources[p.source]] += p.end - p.start
         if tamper is None:
             check(n, p)
