@@ -180,6 +180,10 @@ class Chaos:
         self.c, self.opts, self.steps = c, opts, steps
         self.stopped: list[int] = []          # SIGSTOPped pids: SIGKILLed at the end
         self.victims: set[str] = set()        # pods this tool killed, stopped or stalled
+        # pods the health monitor declared faulted (e.g. a spare starting on a loaded machine
+        # that missed its heartbeats): the scaler will not promote them, so neither may we
+        # count them as ready spares
+        self.faulted: set[str] = set()
         self.requested: dict[str, float] = {}  # spares asked of the actuator, not yet seen
         self._top_lock = asyncio.Lock()
         self.decisions: list[Any] = []
@@ -218,6 +222,7 @@ class Chaos:
 
         async def on_fault(m, env):
             self.faults.append(m)
+            self.faulted.add(m.pod)
 
         await bus.subscribe(s.decision, Decision, on_dec)
         await bus.subscribe(s.recovery, Recovery, on_rec)
@@ -252,6 +257,7 @@ class Chaos:
                 self.say(f"  could not attach to {d} yet: {type(e).__name__}: {e}")
                 continue
             self.victims.clear()  # the restarted job names its pods w0.., s0.. again
+            self.faulted.clear()
             self.trained_plans += plans
             self.killed_gen = None
             self.restarts.append({"run_dir": str(d), "checkpoint": str(found) if found else None,
@@ -276,6 +282,7 @@ class Chaos:
         return [h for h in self.c.hb.values()
                 if h.role.value == "spare" and h.pod not in members and self.fresh(h)
                 and h.state.value == "waiting" and h.pod not in self.victims
+                and h.pod not in self.faulted
                 and (h.step >= 0 or committed < 0)]
 
     def step(self) -> int:
