@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -60,10 +61,7 @@ class TensorSpec(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _TRef(NamedTuple):
@@ -356,7 +354,7 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
     specs: list[BufferSpec] = []
     for b, ((dtype, dev), idx) in enumerate(groups.items()):
         # every tensor starts 64-byte aligned: a view of it can be checksummed and sent as is
-        step = max(1, _ALIGN // torch.empty((), dtype=dtype).element_size())
+        step = max(1, _ALIGN // dtype.itemsize)
         off = 0
         for i in idx:
             n = refs[i].numel()

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from agent.collectives import AbortableGroup, Aborted, make_group
+from helpers.thread_ranks import run_ranks
+from agent.collectives import AbortableGroup, Aborted
 from agent.grad_sync import GradSync
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -39,27 +39,6 @@ def _grads(micro: list[int], rank: int) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
 
 
-def _run_ranks(fn, world: int = 2) -> list:
-    store = dist.HashStore()
-    out: list = [None] * world
-    errors: list = []
-
-    def run(r: int) -> None:
-        try:
-            g = AbortableGroup(make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo"))
-            out[r] = fn(r, g)
-            g.close()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
-    return out
-
 
 @pytest.mark.parametrize("micro", [([0, 1], [2]), ([0, 1, 2], [])])
 def test_buckets_posted_during_the_last_backward_give_the_sum(micro):
@@ -81,7 +60,7 @@ def test_buckets_posted_during_the_last_backward_give_the_sum(micro):
         sync.finish(g, [loss], None, timeout_s=20)
         return [p.grad for p in m.parameters()], float(loss), sync.overlapped
 
-    (g0, l0, o0), (g1, l1, o1) = _run_ranks(fn)
+    (g0, l0, o0), (g1, l1, o1) = run_ranks(fn)
     assert l0 == l1 == 3.0
     for a, b, e in zip(g0, g1, expect):
         assert torch.equal(a, b)
@@ -106,7 +85,7 @@ def test_an_aborted_sync_leaves_the_gradients_as_they_were():
             sync.finish(g, [], abort, timeout_s=20)
         return all(torch.equal(p.grad, c) for p, c in zip(m.parameters(), mine))
 
-    assert _run_ranks(fn) == [True, True]
+    assert run_ranks(fn) == [True, True]
 
 
 def test_a_metric_reduced_after_the_loop_stays_in_order_on_a_rank_without_micro_batches():
@@ -130,7 +109,7 @@ def test_a_metric_reduced_after_the_loop_stays_in_order_on_a_rank_without_micro_
         sync.finish(g, [], None, timeout_s=20)
         return [p.grad for p in m.parameters()], float(metric)
 
-    (g0, m0), (g1, m1) = _run_ranks(fn)
+    (g0, m0), (g1, m1) = run_ranks(fn)
     assert m0 == m1 == 30.0
     for a, b, e in zip(g0, g1, expect):
         assert torch.equal(a, b) and torch.allclose(a, e, rtol=0, atol=1e-6)

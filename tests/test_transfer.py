@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.thread_ranks import run_ranks
 from agent.collectives import AbortableGroup, make_group
 from agent.state import (StateMismatch, describe, destinations, snapshot)
 from agent.transfer import plan_pieces, recv_state, send_state
@@ -70,27 +71,6 @@ def test_destinations_are_the_objects_own_tensors():
         assert t.shape == s.shape and t.dtype == s.dtype
 
 
-def _run_ranks(fn, world: int) -> list:
-    store = dist.HashStore()
-    out: list = [None] * world
-    errors: list = []
-
-    def run(r: int) -> None:
-        try:
-            g = AbortableGroup(make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo"))
-            out[r] = fn(r, g)
-            g.close()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
-    return out
-
 
 @pytest.mark.parametrize("stepped_recipient", [False, True])
 def test_received_in_place_bitwise_with_small_pieces(monkeypatch, stepped_recipient):
@@ -116,7 +96,7 @@ def test_received_in_place_bitwise_with_small_pieces(monkeypatch, stepped_recipi
         return (extra, _flat(objs), before == [id(t) for t in objs["model"].parameters()],
                 opt_before == opt_after if stepped_recipient else True, got.stats)
 
-    out = _run_ranks(fn, 3)
+    out = run_ranks(fn, 3)
     extra, flat, same_params, same_opt, stats = out[2]
     assert extra == {"step": 5} and flat == expect and same_params and same_opt
     assert out[0] > 0 and out[1] > 0  # both sources sent a stripe
@@ -136,7 +116,7 @@ def test_a_corrupted_piece_is_named_and_raises():
             recv_state(g, 1, [0], None, tamper=flip)
         return e.value.bad
 
-    assert _run_ranks(fn, 2)[1] == [(0, 0)]
+    assert run_ranks(fn, 2)[1] == [(0, 0)]
 
 
 def test_a_live_description_holds_no_copy():
@@ -208,5 +188,5 @@ def test_one_source_serves_two_recipients_at_once(monkeypatch):
         recv_state(g, r, [0], None, into=lambda sk: destinations(objs, sk)).restore(objs)
         return _flat(objs)
 
-    out = _run_ranks(fn, 3)
+    out = run_ranks(fn, 3)
     assert out[1] == expect and out[2] == expect and out[0] >= 2 * describe(src).nbytes

@@ -1,0 +1,35 @@
+"""Ranks as threads of this process over a real gloo group (an in-memory store): for unit
+tests of one part (tests/test_grad_sync.py, tests/test_transfer.py)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from agent.collectives import AbortableGroup, make_group
+
+
+def run_ranks(fn: Callable[[int, AbortableGroup], Any], world: int = 2) -> list:
+    """``fn(rank, group)`` in ``world`` threads; their results in rank order. Raises the
+    first error of any rank."""
+    store = dist.HashStore()
+    out: list = [None] * world
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            g = AbortableGroup(make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo"))
+            out[r] = fn(r, g)
+            g.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    return out
