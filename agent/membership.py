@@ -172,27 +172,39 @@ class Membership:
         return False
 
     # ------------------------------------------------------------------ recovery
-    def await_position(self) -> int | None:
-        """(Sharded models) Block until a plan names this pod a member, without entering it
-        yet, and return its rank's shard position: the model is sharded for it before the
-        state is received. None when the job finished, or released this pod, first. A
-        spare waits here until promoted."""
+    def await_member(self) -> tuple[int, int] | None:
+        """Block until a plan names this pod a member, without entering it yet, and return
+        (rank, world size) in it: set-up that needs the rank runs before the state is
+        received (a sharded model is sharded for its position; the DDP drop-in's
+        ``init_process_group`` returns). None when the job finished, or released this pod,
+        first. A spare waits here until promoted."""
         if self.generation > 0 and self.rank is not None:
-            return self.rank % self.cfg.shard_size
+            return self.rank, self.world_size
         if self._arrival is None:
             if self.phase is Phase.OUTSIDE:
-                self._to(Phase.RECOVERING, "waiting for a shard position")
+                self._to(Phase.RECOVERING, "waiting for a rank")
             self.rt.update(now=True, state=AgentState.waiting)
             got = self._await_plan(None)
             if got is None or got.kind != "plan":
                 return None
             self._arrival = got
         plan = self._arrival.plan
+        return plan.rank_of(self.cfg.pod), plan.world_size
+
+    def await_position(self) -> int | None:
+        """(Sharded models) ``await_member``, as this rank's shard position: the model is
+        sharded for it before the state is received."""
+        if self.generation > 0 and self.rank is not None:
+            return self.rank % self.cfg.shard_size
+        got = self.await_member()
+        if got is None:
+            return None
+        plan = self._arrival.plan
         if plan.shard_size != self.cfg.shard_size:
             raise RuntimeError(f"the job is planned with shard size {plan.shard_size} but this "
                                f"pod runs with {self.cfg.shard_size} (CEASELESS_SHARD_SIZE; "
                                "`ceaseless up --shard-size` sets both)")
-        return plan.shard_of(plan.rank_of(self.cfg.pod))
+        return plan.shard_of(got[0])
 
     def start_early_join(self, backend: str) -> None:
         """(Sharded) A promoted spare connects its groups while the script shards its model

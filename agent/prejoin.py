@@ -32,6 +32,18 @@ from .ports import PrejoinRuntime, Resumer
 log = logs.get("agent")
 
 
+class _Superseded:
+    """``is_set()`` once a plan newer than ``generation`` arrived (what a prejoin's build
+    gives up for)."""
+
+    def __init__(self, rt: PrejoinRuntime, generation: int) -> None:
+        self._rt, self._g = rt, generation
+
+    def is_set(self) -> bool:
+        p = self._rt.plan
+        return p is not None and p.generation > self._g
+
+
 class Prejoin:
     def __init__(self, rt: PrejoinRuntime, plan: Plan, rank: int, step: int, digest: str,
                  backend: str) -> None:
@@ -55,7 +67,11 @@ class Prejoin:
             rt.update(now=True, generation=g, rank=self.rank, role=Role.worker, step=self.step,
                       digest=self._digest, state=AgentState.recovering)
             store = rt.stores.rendezvous(f"g{g}.")
-            self.pg = make_group_abortable(store, self.rank, self.world_size, rt.abort,
+            # Not the step's abort flag: a failed collective of the old generation (the
+            # script's own all-reduce) sets it, and this group is for the new plan; only a
+            # plan newer than this one makes building it pointless.
+            self.pg = make_group_abortable(store, self.rank, self.world_size,
+                                           _Superseded(rt, g),
                                            timeout_s=cfg.collective_timeout, backend=self._backend,
                                            slice_s=cfg.collective_slice)
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread
@@ -72,8 +88,8 @@ class Prejoin:
                     self.why = "no transfer plan" if not got else "aborted or state lost"
                 elif t.restore_step != self.step:
                     self.why = f"the job restores step {t.restore_step}, not {self.step}"
-                elif t.sources:
-                    self.why = f"rank(s) {sorted(t.sources)} need the state first"
+                elif self.rank in t.sources:
+                    self.why = "this rank needs the state first"
                 else:
                     self.resumable = True
             else:

@@ -44,6 +44,9 @@ class Stepper:
         # the gradient reduction of the joined generation (reduction.py), and what it is for
         self._reduce: Reduction | None = None
         self._reduce_for: tuple | None = None
+        # the DDP drop-in: a discarded step keeps the script's gradients (its own
+        # GradScaler.step needs them; the update is skipped by the drop-in's hook instead)
+        self.zero_on_discard = True
 
     # ------------------------------------------------------------------ micro-batches
     def micro_batches(self, m: int, ks: range, gradient_loop: bool) -> None:
@@ -222,7 +225,12 @@ class Stepper:
 
     def discard(self, reason: str | None, phase: Phase | None = None) -> bool:
         """The step is thrown away (None: membership already recorded why)."""
-        self.zero_grad()
+        if self.zero_on_discard:
+            self.zero_grad()
+        else:
+            self._loss_acc = self._backwards_left = None
+            if self._sync is not None:
+                self._sync.disarm()
         if reason is not None:
             self.m.discard(reason, phase or Phase.INTERRUPTED)
         return False

@@ -1,7 +1,9 @@
-"""examples/porting/ddp_train.py ported to Ceaseless: the "after" of docs/porting.md.
+"""A small nanoGPT-style training script, before (ddp_train.py: torchrun + DDP) and after
+(ceaseless_train.py: Ceaseless' drop-in) its port; docs/porting.md shows the diff.
 
+    torchrun --standalone --nproc-per-node 2 examples/porting/ddp_train.py --max-iters 20
     ceaseless up --workers 2 --spares 1 -- python examples/porting/ceaseless_train.py --max-iters 20
-    python examples/porting/ceaseless_train.py --max-iters 20   # one process
+    python examples/porting/ddp_train.py --max-iters 20        # one process (either script)
 
 Synthetic data, no downloads: a random Markov chain over 64 tokens (fixed seed) in which each
 token has at most 4 successors, so the best possible loss is about ln 4 = 1.39.
@@ -13,9 +15,10 @@ import time
 from contextlib import nullcontext
 
 import torch
+import agent.ddp as dist  # torch.distributed's calls, surviving faults
 import torch.nn as nn
 import torch.nn.functional as F
-import agent
+from agent.ddp import DistributedDataParallel as DDP
 
 p = argparse.ArgumentParser()
 p.add_argument('--max-iters', type=int, default=200)
@@ -31,13 +34,28 @@ p.add_argument('--log-interval', type=int, default=1)
 p.add_argument('--out-dir', default='out-porting')
 p.add_argument('--resume', action='store_true')
 p.add_argument('--device', default='cpu')               # cpu | cuda
+p.add_argument('--dtype', default=None)                 # float32 | bfloat16 | float16 (GradScaler)
 args = p.parse_args()
+args.dtype = args.dtype or ('float16' if args.device == 'cuda' else 'float32')
 
-s = agent.init(global_batch_size=args.grad_accum * args.batch_size, seed=1337)
-device = args.device  # with `ceaseless up`, 'cuda' is this pod's GPU (CUDA_VISIBLE_DEVICES)
-torch.manual_seed(1337)  # the model's initial weights (rank 0's are used anyway)
+ddp = dist.is_launched()  # started by torchrun or ceaseless up?
+if ddp:
+    dist.init_process_group(backend='nccl' if args.device == 'cuda' else 'gloo')
+    ddp_rank, ddp_world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    ddp_local_rank = int(os.environ['LOCAL_RANK'])
+    device = f'cuda:{ddp_local_rank}' if args.device == 'cuda' else 'cpu'
+    if args.device == 'cuda':
+        torch.cuda.set_device(device)
+    master_process, seed_offset = ddp_rank == 0, ddp_rank
+    assert args.grad_accum % ddp_world_size == 0
+    grad_accum = args.grad_accum // ddp_world_size  # this rank's share
+else:
+    ddp_rank, ddp_world_size, master_process, seed_offset = 0, 1, True, 0
+    device, grad_accum = args.device, args.grad_accum
+torch.manual_seed(1337 + seed_offset)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
-ctx = nullcontext() if device_type == 'cpu' else torch.autocast(device_type, dtype=torch.bfloat16)
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[args.dtype]
+ctx = nullcontext() if args.dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
 
 g = torch.Generator().manual_seed(0)  # the data: the same on every rank
 succ = torch.randint(0, 64, (64, 4), generator=g).tolist()
@@ -97,48 +115,65 @@ decay = [p for p in model.parameters() if p.dim() >= 2]      # matmuls and embed
 no_decay = [p for p in model.parameters() if p.dim() < 2]   # biases and LayerNorms
 optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.1},
                                {'params': no_decay, 'weight_decay': 0.0}], lr=args.lr, betas=(0.9, 0.95))
+scaler = torch.amp.GradScaler(device_type, enabled=(args.dtype == 'float16'))  # no-op unless fp16
 if args.resume:
     optimizer.load_state_dict(checkpoint['optimizer'])
-s.register(model=model, optimizer=optimizer)
+    scaler.load_state_dict(checkpoint['scaler'])
+if ddp:
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
+raw_model = model.module if ddp else model
 
 
 @torch.no_grad()
 def estimate_loss():  # each rank evaluates its own fixed batches; returns the mean over ranks
     model.eval()
-    g = torch.Generator().manual_seed(s.rank)
+    g = torch.Generator().manual_seed(ddp_rank)
     losses = torch.zeros(2, device=device)
     for i, split in enumerate(['train', 'val']):
         for _ in range(args.eval_iters):
             X, Y = get_batch(split, g)
             with ctx:
                 losses[i] += model(X, Y)[1].float() / args.eval_iters
-    ok = s.all_reduce(losses, "mean")  # False: a fault interrupted it (the step is redone)
+    if ddp:
+        dist.all_reduce(losses)  # gloo has no ReduceOp.AVG
+        losses /= ddp_world_size
     model.train()
-    return losses if ok else None
+    return losses
 
 
+X, Y = get_batch('train')  # the first batch; each next one is fetched during the forward
 t0 = time.time()
-for iter_num in s.steps(args.max_iters, start=iter_num):
+while (iter_num := dist.iteration(iter_num)) < args.max_iters:  # the same step again after a fault
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
     if iter_num % args.eval_interval == 0 or iter_num == args.max_iters - 1:
         losses = estimate_loss()
-        if s.rank == 0 and losses is not None:
+        if master_process:
             print(f"iter {iter_num}: train loss {losses[0]:.4f}, val loss {losses[1]:.4f}")
-    for micro_step in s.micro_batches(args.batch_size):  # this rank's share of the batch
-        X, Y = get_batch('train')  # drawn per micro-batch: the RNG is seeded for each
+    for micro_step in range(grad_accum):
+        if ddp:  # all-reduce the gradients in the last micro-step's backward only
+            model.require_backward_grad_sync = (micro_step == grad_accum - 1)
         with ctx:
             logits, loss = model(X, Y)
-        s.backward(loss)
-    committed = s.step(max_grad_norm=1.0)  # all-reduce, clip, optimizer step, zero-grad
-    if committed and iter_num % args.log_interval == 0 and s.rank == 0:
+            loss = loss / grad_accum
+        X, Y = get_batch('train')  # prefetch the next micro-batch while the GPU computes
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # clip the true gradients (fp16)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)      # skips the update when fp16 gradients overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if iter_num % args.log_interval == 0 and master_process:
         dt, t0 = time.time() - t0, time.time()
-        print(f"iter {iter_num}: loss {s.loss:.4f}, lr {lr:.2e}, {dt * 1000:.0f} ms")
+        print(f"iter {iter_num}: loss {loss.item() * grad_accum:.4f}, lr {lr:.2e}, {dt * 1000:.0f} ms")
+    iter_num += 1
 
-if s.rank == 0:
+if master_process:
     os.makedirs(args.out_dir, exist_ok=True)
-    checkpoint = {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
-                  'iter_num': s.last_committed + 1}
+    checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
+                  'scaler': scaler.state_dict(), 'iter_num': iter_num}
     torch.save(checkpoint, ckpt_path)
-    print(f"saved {ckpt_path} at iter {s.last_committed + 1}")
+    print(f"saved {ckpt_path} at iter {iter_num}")
+if ddp:
+    dist.destroy_process_group()

@@ -1,7 +1,9 @@
-"""A small nanoGPT-style script for torchrun + DDP: the "before" of docs/porting.md.
+"""A small nanoGPT-style training script, before (ddp_train.py: torchrun + DDP) and after
+(ceaseless_train.py: Ceaseless' drop-in) its port; docs/porting.md shows the diff.
 
     torchrun --standalone --nproc-per-node 2 examples/porting/ddp_train.py --max-iters 20
-    python examples/porting/ddp_train.py --max-iters 20        # one process, no DDP
+    ceaseless up --workers 2 --spares 1 -- python examples/porting/ceaseless_train.py --max-iters 20
+    python examples/porting/ddp_train.py --max-iters 20        # one process (either script)
 
 Synthetic data, no downloads: a random Markov chain over 64 tokens (fixed seed) in which each
 token has at most 4 successors, so the best possible loss is about ln 4 = 1.39.
@@ -32,7 +34,9 @@ p.add_argument('--log-interval', type=int, default=1)
 p.add_argument('--out-dir', default='out-porting')
 p.add_argument('--resume', action='store_true')
 p.add_argument('--device', default='cpu')               # cpu | cuda
+p.add_argument('--dtype', default=None)                 # float32 | bfloat16 | float16 (GradScaler)
 args = p.parse_args()
+args.dtype = args.dtype or ('float16' if args.device == 'cuda' else 'float32')
 
 ddp = int(os.environ.get('RANK', -1)) != -1  # started by torchrun?
 if ddp:
@@ -50,7 +54,8 @@ else:
     device, grad_accum = args.device, args.grad_accum
 torch.manual_seed(1337 + seed_offset)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
-ctx = nullcontext() if device_type == 'cpu' else torch.autocast(device_type, dtype=torch.bfloat16)
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[args.dtype]
+ctx = nullcontext() if args.dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
 
 g = torch.Generator().manual_seed(0)  # the data: the same on every rank
 succ = torch.randint(0, 64, (64, 4), generator=g).tolist()
@@ -110,8 +115,10 @@ decay = [p for p in model.parameters() if p.dim() >= 2]      # matmuls and embed
 no_decay = [p for p in model.parameters() if p.dim() < 2]   # biases and LayerNorms
 optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.1},
                                {'params': no_decay, 'weight_decay': 0.0}], lr=args.lr, betas=(0.9, 0.95))
+scaler = torch.amp.GradScaler(device_type, enabled=(args.dtype == 'float16'))  # no-op unless fp16
 if args.resume:
     optimizer.load_state_dict(checkpoint['optimizer'])
+    scaler.load_state_dict(checkpoint['scaler'])
 if ddp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
 raw_model = model.module if ddp else model
@@ -151,9 +158,11 @@ while iter_num < args.max_iters:
             logits, loss = model(X, Y)
             loss = loss / grad_accum
         X, Y = get_batch('train')  # prefetch the next micro-batch while the GPU computes
-        loss.backward()
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # clip the true gradients (fp16)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    scaler.step(optimizer)      # skips the update when fp16 gradients overflowed
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     if iter_num % args.log_interval == 0 and master_process:
         dt, t0 = time.time() - t0, time.time()
@@ -163,7 +172,7 @@ while iter_num < args.max_iters:
 if master_process:
     os.makedirs(args.out_dir, exist_ok=True)
     checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                  'iter_num': iter_num}
+                  'scaler': scaler.state_dict(), 'iter_num': iter_num}
     torch.save(checkpoint, ckpt_path)
     print(f"saved {ckpt_path} at iter {iter_num}")
 if ddp:
