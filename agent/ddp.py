@@ -40,10 +40,8 @@ Under ``ceaseless up`` (docs/porting.md):
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
-import time
 from typing import Any
 
 import torch

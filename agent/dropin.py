@@ -33,7 +33,7 @@ class DropIn:
         self.s, self.rank, self.world_size = s, rank, world_size
         self.extra: dict[str, Any] = {}       # agent.ddp.register(...)
         self.module: torch.nn.Module | None = None
-        self.failed = False                   # the script raised: no "done" at exit
+        self.failed: tuple | None = None      # the script's uncaught exception (reported)
         self.closed = False
         # per step
         self.step: int | None = None          # what iteration() returned, until committed
@@ -56,7 +56,7 @@ class DropIn:
         prev = sys.excepthook
 
         def hook(tp: Any, v: Any, tb: Any) -> None:
-            self.failed = True
+            self.failed = (tp, v, tb)  # close(), at exit, reports it (no "done" then)
             prev(tp, v, tb)
 
         sys.excepthook = hook
@@ -347,7 +347,7 @@ class DropIn:
         finally:
             if self._hook is not None:
                 self._hook.remove()
-            s.__exit__(None, None, None)
+            s.__exit__(*(self.failed or (None, None, None)))
 
 
 def discover(module: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:

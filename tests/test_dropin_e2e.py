@@ -13,16 +13,36 @@ import sys
 
 import pytest
 
-from harness import REPO, Cluster
+from harness import REPO, Cluster, log_events
 
 pytestmark = [pytest.mark.timeout(420)]
 ITERS = 40
 BEFORE, AFTER = "examples/porting/ddp_train.py", "examples/porting/ceaseless_train.py"
 
 
-def _cmd(out) -> list[str]:
+def _cmd(out, *extra: str) -> list[str]:
     return [sys.executable, AFTER, "--max-iters", str(ITERS), "--eval-interval", "10",
-            "--out-dir", str(out)]
+            "--out-dir", str(out), *extra]
+
+
+def _same_checkpoints(a, b) -> None:
+    """Rank 0's own checkpoints (model, optimizer, GradScaler, iter_num) equal bit for bit."""
+    import torch
+
+    x, y = (torch.load(p / "out" / "ckpt.pt", map_location="cpu") for p in (a, b))
+    assert x["iter_num"] == y["iter_num"] == ITERS
+    assert x["scaler"] == y["scaler"]  # scale and growth tracker: put back after a discard
+
+    def same(u, v):
+        if isinstance(u, torch.Tensor):
+            return torch.equal(u, v)
+        if isinstance(u, dict):
+            return u.keys() == v.keys() and all(same(u[k], v[k]) for k in u)
+        if isinstance(u, (list, tuple)):
+            return len(u) == len(v) and all(same(p, q) for p, q in zip(u, v))
+        return u == v
+
+    assert same(x["model"], y["model"]) and same(x["optimizer"], y["optimizer"])
 
 
 def _kill(c: Cluster, rank: int) -> str:
@@ -32,9 +52,9 @@ def _kill(c: Cluster, rank: int) -> str:
     return h.pod
 
 
-async def _run(tmp_path, name, spares, fault=None):
+async def _run(tmp_path, name, spares, fault=None, extra=()):
     run = tmp_path / name
-    async with Cluster(run, 2, spares, ITERS, cmd=_cmd(run / "out"), replace=True) as c:
+    async with Cluster(run, 2, spares, ITERS, cmd=_cmd(run / "out", *extra), replace=True) as c:
         if fault is not None:
             await c.wait_spares(spares)
             await fault(c)
@@ -62,7 +82,37 @@ async def test_dropin_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_path):
     assert killed[1] == "w0"
     assert s["final_step"] == ITERS - 1 and s["lost_steps"] == 0, s
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
-    assert (run / "out" / "ckpt.pt").exists()  # saved by the promoted spare, now rank 0
+    _same_checkpoints(ref_dir, run)  # saved by the promoted spare, now rank 0
+
+
+async def test_a_step_computed_again_gets_its_own_first_batch_and_scaler_state(tmp_path,
+                                                                              monkeypatch):
+    """The redo path: rank 1 raises just before its gradient sync (an injected exception) while
+    rank 0 waits in the all-reduce, so rank 0 cannot resume in place: its step is discarded
+    and computed again. The script had already prefetched the next step's first batch and
+    run its GradScaler's step and update (fp16): the drop-in skips that update, puts the
+    scale back and gives the step its own first micro-batch. Bitwise equal to the fault-free
+    run (resuming in place is off: rank 0, if slower, could still be computing)."""
+    from schemas.messages import Inject, InjectAction
+
+    monkeypatch.setenv("CEASELESS_RESUME_IN_PLACE", "0")  # the pods inherit it
+
+    fp16 = ("--dtype", "float16")
+    ref, ref_dir = await _run(tmp_path, "ref", 0, extra=fp16)
+
+    async def fault(c):
+        await c.wait_rank_step(1, 8)
+        await c.bus.publish(c.bus.subjects.inject,
+                            Inject(action=InjectAction.exception, rank=1, at_step=12))
+
+    s, run = await _run(tmp_path, "faults", 1, fault, extra=fp16)
+    assert s["final_step"] == ITERS - 1 and s["lost_steps"] == 0, s
+    assert [i["kind"] for i in s["incidents"]] == ["exception"], s["incidents"]
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+    _same_checkpoints(ref_dir, run)
+    assert log_events(run, "w0", "step discarded"), "rank 0 was expected to compute step 12 again"
+    assert log_events(run, "w0", "a step computed again: its first micro-batch is the one the "
+                      "failed attempt used, not the batch the script carried over")
 
 
 def test_port_is_at_most_12_lines_and_both_run_in_one_process(tmp_path):
