@@ -7,10 +7,16 @@ micro-batches can be computed by its replacement (a micro-batch holds the same s
 randomness whichever rank computes it). So instead of aborting, the runtime starts a
 ``Prejoin`` in a helper thread: it heartbeats the new generation (the state broker needs
 every member's report), builds the new process group, and waits for the broker's transfer
-plan. If nobody needs state (the promoted spare followed the job, ``agent/shadow.py``) and
-the restore step is the one this pod holds, the training thread finishes its micro-batches
-and all-reduces them in the new group: the survivors lose nothing. Otherwise the prejoin
-sets the abort flag and recovery goes the ordinary way (with the group already built).
+plan. If the restore step is the one this pod holds and this pod is not a recipient, the
+training thread finishes its micro-batches and, at its collective, enters the new
+generation keeping its gradients: it sends the committed state to the promoted spare if the
+broker named it a source (its parameters and optimizer state are still the committed step's:
+nothing changes them before the update; a spare that followed the job, ``agent/shadow.py``,
+needs nothing), then all-reduces in the new group: the survivors lose nothing. Otherwise the
+prejoin sets the abort flag and recovery goes the ordinary way (with the group already
+built). Building that group gives up only for a plan newer than its own (``_Superseded``),
+not for the step's abort flag, which a failed collective of the old generation (the
+script's own all-reduce) may set meanwhile.
 
 All of resuming in place lives here: whether a plan qualifies (``can_resume``, asked by
 ``membership.plan_arrival``), the background join (``Prejoin``), and the training thread's

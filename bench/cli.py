@@ -46,7 +46,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "liveness": "rank-0 SIGKILLs with a spare under CPU load, repeated: hangs, bitwise",
         "healing": "replacement pods (refill, grow back) and last-resort checkpoints' cost",
         "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join",
-        "size": "real model sizes: peak memory per role, transfer vs the link, kill bitwise"}
+        "size": "real model sizes: peak memory per role, transfer vs the link, kill bitwise",
+        "dropin": "the DDP drop-in's step time against the Session API's, side by side"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -69,4 +70,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "healing", "bench.healing")
     _module(bsub, "sharded", "bench.sharded")
     _module(bsub, "size", "bench.size")
+    _module(bsub, "dropin", "bench.dropin")
     return p

@@ -14,7 +14,7 @@ from services.common.natsserver import NatsServer, write_credentials
 # else (clusters, real faults, benchmarks' smoke runs) is the full suite's.
 UNIT_FILES = {
     "test_bus.py", "test_checkpoint.py", "test_collectives.py", "test_data_loader.py",
-    "test_data_prepare.py", "test_gpus.py", "test_grad_sync.py", "test_health_monitor.py",
+    "test_data_prepare.py", "test_dropin.py", "test_gpus.py", "test_grad_sync.py", "test_health_monitor.py",
     "test_heartbeat_feed.py", "test_layers.py", "test_membership.py", "test_permissions.py",
     "test_policy_file.py", "test_policy_properties.py", "test_ports.py", "test_repeats.py",
     "test_scaler.py", "test_schemas_timeouts.py", "test_session_local.py",

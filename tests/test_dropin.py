@@ -1,0 +1,109 @@
+"""The DDP drop-in's parts that need no cluster (issue 31): what it finds as training state,
+the loss a forward returns, the carried-batch comparison, and that every name is torch's
+own without Ceaseless. The cluster behaviour is in test_dropin_e2e.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import agent.ddp as dist
+from agent.dropin import _loss_of, _same, discover
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+
+
+def test_discover_finds_the_optimizer_scaler_and_scheduler_over_the_model():
+    import gc
+
+    gc.collect()  # another test's scaler, unreachable but not yet collected
+    m, other = _model(), _model()
+    opt = torch.optim.AdamW(m.parameters())
+    foreign = torch.optim.SGD(other.parameters(), lr=0.1)  # another model's: not ours
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    torch.optim.lr_scheduler.StepLR(foreign, 10)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    off = torch.amp.GradScaler("cpu", enabled=False)  # disabled: no state to move
+    found = discover(m, {})
+    assert found["optimizer"] is opt and found["scaler"] is scaler
+    assert found["scheduler"] is sched
+    assert set(found) == {"optimizer", "scaler", "scheduler"}
+    assert "optimizer" not in discover(m, {"mine": opt})  # registered by hand: not again
+    del off
+
+
+def test_two_enabled_scalers_are_refused():
+    m = _model()
+    torch.optim.AdamW(m.parameters())
+    a = torch.amp.GradScaler("cpu", enabled=True)
+    b = torch.amp.GradScaler("cpu", enabled=True)
+    with pytest.raises(RuntimeError, match="more than one enabled GradScaler"):
+        discover(m, {})
+    del a, b
+
+
+def test_the_loss_a_forward_returns():
+    x = torch.randn(3, requires_grad=True)
+    loss = (x * 2).sum()
+    assert _loss_of(loss) is loss
+    assert _loss_of((x, loss)) is loss  # nanoGPT: (logits, loss)
+    assert _loss_of({"logits": x, "loss": loss}) is loss
+    assert _loss_of(x) is None  # logits only: the loss is computed outside the model
+    assert _loss_of((x, None)) is None
+
+
+def test_same_inputs_by_value_not_identity():
+    a = torch.arange(6).reshape(2, 3)
+    assert _same((a, {"k": 1}), (a.clone(), {"k": 1}))
+    assert not _same((a,), (a + 1,))
+    assert not _same((a,), (a.float(),))  # same values, another dtype
+    assert not _same((a, a), (a,))
+    assert not _same({"x": a}, {"y": a})
+
+
+def test_without_ceaseless_every_name_is_torchs_own(monkeypatch):
+    monkeypatch.delenv("CEASELESS_NATS_URL", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert not dist.is_launched()
+    assert dist.iteration(7) == 7  # the loop's condition stays the script's
+    assert dist.ReduceOp is torch.distributed.ReduceOp
+    assert dist.Backend is torch.distributed.Backend  # the rest of torch.distributed
+    monkeypatch.setenv("RANK", "0")
+    assert dist.is_launched()
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("CEASELESS_NATS_URL", "nats://127.0.0.1:4222")
+    assert dist.is_launched()
+
+
+def test_under_torchrun_the_wrapper_is_torchs_ddp(tmp_path):
+    """One process with a gloo group, as torchrun would start it: DistributedDataParallel is
+    torch's own class and all_reduce torch's (nothing of Ceaseless starts)."""
+    code = (
+        "import torch, agent.ddp as dist\n"
+        "from agent.ddp import DistributedDataParallel as DDP\n"
+        "dist.init_process_group(backend='gloo')\n"
+        "m = DDP(torch.nn.Linear(2, 2))\n"
+        "assert type(m) is torch.nn.parallel.DistributedDataParallel, type(m)\n"
+        "t = torch.ones(2); dist.all_reduce(t); assert t.tolist() == [1.0, 1.0]\n"
+        "assert dist.get_rank() == 0 and dist.get_world_size() == 1\n"
+        "dist.destroy_process_group(); print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
