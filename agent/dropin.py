@@ -89,10 +89,11 @@ class DropIn:
         if (m.rank, m.world_size) != (self.rank, self.world_size):
             raise RuntimeError(
                 f"the job's ranks changed (rank {self.rank} of {self.world_size} became "
-                f"{m.rank} of {m.world_size}): no spare was left and the job shrank. A DDP "
-                "script divides its batch by the world size once; run it with `ceaseless up "
-                f"--min-replicas {self.world_size}` (the job then waits for a replacement), or "
-                "use the Session API (agent.Session) for an elastic job")
+                f"{m.rank} of {m.world_size}): the job shrank before rank 0 told the scaler to "
+                "keep its world size (after the first step it waits for a replacement "
+                "instead). A DDP script divides its batch by the world size once: start it "
+                f"with `ceaseless up --min-replicas {self.world_size}`, or use the Session "
+                "API (agent.Session) for an elastic job")
 
     def _leave(self) -> None:
         """Not a member any more (the job ended first, or this pod was released)."""
@@ -313,7 +314,8 @@ class DropIn:
 
         mb = self.micro_batch_size or 1
         info = ScriptInfo(global_batch_size=mb * max(1, self.k) * self.world_size,
-                          micro_batch_size=mb, pod=self.s.pod)
+                          micro_batch_size=mb, pod=self.s.pod,
+                          fixed_world_size=self.world_size)
         try:
             self.s.runtime.kv.put(SCRIPT_KEY, info.model_dump_json().encode())
         except Exception as e:  # informational: never fail a step on it

@@ -516,8 +516,10 @@ async def _read_script(bus: Bus, obs: Observer, opts: UpOptions) -> None:
     obs.script = info
     B, m = info.global_batch_size, info.micro_batch_size
     total = f"{info.total} steps, " if info.total is not None else ""
+    fixed = (f"; its world size stays {info.fixed_world_size} (a DDP script: no shrink, "
+             "no growth)" if info.fixed_world_size is not None else "")
     obs.events.append(f"script: {total}global batch {B} = {m} x {B // m} micro-batches "
-                      f"(rank 0: {info.pod})")
+                      f"(rank 0: {info.pod}){fixed}")
     fB, fm = opts.batch
     if (B, m) == (fB, fm):
         return

@@ -168,6 +168,10 @@ class ScriptInfo(BaseModel):
     micro_batch_size: Annotated[int, Field(ge=1, le=2**40)]
     total: Annotated[int, Field(ge=0, le=2**53)] | None = None  # s.steps(total)
     pod: Annotated[str, Field(max_length=64)] = ""
+    # The DDP drop-in (agent.ddp): the script divided its batch by this world size once, so
+    # the scaler keeps the job at it (a fault without a live spare waits for a replacement
+    # instead of shrinking; capacity and priority requests are refused). None: elastic.
+    fixed_world_size: Annotated[int, Field(ge=1, le=2**20)] | None = None
 
     @model_validator(mode="after")
     def _divides(self) -> "ScriptInfo":

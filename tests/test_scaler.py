@@ -319,6 +319,30 @@ def test_plan_batch_keeps_the_plans_when_the_new_one_cannot_be_spread():
     assert (p2.global_batch_size, p2.micro_batch_size, p2.world_size) == (32, 4, 3)
 
 
+async def test_a_ddp_scripts_world_size_is_kept_no_shrink(env, bus):
+    """Issue 31: a DDP drop-in script divides its batch by the world size once; its
+    ScriptInfo says so (``fixed_world_size``), and the scaler then keeps the job at that size
+    whatever its flags: a fault without a live spare waits instead of shrinking."""
+    from schemas.policy import SCRIPT_KEY, ScriptInfo
+
+    sc = await env.scaler(workers=3)  # min_replicas 1: would shrink
+    agents = [await env.agent(f"w{i}") for i in range(3)]
+    await until(lambda: env.plans, what="initial plan")
+    kv = await bus.kv()
+    await kv.put(SCRIPT_KEY, ScriptInfo(global_batch_size=24, micro_batch_size=2, pod="w0",
+                                        fixed_world_size=3).model_dump_json().encode())
+    await until(lambda: (sc.cfg.min_replicas, sc.cfg.max_replicas) == (3, 3),
+                what="the script's world size kept")
+    agents[0].kill()
+    await env.fault("w0", 1)
+    await asyncio.sleep(1.0)
+    assert len(env.plans) == 1  # no shrink plan: it waits for a spare
+    await env.agent("s9", Role.spare)
+    await until(lambda: len(env.plans) >= 2, what="the replacement plan")
+    p2 = env.plans[1]
+    assert p2.world_size == 3 and members(p2)[0] == "s9", members(p2)
+
+
 async def test_fault_without_spare_shrinks(env, bus):
     await env.scaler(workers=3)
     agents = [await env.agent(f"w{i}") for i in range(3)]

@@ -169,8 +169,8 @@ class Scaler(Service):
         self.t0 = time.monotonic()
         self.spawn(self._lease_loop())
         self.spawn(self._tick_loop())
-        if self.batch_from_script:
-            self.spawn(self._watch_script())
+        # the script's batch (with --batch-from-script) and a DDP script's fixed world size
+        self.spawn(self._watch_script())
         self.log.info("scaler started", generation=self.plans.generation,
                       workers=self.cfg.workers, min_replicas=self.cfg.min_replicas,
                       shard_size=self.cfg.shard_size)
@@ -482,22 +482,48 @@ class Scaler(Service):
             self.log.warning("KV script does not validate; ignoring it", error=str(e)[:300])
             return
         self.script = info
+        cfg = self.cfg
+        if info.fixed_world_size is not None:
+            cfg = self._fixed_world(cfg, info.fixed_world_size)
         batch = (info.global_batch_size, info.micro_batch_size)
-        if batch == (self.cfg.global_batch_size, self.cfg.micro_batch_size):
+        if self.batch_from_script and batch != (cfg.global_batch_size, cfg.micro_batch_size):
+            try:
+                sized = dataclasses.replace(cfg, global_batch_size=batch[0],
+                                            micro_batch_size=batch[1])
+            except ValueError as e:  # e.g. fewer micro-batch rows than min_replicas
+                self.log.warning("cannot size plans with the script's batch; keeping the "
+                                 "current one", script=list(batch), error=str(e)[:300],
+                                 current=[cfg.global_batch_size, cfg.micro_batch_size])
+            else:
+                self.log.info("sizing plans with the script's batch", script=list(batch),
+                              was=[cfg.global_batch_size, cfg.micro_batch_size],
+                              total=info.total, pod=info.pod)
+                cfg = sized
+        if cfg == self.cfg:
             return
-        try:
-            cfg = dataclasses.replace(self.cfg, global_batch_size=batch[0],
-                                      micro_batch_size=batch[1])
-        except ValueError as e:  # e.g. fewer micro-batch rows than min_replicas
-            self.log.warning("cannot size plans with the script's batch; keeping the "
-                             "current one", script=list(batch), error=str(e)[:300],
-                             current=[self.cfg.global_batch_size, self.cfg.micro_batch_size])
-            return
-        self.log.info("sizing plans with the script's batch", script=list(batch),
-                      was=[self.cfg.global_batch_size, self.cfg.micro_batch_size],
-                      total=info.total, pod=info.pod)
         self.cfg = cfg
         self._kick.set()
+
+    def _fixed_world(self, cfg: PolicyConfig, world: int) -> PolicyConfig:
+        """A DDP drop-in script's world size: min = max replicas = that (no shrink, no
+        growth), whatever the flags or the policy file said."""
+        reps = max(1, world // cfg.shard_size)
+        if (cfg.min_replicas, cfg.max_replicas) == (reps, reps):
+            return cfg
+        try:
+            fixed = dataclasses.replace(
+                cfg, min_replicas=reps, max_replicas=reps,
+                scaling=cfg.scaling.model_copy(update={"min_replicas": reps,
+                                                       "max_replicas": reps,
+                                                       "replica_discrete_values": None}))
+        except ValueError as e:
+            self.log.warning("cannot keep the script's world size fixed", world=world,
+                             error=str(e)[:300])
+            return cfg
+        self.log.info("the script keeps its world size: no shrink, no growth (a fault "
+                      "without a live spare waits for a replacement)", replicas=reps,
+                      was=[cfg.min_replicas, cfg.max_replicas])
+        return fixed
 
     # ------------------------------------------------------------------ scale state (KV)
     def _target(self, plan: Plan) -> int:
