@@ -41,6 +41,8 @@ class DropIn:
         self.armed = False                    # the synchronising micro-batch ran its forward
         self.synced: bool | None = None       # the gradient sync: True done, False discarded
         self.loss_t: torch.Tensor | None = None
+        self.loss = float("nan")              # the synced step's global mean loss
+        self.nonfinite = False                # ... not finite: its update is skipped
         self._queued = False
         self._started = False
         # a step computed again: its first micro-batch's inputs (see _first_inputs)
@@ -128,6 +130,7 @@ class DropIn:
                 self._leave()
             self._check_world()
         self.step, self.k, self.armed, self.synced, self.loss_t = t, 0, False, None, None
+        self.nonfinite = False
         s.current_step = t
         seed_all(s.seed, t, None)
         return t
@@ -137,9 +140,7 @@ class DropIn:
         m, rt = s.m, s.runtime
         self.step = None
         if self.synced:
-            n = max(1, self.k) * self.world_size
-            loss = float(self.loss_t.item()) / n if self.loss_t is not None else float("nan")
-            s._commit(t, loss, 0.0)
+            s._commit(t, self.loss, 0.0, self.nonfinite)
             rt.end_step()
             self.redo = None
             self._saved = self._small_state()
@@ -222,13 +223,17 @@ class DropIn:
         dev = params[0].device if params else torch.device("cpu")
         loss_t = self.loss_t if self.loss_t is not None else torch.zeros(1, dtype=torch.float64,
                                                                          device=dev)
-        ok = s._stepper._sync_gradients(self.step, params, loss_t)
-        if ok:
+        st = s._stepper
+        red = st._sync_gradients(self.step, params, loss_t)
+        if red is not None:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._foreach_div_(grads, float(self.world_size))
-            self.loss_t = loss_t
-        self.synced = ok
+            # the step's one host sync; a loss that is not finite skips the update on every
+            # rank alike (the optimizer pre-hook), as the Session's guard does
+            self.loss = st.read_loss(self.step, red) / (max(1, self.k) * self.world_size)
+            self.nonfinite = st.nonfinite is not None
+        self.synced = red is not None
 
     # ------------------------------------------------------------------ the update
     def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -240,13 +245,13 @@ class DropIn:
                 "state (created after the model was wrapped, or over other parameters), so "
                 "a replacement would not get its state: create it before DDP(model), or "
                 "agent.ddp.register(name=optimizer) before")
-        if self.synced:
+        if self.synced and not self.nonfinite:
             return
         if self.step is not None and self.synced is None and self.s.m.phase not in DISCARDED:
             raise RuntimeError("optimizer.step() before the gradients were synchronised: the "
                                "last micro-batch's backward runs with "
                                "model.require_backward_grad_sync = True")
-        for g in opt.param_groups:  # a discarded step: no update (grad None is skipped)
+        for g in opt.param_groups:  # discarded or not finite: no update (None is skipped)
             for p in g["params"]:
                 p.grad = None
 
@@ -334,9 +339,7 @@ class DropIn:
                 if self.synced:
                     t = self.step
                     self.step = None
-                    n = max(1, self.k) * self.world_size
-                    s._commit(t, float(self.loss_t.item()) / n if self.loss_t is not None
-                              else float("nan"), 0.0)
+                    s._commit(t, self.loss, 0.0, self.nonfinite)
                 elif self.k:
                     log.error("the last step was discarded after the script left its loop: "
                               "call dist.iteration() in the loop's condition", step=self.step)

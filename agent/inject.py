@@ -24,7 +24,7 @@ def accepts(inj: Inject, cfg: AgentConfig, rank: int | None) -> bool:
     """An injection this pod runs itself (the supervisor executes kill / hang / resume
     without a step: signals); refused, with a warning, unless the job allows injection."""
     if inj.action == InjectAction.resume or (
-            inj.action not in (InjectAction.exception, InjectAction.stall)
+            inj.action not in (InjectAction.exception, InjectAction.stall, InjectAction.nan)
             and inj.at_step is None):
         return False
     if (inj.pod is not None and inj.pod != cfg.pod) or (inj.rank is not None and inj.rank != rank):
@@ -44,6 +44,7 @@ class InjectedFault(RuntimeError):
 class Injector:
     def __init__(self, cfg: AgentConfig | None) -> None:
         self._pending: list[Inject] = []
+        self.nan_now = False  # an injected NaN for the step being synchronised
         self.absent_at = _test_absent_step(cfg)
 
     def before_sync(self, rt: InjectRuntime, s: int) -> None:
@@ -67,7 +68,15 @@ class Injector:
                 threading.Event().wait()
             if inj.action == InjectAction.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if inj.action == InjectAction.nan:
+                log.warning("injected NaN: this rank's loss and gradients of the step", step=s)
+                self.nan_now = True
         self._pending = keep
+
+    def take_nan(self) -> bool:
+        """An injected NaN is due in this step's sync (once)."""
+        due, self.nan_now = self.nan_now, False
+        return due
 
     def absent(self, s: int) -> bool:
         """Test hook (``CEASELESS_TEST_ABSENT=<pod>:<step>``): stay out of step ``s``'s

@@ -10,6 +10,7 @@ at the end of the job, and ``CEASELESS_RESUME_FROM`` loaded once before the firs
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,9 @@ def write_result(run_dir: str | None, pod: str, rank: int | None, generation: in
            "world_size": world_size, "final_step": state.last_committed,
            "shard": state.shard,
            "param_sha256": state.param_sha256(),
-           "losses": {str(k): v for k, v in sorted(losses.items())},
+           "losses": {str(k): (v if v is None or math.isfinite(v) else None)
+                      for k, v in sorted(losses.items())},
+           "skipped_steps": list(state.skipped),
            "commits": [[k, round(t, 6)] for k, t in commits]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         res["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()

@@ -1,17 +1,16 @@
 """``Session``: the training loop's view of Ceaseless (the public API, a thin layer).
 
 The script's loop (``steps``, ``batches``, ``backward``, ``step``, ``all_reduce``, ``solo``)
-over the parts that do the work: ``TrainState`` (the registered state and its update),
-``Membership`` (generations, recovery, spares: one state machine), ``GradSync`` (the
-overlapped gradient all-reduce), ``Timeline`` (commits and recovery reports),
-``Checkpoints`` and the result file (``outputs.py``), ``Injector`` (fault injection).
-Without ``CEASELESS_*`` variables it runs single-process, so the same script works under
-plain ``python``. docs/architecture.md, "The agent", shows who calls whom.
+over the parts that do the work: ``TrainState``, ``Membership``, ``Stepper``, ``Timeline``,
+``Checkpoints`` and the result file, ``Injector``. Without ``CEASELESS_*`` variables it runs
+single-process (the same script works under plain ``python``). docs/architecture.md, "Inside
+the agent", shows who calls whom.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -94,7 +93,8 @@ class Session:
     grad_norm = property(lambda self: self._stepper.grad_norm,
                          doc="The last step(max_grad_norm=...)'s gradient norm, before the clip.")
     skipped = property(lambda self: self._stepper.skipped,
-                       doc="The last step's update was skipped (fp16: inf/nan gradients).")
+                       doc="The last step's update was skipped (fp16 inf/nan gradients, or "
+                           "the non-finite guard's: then in s.state.skipped).")
 
     last_committed = property(lambda self: self.state.last_committed)
     loss = property(lambda self: self.state.loss)  # the last committed step's global mean
@@ -387,16 +387,15 @@ class Session:
         if done is None:
             return False
         loss, sent = done
-        self._commit(s, loss, time.perf_counter() - t0)
+        self._commit(s, loss, time.perf_counter() - t0, self._stepper.nonfinite is not None)
         if sent is not None:
             leader.offer(s, sent[0], f, self._stepper.skipped, sent[1])
         return True
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> bool:
         """Reduce ``tensor`` in place over the members (``op``: "sum" or "mean"), e.g. an
-        evaluation loss. One process: unchanged (a mean over one). Abortable like the
-        gradient sync: False when a fault interrupted it (the tensor is then unchanged and
-        the step will be discarded by ``s.step()``); True when reduced."""
+        evaluation loss; one process: unchanged. Abortable: False when a fault interrupted it
+        (the tensor unchanged, the step discarded by ``s.step()``); True when reduced."""
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean' (got {op!r})")
         if not self.distributed:
@@ -428,7 +427,9 @@ class Session:
         return block(self.runtime, self.generation, self.last_committed, limit)
 
     # ------------------------------------------------------------------ commit / discard
-    def _commit(self, s: int, loss: float, sync_s: float) -> None:
+    def _commit(self, s: int, loss: float, sync_s: float, skipped: bool = False) -> None:
+        if skipped:  # the non-finite guard's
+            self.state.note_skipped(s)
         now = time.time()
         self.timeline.commit(s, loss, now)
         self.state.last_committed, self.state.loss = s, loss
@@ -436,8 +437,8 @@ class Session:
         rt = self.runtime
         if rt is not None:
             rt.note_commit()
-            rt.update(step=s, digest=self.state.digest(), state=AgentState.training,
-                      loss=loss, step_time=self.timeline.median_step())
+            rt.update(step=s, digest=self.state.digest(), state=AgentState.training, loss=loss
+                      if math.isfinite(loss) else None, step_time=self.timeline.median_step())
             if self.timeline.incident is not None:
                 self.timeline.close(rt, self.cfg, self.rank, self.world_size, now)
         self.timeline.record_metrics(now)

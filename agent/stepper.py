@@ -37,6 +37,9 @@ class Stepper:
         self.inject = injector
         self.grad_norm: float | None = None
         self.skipped = False
+        # the last step's non-finite guard: None (finite), else the ranks whose local loss was
+        # not finite ([] when only the sum or the gradient's norm was)
+        self.nonfinite: list[int] | None = None
         self.micro_batch_size: int | None = None
         self._backwards_left: int | None = None  # this step's backwards still to come
         self._loss_acc: torch.Tensor | None = None
@@ -93,11 +96,19 @@ class Stepper:
         when the step was discarded."""
         params = self.state.params()
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
-        if self.m is not None and not self._sync_gradients(s, params, loss_t):
+        red = self._sync_gradients(s, params, loss_t) if self.m is not None else loss_t
+        if red is None:
             return None
+        loss = self.read_loss(s, red)  # the step's one host sync
         skip = self.state.unscale(params)  # fp16 GradScaler: unscaled; skip on inf/nan
-        self.skipped = skip
+        if self.nonfinite is not None and not skip:
+            skip = True  # not the scaler's: the guard's, on every rank alike
         self._synced(params, max_grad_norm, grad_hook, skip)
+        if not skip and self.grad_norm is not None and not math.isfinite(self.grad_norm):
+            skip, self.nonfinite = True, []  # a finite loss, a non-finite gradient
+            log.warning("non-finite gradient: the step's update is skipped on every rank",
+                        step=s, grad_norm=self.grad_norm)
+        self.skipped = skip
         if self._shard_failed():  # the clip's norm went over the shard group
             return None
         # what spares replay: the gradients after the clip and the hook (which may replace
@@ -106,50 +117,73 @@ class Stepper:
                 self.state.hypers()) if stream else None
         self.state.update(lr_factor, skip)
         self.zero_grad()
-        return float(loss_t.item()), sent
+        return loss, sent
+
+    def read_loss(self, s: int, red: torch.Tensor) -> float:
+        """The step's global loss from the reduced vector (loss, then per rank a not-finite
+        flag); a loss or a rank's local loss that is not finite sets ``nonfinite`` (the ranks
+        whose was): the step's update is skipped, the same on every rank, since every rank
+        holds the same reduced bits."""
+        vals = red.reshape(-1).tolist()
+        bad = [r for r, v in enumerate(vals[1:]) if v != 0]
+        self.nonfinite = None
+        if bad or not math.isfinite(vals[0]):
+            self.nonfinite = bad
+            log.warning("non-finite loss: the step's update is skipped on every rank",
+                        step=s, ranks=bad, loss=vals[0])
+        return vals[0]
 
     def _sync_gradients(self, s: int, params: list[torch.nn.Parameter],
-                        loss_t: torch.Tensor) -> bool:
-        """The gradient all-reduce of a member (with the loss); False: the step is discarded
-        (a newer plan, a peer error, or not resumed in the new generation)."""
+                        loss_t: torch.Tensor) -> torch.Tensor | None:
+        """The gradient all-reduce of a member, with the loss and one not-finite flag per
+        rank (the reduced vector is returned); None: the step is discarded (a newer plan, a
+        peer error, or not resumed in the new generation)."""
         from .collectives import Aborted, CollectiveTimeout, PeerError
 
         m, rt = self.m, self.rt
         self.inject.before_sync(rt, s)
         if self.inject.absent(s):
             # behave as issue 24's member did, alive but out of the collective
-            return self.discard("test hook: staying out of the collective")
+            return self.discard("test hook: staying out of the collective") or None
         pre = rt.claim_collective(m.generation)
         if pre is not None:
             from .prejoin import resume_in_place
 
             if not resume_in_place(m, s, pre):
-                return self.discard(None)
+                return self.discard(None) or None
             rt.enter_collective()
         if rt.abort.is_set():
             rt.end_collective()
-            return self.discard("a newer plan arrived")
+            return self.discard("a newer plan arrived") or None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.inject.take_nan():
+            for g in grads:
+                g.mul_(math.nan)
+            loss_t = loss_t * math.nan
+        # which ranks' local loss is not finite travels with the sum (no extra collective)
+        flags = torch.zeros(m.world_size, dtype=torch.float64, device=loss_t.device)
+        flags[m.rank] = (~torch.isfinite(loss_t)).sum()
+        loss_t = torch.cat([loss_t.reshape(-1).to(torch.float64), flags])
         reduction = self._reduction()
         args = self.collective_args()
         try:
             if not reduction.reduce(s, params, grads, loss_t, rt.abort, args):
-                return False  # the shard group failed: discarded (it said why)
+                return None  # the shard group failed: discarded (it said why)
         except Aborted:
-            return self.discard("aborted: a newer plan arrived")
+            return self.discard("aborted: a newer plan arrived") or None
         except PeerError as e:
             rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
             # A timeout with every peer looking alive: the monitor's absent-member rule
             # plans around whoever stayed out. Should no plan come, wait for one only as
             # long as a failed attempt does, then leave: never for ever.
             return self.discard(f"peer error: {str(e)[:200]}",
-                                Phase.FAILED if isinstance(e, CollectiveTimeout) else None)
+                                Phase.FAILED if isinstance(e, CollectiveTimeout) else None) or None
         finally:
             rt.end_collective()
         for p, g in zip(params, grads):
             if p.grad is None:
                 p.grad = g
-        return True
+        return loss_t
 
     def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,
                 grad_hook: Hook | None, skip: bool = False) -> None:

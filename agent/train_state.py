@@ -18,6 +18,7 @@ import torch
 
 
 HYPER_KEYS = ("lr", "weight_decay", "momentum", "dampening", "eps")
+MAX_SKIPPED = 10_000
 
 
 class TrainState:
@@ -30,6 +31,9 @@ class TrainState:
         self.lr_factor = 1.0
         # sharded models: (replica, shard position) of this rank's shards; None unsharded
         self.shard: tuple[int, int] | None = None
+        # steps whose update the non-finite guard skipped (the last MAX_SKIPPED): part of
+        # the state, so the job's list survives the pod that saw them
+        self.skipped: list[int] = []
 
     # ------------------------------------------------------------------ what is registered
     def register(self, **objs: Any) -> None:
@@ -169,6 +173,13 @@ class TrainState:
                 sch.step()
         self._scale_after(skip)
 
+    def note_skipped(self, s: int) -> None:
+        self.skipped = (self.skipped + [s])[-MAX_SKIPPED:]
+
+    def _extra(self) -> dict[str, Any]:
+        return {"step": self.last_committed, "loss": self.loss, "lr_factor": self.lr_factor,
+                "skipped": list(self.skipped)}
+
     def zero_grad(self) -> None:
         for opt in self.optimizers():
             opt.zero_grad(set_to_none=True)
@@ -205,16 +216,14 @@ class TrainState:
         the GPU would cost what the user's batch needs (issue 19)."""
         from .state import snapshot
 
-        return snapshot(self.objs, {"step": self.last_committed, "loss": self.loss,
-                                    "lr_factor": self.lr_factor}, to_host=True)
+        return snapshot(self.objs, self._extra(), to_host=True)
 
     def describe(self) -> Any:
         """The committed state by reference (a ``TensorState`` of the live tensors): what a
         source sends from, with no copy. Valid until the state next changes."""
         from .state import describe
 
-        return describe(self.objs, {"step": self.last_committed, "loss": self.loss,
-                                    "lr_factor": self.lr_factor})
+        return describe(self.objs, self._extra())
 
     def destinations(self, skeleton: dict[str, Any]) -> Any:
         """Where a received state's tensors go: the registered objects' own tensors where
@@ -229,11 +238,13 @@ class TrainState:
         self.last_committed = int(extra.get("step", default_step))
         self.loss = extra.get("loss")
         self.lr_factor = float(extra.get("lr_factor", 1.0))
+        self.skipped = [int(x) for x in extra.get("skipped", [])][-MAX_SKIPPED:]
         return self.last_committed
 
     def forget(self) -> None:
         """Hold no committed step (a spare whose copy stopped matching the job's)."""
         self.last_committed, self.loss, self.lr_factor = -1, None, 1.0
+        self.skipped = []
 
 
 def _once(tensors: Iterable[torch.Tensor]) -> list[Any]:

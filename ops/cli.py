@@ -453,8 +453,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     inj = sub.add_parser("inject", help="publish a fault, capacity or priority event")
     _add_conn(inj)
-    inj.add_argument("action", choices=["kill", "hang", "stall", "resume", "exception", "capacity",
-                                        "priority"])
+    inj.add_argument("action", choices=["kill", "hang", "stall", "resume", "exception", "nan",
+                                        "capacity", "priority"])
     inj.add_argument("amount", nargs="?", help="capacity: +N or -N")
     inj.add_argument("--rank", type=int)
     inj.add_argument("--pod")

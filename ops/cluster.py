@@ -762,6 +762,9 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "generation": obs.plan.generation if obs.plan else 0,
         "world_size": obs.plan.world_size if obs.plan else 0,
         "losses": dict(sorted(losses.items(), key=lambda kv: int(kv[0]))),
+        # the non-finite guard's skipped steps (part of the state: every finishing member
+        # holds the job's list)
+        "skipped_steps": sorted({s for r in finals for s in r.get("skipped_steps", [])}),
         "job_failed": obs.failed.model_dump(mode="json") if obs.failed is not None else None,
         # what the script itself ran (KV `script`: its batch and step total)
         "script": obs.script.model_dump() if obs.script else None,

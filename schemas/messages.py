@@ -86,6 +86,9 @@ class InjectAction(str, Enum):
     # the agent's training thread blocks for good while its heartbeats go on (a deadlock in
     # user code); its stall watchdog must find it. Added 2026-12-04 (issue 20).
     stall = "stall"
+    # this rank's loss and gradients of one step become NaN before the sync: the non-finite
+    # guard skips that step on every rank alike. Added 2026-12-06 (issue 32).
+    nan = "nan"
 
 
 class CapacityChange(str, Enum):

@@ -197,6 +197,9 @@ class FakeFaults:
     def before_sync(self, rt: Any, s: int) -> None:
         self.seen.append(s)
 
+    def take_nan(self) -> bool:
+        return False
+
     def absent(self, s: int) -> bool:
         return False
 
