@@ -24,7 +24,8 @@ def accepts(inj: Inject, cfg: AgentConfig, rank: int | None) -> bool:
     """An injection this pod runs itself (the supervisor executes kill / hang / resume
     without a step: signals); refused, with a warning, unless the job allows injection."""
     if inj.action == InjectAction.resume or (
-            inj.action not in (InjectAction.exception, InjectAction.stall, InjectAction.nan)
+            inj.action not in (InjectAction.exception, InjectAction.stall, InjectAction.nan,
+                               InjectAction.preempt)
             and inj.at_step is None):
         return False
     if (inj.pod is not None and inj.pod != cfg.pod) or (inj.rank is not None and inj.rank != rank):

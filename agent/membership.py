@@ -78,6 +78,11 @@ class Membership:
         self._newest: Arrival | None = None  # the newest plan taken from the runtime's inbox
         self._lr_from, self._lr_start = 1.0, 0
         self.sharding: Any = None           # sharded.Sharding once the position is known
+        from .preempt import Preemption
+
+        # a preemption notice (SIGTERM, `ceaseless inject preempt`) reported to the scaler
+        self.preemption = Preemption(lambda kind, why: rt.submit(rt.report(kind, why)))
+        rt.on_preempt = lambda deadline_s: self.preemption.notice(deadline_s, "inject")
         self._arrival: Any = None           # a plan naming this pod, seen by await_position
         self.early: Any = None              # sharded.EarlyJoin of a promoted spare
         self.leader = ShadowLeader(rt, cfg, state)      # rank 0: streams to the spares
@@ -416,7 +421,9 @@ class Membership:
 
     def install_sigterm(self) -> None:
         """SIGTERM to a pod that is not a member (a spare being released) is a clean leave:
-        exit 0, no fault. A member keeps the default (it dies; the job recovers)."""
+        exit 0, no fault. To a member it is a preemption notice (``agent/preempt.py``): it
+        leaves at a step boundary the scaler plans; a second one, or the deadline passing
+        first, ends it at once as before (it dies; the job recovers)."""
         import threading
 
         if threading.current_thread() is not threading.main_thread() or \
@@ -428,7 +435,10 @@ class Membership:
                 log.info("SIGTERM while not a member: leaving", pod=self.cfg.pod)
                 self.rt.update(now=True, state=AgentState.leaving)
                 raise SystemExit(0)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            if self.phase is Phase.FINISHED:
+                from .preempt import exit_now
+
+                exit_now()
+            self.preemption.notice(None, "SIGTERM")
 
         signal.signal(signal.SIGTERM, on_term)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from opentelemetry import context as otel_context
 
-from schemas.messages import (AgentState, Heartbeat, Inject, Plan, Report,
+from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan, Report,
                               ReportKind, StateLost, Transfer, now)
 from plumbing import logs
 from plumbing.aio import cancel_all
@@ -79,6 +79,7 @@ class Runtime:
         # Membership's: start joining ``plan`` ahead while the step finishes (prejoin.py);
         # called under the lock when plan_arrival says RESUME
         self.start_prejoin: Callable[[Plan, int, int, str], Any] | None = None
+        self.on_preempt: Callable[[float | None], None] | None = None  # Membership's notice
         self._world_size = 0  # of the joined generation
         # the training thread's signs of progress (a step boundary, a collective, a join)
         self._watchdog = Watchdog(cfg)
@@ -330,6 +331,10 @@ class Runtime:
         from .inject import accepts
 
         if accepts(inj, self.cfg, self._hb.rank):
+            if inj.action == InjectAction.preempt:  # a notice now, not at a step's sync
+                if self.on_preempt is not None and self._hb.rank is not None:
+                    self.on_preempt(inj.deadline_s)
+                return
             with self._cond:
                 self._injections.append(inj)
                 self._cond.notify_all()

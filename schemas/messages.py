@@ -76,6 +76,11 @@ class ReportKind(str, Enum):
     # the pod's own watchdog: its training thread made no progress for the stall timeout
     # (added 2026-12-04, issue 20; an older monitor drops it as malformed, logged)
     stalled = "stalled"
+    # a preemption notice (SIGTERM to a member, `ceaseless inject preempt`): the pod asks to
+    # leave at a step boundary before its deadline (``error``: "deadline <s>"); the scaler
+    # plans a spare into its rank (or a shrink), a planned move, not a fault. Added
+    # 2026-12-06 (issue 32); an older monitor or scaler drops it as malformed, logged.
+    preempted = "preempted"
 
 
 class InjectAction(str, Enum):
@@ -89,6 +94,9 @@ class InjectAction(str, Enum):
     # this rank's loss and gradients of one step become NaN before the sync: the non-finite
     # guard skips that step on every rank alike. Added 2026-12-06 (issue 32).
     nan = "nan"
+    # a preemption notice to that pod, as SIGTERM gives one (``deadline_s``). Added
+    # 2026-12-06 (issue 32).
+    preempt = "preempt"
 
 
 class CapacityChange(str, Enum):
@@ -387,6 +395,9 @@ class Inject(Message):
     pod: PodId | None = None
     rank: Rank | None = None
     at_step: Annotated[int, Field(ge=0)] | None = None
+    # preempt: seconds the pod has before it must be gone (None: its default). Added
+    # 2026-12-06 (issue 32), optional.
+    deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
 
     @model_validator(mode="after")
     def _target(self) -> "Inject":

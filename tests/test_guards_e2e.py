@@ -34,3 +34,42 @@ async def test_an_injected_nan_step_is_skipped_on_every_rank_and_repeats(tmp_pat
               for r in log_events(tmp_path / "a", pod, "non-finite loss: the step's update is "
                                   "skipped on every rank")}
     assert warned == {AT: [1]}  # every rank names rank 1, whose local loss was NaN
+
+
+async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
+    """SIGTERM to a worker (what Kubernetes, Slurm, a spot reclaim send), then ``inject
+    preempt`` to rank 0: each leaves at a step boundary the scaler planned, a spare holding
+    the state takes its rank, nothing is recomputed, no fault is declared, the leavers exit
+    0, and the job ends bitwise equal to the fault-free run."""
+    import os
+    import signal
+
+    from schemas.messages import Inject, InjectAction
+
+    steps = 60
+    left: list[str] = []
+
+    async def notices(c):
+        await c.wait_rank_step(1, 8)
+        h = c.member(1)
+        left.append(h.pod)
+        os.kill(h.pid, signal.SIGTERM)
+        await c.wait_for(lambda: any(p.generation == 2 and p.rank_of(left[0]) is None
+                                     for p in c.plans), 60, "the planned departure")
+        await c.wait_for(lambda: any(x.rank == 1 and x.generation == 2 and x.step >= 16
+                                     for x in c.hb.values()), 120, "rank 1 taken over")
+        left.append(c.member(0).pod)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.preempt, rank=0,
+                                                          deadline_s=60))
+
+    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps)
+    s = await run_job(tmp_path, "preempted", 2, 2, fault=notices, steps=steps)
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
+    assert s["incidents"] == [], s["incidents"]  # planned: no crash, no lost pod
+    assert s["pod_exits"][left[0]] == 0 and s["pod_exits"][left[1]] == 0, s["pod_exits"]
+    assert s["generation"] == 3 and s["world_size"] == 2
+    reasons = [p.reason for p in s["plans"]]
+    assert any(r.startswith(f"preempted: {left[0]}") for r in reasons), reasons
+    assert any(r.startswith(f"preempted: {left[1]}") for r in reasons), reasons
+    assert all(p.apply_step is not None for p in s["plans"][1:])  # step boundaries
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)

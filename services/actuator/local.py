@@ -265,6 +265,11 @@ class LocalActuator:
             return False
         self.stopped.add(pod)  # released on purpose (a scale-down): no replacement
         _signal(proc, signal.SIGTERM)
+        try:  # a member takes a first SIGTERM as a preemption notice; a second ends it now
+            await asyncio.wait_for(proc.wait(), 0.3)
+            return True
+        except asyncio.TimeoutError:
+            _signal(proc, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), grace_s)
         except asyncio.TimeoutError:

@@ -330,6 +330,24 @@ class TargetChange:
     shrink_by: int = 0
 
 
+
+def on_preempt(plan: Plan, pods: str | Iterable[str], alive_spares: Iterable[str],
+               cfg: PolicyConfig, apply_step: int, incident: str | None = None
+               ) -> Plan | Wait | None:
+    """Members ``pods`` gave notice that they will be stopped (preemption): the plan their
+    failure would get (a live spare into each rank, else a shrink, else ``Wait``), but as a
+    planned transition at ``apply_step`` that fences nobody: they leave by themselves at
+    that step boundary, the others keep computing, nothing is recomputed. None: none of
+    ``pods`` is a member."""
+    d = on_fault(plan, pods, alive_spares, cfg, incident=incident)
+    if not isinstance(d, Plan):
+        return d
+    gone = {pods} if isinstance(pods, str) else set(pods)
+    leaving = sorted(p for p in gone if plan.rank_of(p) is not None)
+    return d.model_copy(update={
+        "apply_step": apply_step, "fenced": [p for p in d.fenced if p not in gone],
+        "reason": f"preempted: {', '.join(leaving)} leave at step {apply_step}"[:2000]})
+
 def on_capacity_add(target: int, count: int, cfg: PolicyConfig) -> TargetChange | Refused:
     """``count`` new slots: the target grows by ``count`` up to ``max_replicas`` (and the
     number of micro-batches); the new pods join as spares and are promoted up to it.

@@ -37,7 +37,7 @@ from schemas.policy import (SCALE_KEY, SCRIPT_KEY, PendingRelease, ScaleState, S
                             ScriptInfo)
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, CapacityChange, Decision, Fault, Heartbeat, Lifecycle,
-                              LifecycleEvent, Plan, Priority, Role)
+                              LifecycleEvent, Plan, Priority, Report, ReportKind, Role)
 from plumbing import telemetry
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope, watch_key
@@ -137,6 +137,7 @@ class Scaler(Service):
         self._dead_checked: tuple = ()            # (plan generation, _dropped_n) last seen
         self.done = BoundedSet(MAX_TRACKED)       # exited 0
         self.pending: dict[str, Pending] = {}
+        self.preempting: dict[str, float] = {}  # members that gave notice -> when
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = BoundedSet(MAX_TRACKED)
         self._dead_logged = BoundedSet(MAX_TRACKED)
@@ -162,6 +163,7 @@ class Scaler(Service):
     def subscriptions(self) -> list:
         s = self.bus.subjects
         return [(s.lifecycle(), Lifecycle, self._on_lifecycle), (s.fault, Fault, self._on_fault),
+                (s.report(), Report, self._on_report),
                 (s.capacity, Capacity, self._on_capacity),
                 (s.priority, Priority, self._on_priority)]
 
@@ -311,6 +313,43 @@ class Scaler(Service):
         else:
             self.dead.add(ev.pod)  # the health monitor's fault triggers the plan
         self.log.info("pod exited", pod=ev.pod, exit_code=ev.exit_code)
+
+    async def _on_report(self, r: Report, env: Envelope) -> None:
+        """A preemption notice (the agents' other reports are the health monitor's)."""
+        if r.report != ReportKind.preempted:
+            return
+        plan = self.plans.plan
+        if plan is None or plan.rank_of(r.pod) is None or r.pod in self.pending:
+            self._ignore(env.subject, "preemption notice of a pod that is not a live member",
+                         pod=r.pod)
+            return
+        # In memory only: a notice outlives no deadline (seconds), and a scaler restarted
+        # meanwhile lets the pod leave as a crash, which is recovered like any.
+        self.preempting[r.pod] = time.monotonic()
+        self.log.info("preemption notice: planning its departure", pod=r.pod,
+                      detail=r.error[:200])
+        self._kick.set()
+
+    async def _preemptions(self, plan: Plan, now: float) -> None:
+        """Members that gave notice leave at the next step boundary: a planned plan."""
+        for pod in [p for p in self.preempting if plan.rank_of(p) is None]:
+            del self.preempting[pod]  # gone (planned, or failed meanwhile)
+        if not self.preempting or self._not_entered(plan):
+            return  # nothing to do, or a transition is in flight: after it
+        apply = self._apply_step(plan, now)
+        if apply is None:
+            self._note_wait("placing a departure: waiting for the members' step time")
+            self._kick_later(VIEW_INTERVAL)
+            return
+        pods = sorted(self.preempting)
+        d = policy.on_preempt(plan, pods, self.alive_spares(plan, now), self.cfg, apply,
+                              incident=f"preempt-{pods[0]}-g{plan.generation + 1}")
+        if d is None:
+            self.preempting.clear()
+        elif isinstance(d, Wait):
+            self._note_wait(f"preempted {pods}: {d.reason}")
+        else:
+            await self._commit(d, self.plans.revision, [])
 
     async def _on_fault(self, f: Fault, env: Envelope) -> None:
         plan = self.plans.plan
@@ -628,6 +667,10 @@ class Scaler(Service):
         self._dead_members(plan, now)
         for pod in [p for p in self.pending if plan.rank_of(p) is None]:
             del self.pending[pod]  # handled by a plan (possibly another scaler's)
+        if not self.pending and self.preempting:
+            await self._preemptions(plan, now)
+            if self.preempting:
+                return
         if not self.pending:
             self.waiting = ""
             # The elastic pass scans every pod: on a kick (a pod appeared or changed state,
