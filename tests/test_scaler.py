@@ -702,3 +702,18 @@ def test_cli_up_refuses_bad_shard_sizes_and_status_shows_replicas(capsys):
     text = _render_status({"job": "j", "services": {}, "plan": plan, "plan_revision": 1})
     assert "world size 4 = replicas 2 x shards 2" in text, text
     assert "scale: 2 replica(s) of 2 ranks, target 2" in text, text
+
+
+def test_a_preemption_is_a_planned_swap_that_fences_nobody():
+    """Issue 32: a member that gave notice is planned out at a step boundary: a live spare
+    into its rank (else a shrink), ``apply_step`` set, nobody fenced; not a member: None."""
+    from services.scaler.policy import on_preempt
+
+    cfg = PolicyConfig(workers=3, global_batch_size=32, micro_batch_size=4)
+    plan = initial_plan(["w0", "w1", "w2"], ["s0"], cfg)
+    p2 = on_preempt(plan, "w1", ["s0"], cfg, apply_step=17, incident="preempt-w1-g2")
+    assert members(p2) == {0: "w0", 1: "s0", 2: "w2"} and p2.apply_step == 17
+    assert "w1" not in p2.fenced and p2.reason.startswith("preempted: w1")
+    shrink = on_preempt(plan, "w1", [], cfg, apply_step=17)
+    assert shrink.world_size == 2 and shrink.rank_of("w1") is None and shrink.apply_step == 17
+    assert on_preempt(plan, "s0", [], cfg, apply_step=17) is None  # a spare: not a member
