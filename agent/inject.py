@@ -25,7 +25,7 @@ def accepts(inj: Inject, cfg: AgentConfig, rank: int | None) -> bool:
     without a step: signals); refused, with a warning, unless the job allows injection."""
     if inj.action == InjectAction.resume or (
             inj.action not in (InjectAction.exception, InjectAction.stall, InjectAction.nan,
-                               InjectAction.preempt)
+                               InjectAction.preempt, InjectAction.slow)
             and inj.at_step is None):
         return False
     if (inj.pod is not None and inj.pod != cfg.pod) or (inj.rank is not None and inj.rank != rank):
@@ -46,6 +46,7 @@ class Injector:
     def __init__(self, cfg: AgentConfig | None) -> None:
         self._pending: list[Inject] = []
         self.nan_now = False  # an injected NaN for the step being synchronised
+        self.slow = 1.0       # an injected slowness: each step's compute times this
         self.absent_at = _test_absent_step(cfg)
 
     def before_sync(self, rt: InjectRuntime, s: int) -> None:
@@ -69,6 +70,10 @@ class Injector:
                 threading.Event().wait()
             if inj.action == InjectAction.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if inj.action == InjectAction.slow:
+                self.slow = inj.factor or 2.0
+                log.warning("injected slowness: each step's compute from here", step=s,
+                            factor=self.slow)
             if inj.action == InjectAction.nan:
                 log.warning("injected NaN: this rank's loss and gradients of the step", step=s)
                 self.nan_now = True

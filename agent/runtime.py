@@ -74,12 +74,11 @@ class Runtime:
         self._lost: dict[int, StateLost] = {}
         self._done: dict | None = None
         self._injections: list[Inject] = []
-        # a newer generation being joined while the current step is computed (prejoin.py)
-        self._prejoin: Any = None
-        # Membership's: start joining ``plan`` ahead while the step finishes (prejoin.py);
-        # called under the lock when plan_arrival says RESUME
+        self._prejoin: Any = None  # the next generation joined while a step is computed
+        # Membership's: join ``plan`` ahead under the lock when plan_arrival says RESUME
         self.start_prejoin: Callable[[Plan, int, int, str], Any] | None = None
         self.on_preempt: Callable[[float | None], None] | None = None  # Membership's notice
+        self.step_began = time.monotonic()
         self._world_size = 0  # of the joined generation
         # the training thread's signs of progress (a step boundary, a collective, a join)
         self._watchdog = Watchdog(cfg)
@@ -273,6 +272,7 @@ class Runtime:
         """Training thread: computing ``step`` from now (a fault plan may resume it)."""
         with self._cond:
             self._move(StepPhase.COMPUTING, step=step)
+            self.step_began = time.monotonic()  # the stepper's compute time starts here
 
     def end_step(self) -> None:
         """Training thread: the step is over (committed or discarded). From here a fault plan

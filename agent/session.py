@@ -77,11 +77,9 @@ class Session:
     @classmethod
     def from_env(cls, global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
         cfg = AgentConfig.from_env()
-        if cfg is not None:
-            cfg = cfg.with_overrides(**overrides)
-        else:
+        if cfg is None:
             refuse_foreign_launcher()
-        return cls(global_batch_size, seed=seed, config=cfg)
+        return cls(global_batch_size, seed=seed, config=cfg and cfg.with_overrides(**overrides))
 
     # ------------------------------------------------------------------ what the script reads
     objs = property(lambda self: self.state.objs)
@@ -438,7 +436,8 @@ class Session:
         if rt is not None:
             rt.note_commit()
             rt.update(step=s, digest=self.state.digest(), state=AgentState.training, loss=loss
-                      if math.isfinite(loss) else None, step_time=self.timeline.median_step())
+                      if math.isfinite(loss) else None, step_time=self.timeline.median_step(),
+                      compute_time=self._stepper.median_compute())
             if self.timeline.incident is not None:
                 self.timeline.close(rt, self.cfg, self.rank, self.world_size, now)
         self.timeline.record_metrics(now)

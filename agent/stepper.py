@@ -12,6 +12,8 @@ the session's. In one process the all-reduce is skipped and the rest is the same
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -40,6 +42,7 @@ class Stepper:
         # the last step's non-finite guard: None (finite), else the ranks whose local loss was
         # not finite ([] when only the sum or the gradient's norm was)
         self.nonfinite: list[int] | None = None
+        self.compute_times: deque[float] = deque(maxlen=5)  # this member's own, recent steps
         self.micro_batch_size: int | None = None
         self._backwards_left: int | None = None  # this step's backwards still to come
         self._loss_acc: torch.Tensor | None = None
@@ -142,6 +145,7 @@ class Stepper:
 
         m, rt = self.m, self.rt
         self.inject.before_sync(rt, s)
+        self._computed(rt)
         if self.inject.absent(s):
             # behave as issue 24's member did, alive but out of the collective
             return self.discard("test hook: staying out of the collective") or None
@@ -184,6 +188,19 @@ class Stepper:
             if p.grad is None:
                 p.grad = g
         return loss_t
+
+    def _computed(self, rt: StepRuntime) -> None:
+        """This member's own compute of the step, from its start to the sync (the straggler
+        rule's input; an injected slowness stretches it here)."""
+        took = time.monotonic() - rt.step_began
+        if self.inject.slow > 1.0:
+            time.sleep(took * (self.inject.slow - 1.0))
+            took *= self.inject.slow
+        self.compute_times.append(took)
+
+    def median_compute(self) -> float | None:
+        ct = sorted(self.compute_times)
+        return ct[len(ct) // 2] if ct else None
 
     def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,
                 grad_hook: Hook | None, skip: bool = False) -> None:

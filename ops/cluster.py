@@ -58,6 +58,8 @@ class UpOptions:
     # = the agents' collective timeout: a step may stand still as long as an all-reduce may
     # wait (a long rank-0 evaluation is no hang)
     stall_timeout: float = DEFAULTS["collective_timeout"]
+    straggler_factor: float | None = None  # None: the monitor's defaults
+    straggler_window: float | None = None
     allow_inject: bool = True
     timeout: float | None = None
     live: bool = True
@@ -284,7 +286,9 @@ async def run(opts: UpOptions) -> int:
                            # collective timeout they wait with (absent-member rule)
                            "--collective-timeout",
                            str(agent_timeouts_from_env().get(
-                               "collective_timeout", DEFAULTS["collective_timeout"]))],
+                               "collective_timeout", DEFAULTS["collective_timeout"])),
+                           *_opt("--straggler-factor", opts.straggler_factor),
+                           *_opt("--straggler-window", opts.straggler_window)],
     }
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]

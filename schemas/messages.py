@@ -65,6 +65,10 @@ class FaultKind(str, Enum):
     hang = "hang"              # heartbeats go on but the step stopped advancing
     exception = "exception"    # the agent reported an error
     lost = "lost"              # heartbeats stopped
+    # alive and stepping, but its compute of a step takes a factor over the other members'
+    # for a sustained window: swapped for a live spare at a step boundary (a planned move).
+    # Added 2026-12-06 (issue 32).
+    straggler = "straggler"
 
 
 class ReportKind(str, Enum):
@@ -97,6 +101,9 @@ class InjectAction(str, Enum):
     # a preemption notice to that pod, as SIGTERM gives one (``deadline_s``). Added
     # 2026-12-06 (issue 32).
     preempt = "preempt"
+    # that rank's training thread computes each step ``factor`` times as long (a slow GPU).
+    # Added 2026-12-06 (issue 32).
+    slow = "slow"
 
 
 class CapacityChange(str, Enum):
@@ -136,6 +143,10 @@ class Heartbeat(Message):
     # evaluation) while its peers wait in the collective; None: not in a solo. Added
     # 2026-12-04 (issue 23), optional: older agents' heartbeats still validate.
     solo_until: Annotated[float, Field(ge=0)] | None = None
+    # median seconds of the member's own compute of its recent steps (from the step's start
+    # to its gradient sync: not the wait for the others), what the health monitor compares
+    # to find a straggler. Added 2026-12-06 (issue 32), optional.
+    compute_time: Annotated[float, Field(ge=0)] | None = None
 
 
 class Seen(BaseModel):
@@ -398,6 +409,8 @@ class Inject(Message):
     # preempt: seconds the pod has before it must be gone (None: its default). Added
     # 2026-12-06 (issue 32), optional.
     deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    # slow: how many times as long each step's compute takes. Added 2026-12-06, optional.
+    factor: Annotated[float, Field(ge=1, le=1000)] | None = None
 
     @model_validator(mode="after")
     def _target(self) -> "Inject":

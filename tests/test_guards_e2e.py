@@ -73,3 +73,32 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
     assert any(r.startswith(f"preempted: {left[1]}") for r in reasons), reasons
     assert all(p.apply_step is not None for p in s["plans"][1:])  # step boundaries
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+
+
+async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path):
+    """``inject slow --factor 6`` to rank 1 of three: the health monitor finds its own compute
+    of a step (not the wait for the others) over 2.5x the members' median for 2 s, declares a
+    ``straggler``; the scaler swaps it for the live spare at a step boundary (a planned plan,
+    nothing recomputed); the slow pod leaves (exit 0); the job ends bitwise equal to the
+    fault-free run."""
+    from schemas.messages import Inject, InjectAction
+
+    steps = 80
+    flags = ["--straggler-factor", "2.5", "--straggler-window", "2"]
+    slow: list[str] = []
+
+    async def straggle(c):
+        await c.wait_rank_step(1, 5)
+        slow.append(c.member(1).pod)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
+                                                          at_step=8, factor=6))
+
+    ref = await run_job(tmp_path, "ref", 3, 0, steps=steps, extra=flags)
+    s = await run_job(tmp_path, "slow", 3, 1, fault=straggle, steps=steps, extra=flags)
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
+    assert [(i["kind"], i["pod"]) for i in s["incidents"]] == [("straggler", slow[0])], s
+    assert s["pod_exits"][slow[0]] == 0, s["pod_exits"]
+    swap = [p for p in s["plans"] if p.reason.startswith("straggler:")]
+    assert len(swap) == 1 and swap[0].apply_step is not None and swap[0].rank_of(slow[0]) is None
+    assert s["world_size"] == 3
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)

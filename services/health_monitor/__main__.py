@@ -9,7 +9,7 @@ from services.common.service import common_args, serve
 
 from services.common.heartbeats import VIEW_INTERVAL
 
-from .monitor import CHECK_INTERVAL, HealthMonitor
+from .monitor import CHECK_INTERVAL, STRAGGLER_FACTOR, STRAGGLER_WINDOW_S, HealthMonitor
 
 
 def parser():
@@ -31,6 +31,12 @@ def parser():
     p.add_argument("--view-interval", type=float, default=VIEW_INTERVAL,
                    help="seconds between full health views for the scaler and the state "
                         "broker (default %(default)s; 0: publish none, they read heartbeats)")
+    p.add_argument("--straggler-factor", type=float, default=STRAGGLER_FACTOR,
+                   help="a member whose own compute of a step is this many times the "
+                        "members' median for --straggler-window s is a straggler, swapped for "
+                        "a live spare (default %(default)s; 0: off)")
+    p.add_argument("--straggler-window", type=float, default=STRAGGLER_WINDOW_S,
+                   help="seconds (default %(default)s)")
     return p
 
 
@@ -40,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
                       stall_timeout=args.stall_timeout, suspect_timeout=args.suspect_timeout,
                       collective_timeout=args.collective_timeout,
                       check_interval=args.check_interval,
-                      view_interval=args.view_interval or None))
+                      view_interval=args.view_interval or None,
+                      straggler_factor=args.straggler_factor,
+                      straggler_window=args.straggler_window))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ GONE_STATES = (AgentState.done, AgentState.leaving)
 EXCEPTION_REPORTS = (ReportKind.exception, ReportKind.digest_mismatch, ReportKind.recovery_failed)
 MAX_PODS = 16384  # bounds what spoofed pod ids can make it track
 CHECK_INTERVAL = 0.05  # seconds between liveness checks
+# A straggler: its own compute of a step over STRAGGLER_FACTOR x the members' median (and
+# STRAGGLER_MIN_S over it: tiny steps jitter) for STRAGGLER_WINDOW_S seconds.
+STRAGGLER_FACTOR, STRAGGLER_MIN_S, STRAGGLER_WINDOW_S = 3.0, 0.05, 10.0
 
 
 @dataclass
@@ -77,6 +80,8 @@ class PodView:
     deadline_extra: float = 0.0   # grace added to fault_timeout (seeded members)
     solo_until: float | None = None  # wall (the agent's clock): it works alone until then
     solo_ended: float | None = None  # monotonic: when its heartbeat said the solo ended
+    compute_time: float | None = None  # its own compute of a step (median of its recent)
+    slow_since: float | None = None  # monotonic: a straggler's compute time since then
 
 
 @dataclass
@@ -97,7 +102,9 @@ class HealthMonitor(Service):
                  suspect_timeout: float = TIMEOUTS["suspect_timeout"],
                  collective_timeout: float = TIMEOUTS["collective_timeout"],
                  check_interval: float = CHECK_INTERVAL,
-                 view_interval: float | None = VIEW_INTERVAL) -> None:
+                 view_interval: float | None = VIEW_INTERVAL,
+                 straggler_factor: float = STRAGGLER_FACTOR,
+                 straggler_window: float = STRAGGLER_WINDOW_S) -> None:
         check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
                        stall_timeout=stall_timeout, collective_timeout=collective_timeout)
         super().__init__(bus)  # (a contradictory configuration was refused above)
@@ -106,6 +113,8 @@ class HealthMonitor(Service):
         self.collective_timeout = collective_timeout  # the agents': the absent-member rule
         self.suspect_timeout = suspect_timeout
         self.check_interval = check_interval
+        self.straggler_factor = straggler_factor  # 0: no straggler rule
+        self.straggler_window = straggler_window
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
         self.pods: dict[str, PodView] = {}
         self.faulted = BoundedSet(MAX_PODS)     # pods a fault was declared for: not watched any more
@@ -225,6 +234,7 @@ class HealthMonitor(Service):
             v.solo_until, v.solo_ended = hb.solo_until, None
         elif v.solo_until is not None:
             v.solo_until, v.solo_ended = None, now
+        v.compute_time = hb.compute_time
         if self.view is not None:
             self.view.note(v.hb, hb)
         v.hb = hb
@@ -395,6 +405,7 @@ class HealthMonitor(Service):
             return
         self._last_stall_check = now
         await self._check_absent(now, plan)
+        await self._check_stragglers(now, plan)
         members = {m.pod for m in plan.members} if plan else set()
         window_start = now - self.stall_timeout
         views = [self.pods[p] for p in members if p in self.pods and p not in self.faulted]
@@ -417,6 +428,39 @@ class HealthMonitor(Service):
                 if await self._declare(v.pod, FaultKind.hang, last_seen=v.last_seen,
                                        since=v.last_advance_wall, reason=why):
                     await self._repeated(Failure(v.pod, "hang", self.generation, v.step, why))
+
+    async def _check_stragglers(self, now: float, plan: Plan | None) -> None:
+        """A member whose own compute of a step (``Heartbeat.compute_time``, not the wait for
+        the others) stays over ``straggler_factor`` times the members' median (and at least
+        STRAGGLER_MIN_S over it) for ``straggler_window`` s is a ``straggler``, while a live
+        spare can take its place (the scaler swaps them at a step boundary). It stays
+        watched: it is alive and a member until the swap."""
+        if plan is None or self.straggler_factor <= 0:
+            return
+        views = [self.pods[m.pod] for m in plan.members if m.pod in self.pods]
+        views = [v for v in views if v.compute_time is not None and v.pod not in self.faulted
+                 and v.generation == plan.generation and v.state == AgentState.training]
+        if len(views) < 2 or not any(  # a live spare (plan.spares lists only the plan's)
+                v.role == Role.spare and v.rank is None and now - v.last_hb < self.fault_timeout
+                for v in self.pods.values()):
+            return
+        times = sorted(v.compute_time for v in views)
+        med = times[len(times) // 2]
+        for v in views:
+            if not (v.compute_time > self.straggler_factor * med
+                    and v.compute_time - med > STRAGGLER_MIN_S):
+                v.slow_since = None
+                continue
+            if v.slow_since is None:
+                v.slow_since = now
+                self.log.info("member slower than the others", pod=v.pod,
+                              compute_time=round(v.compute_time, 4), median=round(med, 4))
+            if now - v.slow_since >= self.straggler_window:
+                await self._declare(v.pod, FaultKind.straggler, last_seen=v.last_seen,
+                                    since=time.time() - (now - v.slow_since), keep=True,
+                                    reason=f"computes a step in {v.compute_time:.3f}s, the "
+                                           f"members' median {med:.3f}s, for "
+                                           f"{now - v.slow_since:.1f}s")
 
     async def _check_absent(self, now: float, plan: Plan | None) -> None:
         """Members wait in a collective that another member, alive, does not enter: once one
@@ -495,15 +539,19 @@ class HealthMonitor(Service):
                                msg_id=f"job-failed-{kind.value}-{f.step}")
 
     async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
-                       reason: str, role: Role | None = None) -> bool:
-        """Publish the fault of ``pod`` (once per pod and incident): True when it did."""
+                       reason: str, role: Role | None = None, keep: bool = False) -> bool:
+        """Publish the fault of ``pod`` (once per pod and incident): True when it did.
+        ``keep``: the pod stays watched (a straggler: alive, a member until swapped)."""
         gen = self.generation
         incident = f"inc-{pod}-g{gen}"
         if incident in self.incidents or pod in self.faulted:
             return False
         self.incidents.add(incident)
-        self.faulted.add(pod)
-        v = self.pods.pop(pod, None)
+        if keep:
+            v = self.pods.get(pod)
+        else:
+            self.faulted.add(pod)
+            v = self.pods.pop(pod, None)
         plan = self.plan
         rank = plan.rank_of(pod) if plan else None
         if rank is not None:

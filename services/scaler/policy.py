@@ -332,9 +332,10 @@ class TargetChange:
 
 
 def on_preempt(plan: Plan, pods: str | Iterable[str], alive_spares: Iterable[str],
-               cfg: PolicyConfig, apply_step: int, incident: str | None = None
-               ) -> Plan | Wait | None:
-    """Members ``pods`` gave notice that they will be stopped (preemption): the plan their
+               cfg: PolicyConfig, apply_step: int, incident: str | None = None,
+               why: str = "preempted") -> Plan | Wait | None:
+    """Members ``pods`` gave notice that they will be stopped (preemption), or straggle
+    (``why``): the plan their
     failure would get (a live spare into each rank, else a shrink, else ``Wait``), but as a
     planned transition at ``apply_step`` that fences nobody: they leave by themselves at
     that step boundary, the others keep computing, nothing is recomputed. None: none of
@@ -346,7 +347,7 @@ def on_preempt(plan: Plan, pods: str | Iterable[str], alive_spares: Iterable[str
     leaving = sorted(p for p in gone if plan.rank_of(p) is not None)
     return d.model_copy(update={
         "apply_step": apply_step, "fenced": [p for p in d.fenced if p not in gone],
-        "reason": f"preempted: {', '.join(leaving)} leave at step {apply_step}"[:2000]})
+        "reason": f"{why}: {', '.join(leaving)} leave at step {apply_step}"[:2000]})
 
 def on_capacity_add(target: int, count: int, cfg: PolicyConfig) -> TargetChange | Refused:
     """``count`` new slots: the target grows by ``count`` up to ``max_replicas`` (and the

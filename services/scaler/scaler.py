@@ -36,8 +36,9 @@ from schemas import LEASE_KEY, PLAN_KEY
 from schemas.policy import (SCALE_KEY, SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy,
                             ScriptInfo)
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
-                              Capacity, CapacityChange, Decision, Fault, Heartbeat, Lifecycle,
-                              LifecycleEvent, Plan, Priority, Report, ReportKind, Role)
+                              Capacity, CapacityChange, Decision, Fault, FaultKind, Heartbeat,
+                              Lifecycle, LifecycleEvent, Plan, Priority, Report, ReportKind,
+                              Role)
 from plumbing import telemetry
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope, watch_key
@@ -137,7 +138,9 @@ class Scaler(Service):
         self._dead_checked: tuple = ()            # (plan generation, _dropped_n) last seen
         self.done = BoundedSet(MAX_TRACKED)       # exited 0
         self.pending: dict[str, Pending] = {}
-        self.preempting: dict[str, float] = {}  # members that gave notice -> when
+        # members to plan out at a step boundary: pod -> (why, the fault's incident or None):
+        # a preemption notice ("preempted"), a straggler ("straggler")
+        self.preempting: dict[str, tuple[str, str | None]] = {}
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = BoundedSet(MAX_TRACKED)
         self._dead_logged = BoundedSet(MAX_TRACKED)
@@ -325,7 +328,7 @@ class Scaler(Service):
             return
         # In memory only: a notice outlives no deadline (seconds), and a scaler restarted
         # meanwhile lets the pod leave as a crash, which is recovered like any.
-        self.preempting[r.pod] = time.monotonic()
+        self.preempting[r.pod] = ("preempted", None)
         self.log.info("preemption notice: planning its departure", pod=r.pod,
                       detail=r.error[:200])
         self._kick.set()
@@ -342,8 +345,10 @@ class Scaler(Service):
             self._kick_later(VIEW_INTERVAL)
             return
         pods = sorted(self.preempting)
+        why, incident = self.preempting[pods[0]]
         d = policy.on_preempt(plan, pods, self.alive_spares(plan, now), self.cfg, apply,
-                              incident=f"preempt-{pods[0]}-g{plan.generation + 1}")
+                              incident=incident or f"preempt-{pods[0]}-g{plan.generation + 1}",
+                              why=why)
         if d is None:
             self.preempting.clear()
         elif isinstance(d, Wait):
@@ -368,6 +373,17 @@ class Scaler(Service):
             return
         if f.pod in plan.fenced or f.pod in self.pending:
             self._ignore(env.subject, "already handled", pod=f.pod, incident=f.incident)
+            return
+        if f.kind == FaultKind.straggler:  # alive: swapped at a step boundary, if a spare can
+            if plan.rank_of(f.pod) is not None and f.pod not in self.preempting and \
+                    self.alive_spares(plan, time.monotonic()):
+                self.preempting[f.pod] = ("straggler", f.incident)
+                self.log.info("straggler: planning its swap for a spare", pod=f.pod,
+                              incident=f.incident, reason=f.reason[:200])
+                self._kick.set()
+            else:
+                self._ignore(env.subject, "straggler without a live spare to swap in",
+                             pod=f.pod, incident=f.incident)
             return
         if plan.rank_of(f.pod) is None:
             self.dead.add(f.pod)
