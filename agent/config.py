@@ -47,6 +47,9 @@ class AgentConfig:
     # A member whose training thread reaches no step boundary and no collective for this
     # long reports itself hung (agent/watchdog.py). 0: the collective timeout.
     stall_timeout: float = 0.0
+    # compare the replicas' state every N committed steps, keep the agreed one, roll back on
+    # a disagreement (agent/verify.py; `ceaseless up --verify-every`); 0: off
+    verify_every: int = 0
     # The longest a member may work alone (``with s.solo():``, a rank-0 evaluation) while its
     # peers wait in the collective; past it the monitor calls the member hung.
     solo_max: float = 3600.0
@@ -140,6 +143,7 @@ class AgentConfig:
             recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", cls.recovery_timeout)),
             solo_max=float(env("CEASELESS_SOLO_MAX", cls.solo_max)),
             stall_timeout=float(env("CEASELESS_STALL_TIMEOUT", cls.stall_timeout)),
+            verify_every=int(env("CEASELESS_VERIFY_EVERY") or cls.verify_every),
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", cls.max_attempts)),
             backend=env("CEASELESS_BACKEND") or None,
             exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", cls.exit_on_release),

@@ -25,7 +25,8 @@ def accepts(inj: Inject, cfg: AgentConfig, rank: int | None) -> bool:
     without a step: signals); refused, with a warning, unless the job allows injection."""
     if inj.action == InjectAction.resume or (
             inj.action not in (InjectAction.exception, InjectAction.stall, InjectAction.nan,
-                               InjectAction.preempt, InjectAction.slow)
+                               InjectAction.preempt, InjectAction.slow,
+                               InjectAction.bitflip)
             and inj.at_step is None):
         return False
     if (inj.pod is not None and inj.pod != cfg.pod) or (inj.rank is not None and inj.rank != rank):
@@ -47,6 +48,7 @@ class Injector:
         self._pending: list[Inject] = []
         self.nan_now = False  # an injected NaN for the step being synchronised
         self.slow = 1.0       # an injected slowness: each step's compute times this
+        self.bitflip: str | None = None  # a parameter to flip a bit of ("": the first)
         self.absent_at = _test_absent_step(cfg)
 
     def before_sync(self, rt: InjectRuntime, s: int) -> None:
@@ -74,10 +76,32 @@ class Injector:
                 self.slow = inj.factor or 2.0
                 log.warning("injected slowness: each step's compute from here", step=s,
                             factor=self.slow)
+            if inj.action == InjectAction.bitflip:
+                self.bitflip = inj.tensor or ""
             if inj.action == InjectAction.nan:
                 log.warning("injected NaN: this rank's loss and gradients of the step", step=s)
                 self.nan_now = True
         self._pending = keep
+
+    def flip_bit(self, modules: list) -> None:
+        """An injected bit flip, if due: bit 20 of the first element of the named parameter
+        (of the first registered module; the first parameter when unnamed): a changed value,
+        still finite, that only a comparison of the replicas finds."""
+        name, self.bitflip = self.bitflip, None
+        if name is None or not modules:
+            return
+        params = dict(modules[0].named_parameters())
+        p = params.get(name) if name else next(iter(params.values()), None)
+        if p is None:
+            log.warning("bit flip: no such parameter", tensor=name)
+            return
+        import torch
+
+        wide = p.element_size() == 4  # fp32: a mantissa bit; bf16/fp16: one too
+        with torch.no_grad():
+            w = p.data.view(-1)[:1].view(torch.int32 if wide else torch.int16)
+            w.bitwise_xor_(1 << 20 if wide else 1 << 4)
+        log.warning("injected bit flip", tensor=name or "(first)")
 
     def take_nan(self) -> bool:
         """An injected NaN is due in this step's sync (once)."""

@@ -235,7 +235,7 @@ class Session:
             if m.leader.generation and self.last_committed == s:
                 m.leader.confirm(s)
             self._ckpt.on_request(rt.checkpoint_request, self.rank, self.state)
-            if self.last_committed != s:
+            if self.last_committed != s and not self._stepper.verify.rolled_back:
                 if m.phase not in DISCARDED:
                     raise RuntimeError("call s.step() exactly once per step")
                 if not m.after_discard():
@@ -440,6 +440,7 @@ class Session:
                       compute_time=self._stepper.median_compute())
             if self.timeline.incident is not None:
                 self.timeline.close(rt, self.cfg, self.rank, self.world_size, now)
+            self._stepper.verify.after_commit(s, self.state, self.m, rt, self.cfg)
         self.timeline.record_metrics(now)
 
     def _write_result(self) -> None:

@@ -43,6 +43,9 @@ class Stepper:
         # not finite ([] when only the sum or the gradient's norm was)
         self.nonfinite: list[int] | None = None
         self.compute_times: deque[float] = deque(maxlen=5)  # this member's own, recent steps
+        from .verify import Verifier
+
+        self.verify = Verifier(cfg.verify_every if cfg is not None else 0)
         self.micro_batch_size: int | None = None
         self._backwards_left: int | None = None  # this step's backwards still to come
         self._loss_acc: torch.Tensor | None = None
@@ -145,6 +148,7 @@ class Stepper:
 
         m, rt = self.m, self.rt
         self.inject.before_sync(rt, s)
+        self.inject.flip_bit(self.state.modules())
         self._computed(rt)
         if self.inject.absent(s):
             # behave as issue 24's member did, alive but out of the collective

@@ -64,7 +64,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      gpus_per_pod=args.gpus_per_pod, actuator=args.actuator,
                      ray_address=args.ray_address, ray_cpus_per_pod=args.ray_cpus_per_pod,
                      bus_host=args.bus_host, shard_size=args.shard_size,
-                     straggler_factor=args.straggler_factor,
+                     straggler_factor=args.straggler_factor, verify_every=args.verify_every,
                      straggler_window=args.straggler_window)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
@@ -274,7 +274,8 @@ def build_inject(args: argparse.Namespace) -> tuple[str, Any]:
         raise ValueError(f"inject {args.action} needs exactly one of --rank R or --pod P")
     return s.inject, Inject(action=InjectAction(args.action), rank=args.rank, pod=args.pod,
                             at_step=args.at_step, deadline_s=getattr(args, "deadline", None),
-                            factor=getattr(args, "factor", None))
+                            factor=getattr(args, "factor", None),
+                            tensor=getattr(args, "tensor", None))
 
 
 async def _inject(args: argparse.Namespace) -> int:
@@ -400,6 +401,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--fault-timeout", type=float, default=DEFAULTS["fault_timeout"])
     up.add_argument("--stall-timeout", type=float, default=DEFAULTS["collective_timeout"],
                     help="(default: the agents' collective timeout, %(default)s s)")
+    up.add_argument("--verify-every", type=int, default=100, metavar="N",
+                    help="every N steps the replicas compare a digest of their state; the "
+                         "agreed one is kept in host memory, a disagreement rolls back to it "
+                         "and the odd replica is replaced (default %(default)s; 0: off)")
     up.add_argument("--straggler-factor", type=float, default=None, metavar="F",
                     help="a member whose own compute of a step is F times the members' "
                          "median for --straggler-window s is swapped for a live spare at a "
@@ -463,13 +468,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj = sub.add_parser("inject", help="publish a fault, capacity or priority event")
     _add_conn(inj)
     inj.add_argument("action", choices=["kill", "hang", "stall", "resume", "exception", "nan",
-                                        "preempt", "slow", "capacity", "priority"])
+                                        "preempt", "slow", "bitflip", "capacity", "priority"])
     inj.add_argument("amount", nargs="?", help="capacity: +N or -N")
     inj.add_argument("--rank", type=int)
     inj.add_argument("--pod")
     inj.add_argument("--at-step", type=int)
     inj.add_argument("--deadline", type=float, help="preempt: seconds the pod has (default 30)")
     inj.add_argument("--factor", type=float, help="slow: each step's compute takes F times as long")
+    inj.add_argument("--tensor", help="bitflip: the parameter's name (default: the first)")
     inj.add_argument("--release", type=int)
     inj.add_argument("--priority", type=int, default=0)
     inj.add_argument("--reason")

@@ -58,6 +58,7 @@ class UpOptions:
     # = the agents' collective timeout: a step may stand still as long as an all-reduce may
     # wait (a long rank-0 evaluation is no hang)
     stall_timeout: float = DEFAULTS["collective_timeout"]
+    verify_every: int = 0  # the agents' CEASELESS_VERIFY_EVERY (up's default: 100)
     straggler_factor: float | None = None  # None: the monitor's defaults
     straggler_window: float | None = None
     allow_inject: bool = True
@@ -303,6 +304,7 @@ async def run(opts: UpOptions) -> int:
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            # the agents' own stall watchdog acts at the monitor's stall timeout
            "CEASELESS_STALL_TIMEOUT": str(opts.stall_timeout),
+           "CEASELESS_VERIFY_EVERY": str(opts.verify_every),
            # the agent shards its model over the ranks of a replica (1: unsharded)
            "CEASELESS_SHARD_SIZE": str(opts.shard_size),
            # no batch given: a first plan made with the default is no mismatch to warn about

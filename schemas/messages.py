@@ -69,6 +69,9 @@ class FaultKind(str, Enum):
     # for a sustained window: swapped for a live spare at a step boundary (a planned move).
     # Added 2026-12-06 (issue 32).
     straggler = "straggler"
+    # a member's state differed from the other replicas' (silent data corruption). Added
+    # 2026-12-06 (issue 32).
+    corruption = "corruption"
 
 
 class ReportKind(str, Enum):
@@ -85,6 +88,9 @@ class ReportKind(str, Enum):
     # plans a spare into its rank (or a shrink), a planned move, not a fault. Added
     # 2026-12-06 (issue 32); an older monitor or scaler drops it as malformed, logged.
     preempted = "preempted"
+    # this member's state digest differed from the majority's at a verification (silent data
+    # corruption, agent/verify.py): it is fenced and replaced. Added 2026-12-06 (issue 32).
+    corruption = "corruption"
 
 
 class InjectAction(str, Enum):
@@ -104,6 +110,9 @@ class InjectAction(str, Enum):
     # that rank's training thread computes each step ``factor`` times as long (a slow GPU).
     # Added 2026-12-06 (issue 32).
     slow = "slow"
+    # flip one bit of one element of that rank's parameters (``tensor``: its name; default
+    # the first) before the sync of its step. Added 2026-12-06 (issue 32).
+    bitflip = "bitflip"
 
 
 class CapacityChange(str, Enum):
@@ -411,6 +420,8 @@ class Inject(Message):
     deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
     # slow: how many times as long each step's compute takes. Added 2026-12-06, optional.
     factor: Annotated[float, Field(ge=1, le=1000)] | None = None
+    # bitflip: the parameter's name (``model.named_parameters()``). Added 2026-12-06.
+    tensor: Annotated[str, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _target(self) -> "Inject":

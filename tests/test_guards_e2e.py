@@ -102,3 +102,29 @@ async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path):
     assert len(swap) == 1 and swap[0].apply_step is not None and swap[0].rank_of(slow[0]) is None
     assert s["world_size"] == 3
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+
+
+async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path):
+    """Silent data corruption: one bit of one of rank 1's parameters flipped (``inject
+    bitflip``) at step 13 of a 3-replica job verifying every 10 steps. At step 19 the
+    digests disagree, every member rolls back to the copy verified at step 9 and computes the
+    steps after it again, the majority names rank 1 (a ``corruption`` incident), the spare
+    takes its rank, and the job ends bitwise equal to the fault-free run."""
+    from schemas.messages import Inject, InjectAction
+
+    steps, flags = 50, ["--verify-every", "10"]
+    flipped: list[str] = []
+
+    async def flip(c):
+        await c.wait_rank_step(1, 3)
+        flipped.append(c.member(1).pod)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.bitflip, rank=1,
+                                                          at_step=13))
+
+    ref = await run_job(tmp_path, "ref", 3, 0, steps=steps, extra=flags)
+    s = await run_job(tmp_path, "flip", 3, 1, fault=flip, steps=steps, extra=flags)
+    assert s["final_step"] == steps - 1, s
+    assert [(i["kind"], i["pod"]) for i in s["incidents"]] == [("corruption", flipped[0])], s
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+    for pod in ("w0", "w2"):
+        assert log_events(tmp_path / "flip", pod, "rolled back to the last verified copy")

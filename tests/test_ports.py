@@ -200,6 +200,9 @@ class FakeFaults:
     def take_nan(self) -> bool:
         return False
 
+    def flip_bit(self, modules: list) -> None:
+        pass
+
     def absent(self, s: int) -> bool:
         return False
 

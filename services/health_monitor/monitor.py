@@ -309,6 +309,14 @@ class HealthMonitor(Service):
                                    since=r.ts,
                                    reason=f"reported by its own watchdog: {r.error}"[:2000]):
                 await self._repeated(Failure(r.pod, "hang", self.generation, r.step, r.error))
+        elif r.report == ReportKind.corruption:
+            if r.pod in self.faulted or not self._is_member(r.pod):
+                self._ignore(env.subject, "corruption report of a pod that is not a watched "
+                             "member", pod=r.pod)
+                return
+            v = self.pods.get(r.pod)
+            await self._declare(r.pod, FaultKind.corruption, last_seen=v.last_seen if v else r.ts,
+                                since=r.ts, reason=r.error[:2000])
         elif r.report == ReportKind.peer_error:
             await self._suspect(r, env)
         else:

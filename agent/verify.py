@@ -1,0 +1,103 @@
+"""Silent data corruption: replicas compare their state every N steps and roll back when they
+disagree (issue 32).
+
+Every ``verify_every`` committed steps (``ceaseless up --verify-every N``) each member
+computes a digest of its parameters and optimizer state on the device: per tensor the sum of
+its bit patterns as integers (exact and order-free, so identical states give identical
+digests on any rank; a flipped bit changes it), weighted by the tensor's index. The digests
+travel in one small all-reduce (rank r fills row r). When all agree, the state is kept as
+the last verified copy in host memory (the previous copy is dropped first: one copy at a
+time). When they do not, every member restores that copy and the job computes the steps
+after it again (at most N; the batches and randomness are a function of the step, so the
+result is the fault-free one); with three or more replicas the majority names the member
+that differed: it reports ``corruption`` about itself (at its next commit, once rank 0 has
+streamed a step computed again: spares that followed the abandoned steps drop them), the
+health monitor declares the
+fault, the scaler fences it and a spare takes its rank. Sharded jobs are not verified yet
+(each rank holds other shards); module buffers (BatchNorm statistics) are left out (they may
+differ per rank by design).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from schemas.messages import ReportKind
+from plumbing import logs
+
+log = logs.get("agent")
+
+
+def state_digest(params: list[torch.Tensor], optimizers: list[Any]) -> torch.Tensor:
+    """An int64 scalar on the parameters' device: no host sync, no copy of the state."""
+    tensors = list(params) + [v for opt in optimizers for st in opt.state.values()
+                              for v in st.values() if isinstance(v, torch.Tensor)]
+    dev = tensors[0].device if tensors else torch.device("cpu")
+    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+    for i, t in enumerate(tensors):
+        b = t.detach()
+        if b.numel() == 0:
+            continue
+        b = b.contiguous() if not b.is_contiguous() else b
+        x = b.view(as_int[b.element_size()]) if b.element_size() in as_int else b
+        acc += x.sum(dtype=torch.int64).to(dev) * (i + 1)
+    return acc
+
+
+class Verifier:
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.copy: Any = None          # the last verified FlatState (host)
+        self.verified: int | None = None
+        self.rolled_back = False       # the last verification restored the copy
+        # this member differed: reported at the next commit, after the first step computed
+        # again, so that spares following rank 0 have seen the job go back (a followed step
+        # older than theirs makes them drop their copy; promoted before that, they would
+        # report the abandoned step as the newest)
+        self._report: str | None = None
+
+    def due(self, s: int) -> bool:
+        return self.every > 0 and (s + 1) % self.every == 0
+
+    def after_commit(self, s: int, state: Any, m: Any, rt: Any, cfg: Any) -> None:
+        """At the commit of step ``s`` (every member alike): compare, keep or roll back."""
+        from .collectives import Aborted, PeerError
+
+        self.rolled_back = False
+        if self._report is not None and m is not None and m.is_member:
+            rt.report_sync(ReportKind.corruption, self._report)
+            self._report = None
+        if not self.due(s) or m is None or m.group is None or m.sharding is not None:
+            return
+        d = state_digest(state.params(), state.optimizers())
+        vec = torch.zeros(m.world_size, dtype=torch.int64, device=d.device)
+        vec[m.rank] = d
+        try:
+            m.group.allreduce_([vec], rt.abort, slice_s=cfg.collective_slice,
+                               timeout_s=cfg.collective_timeout)
+        except (Aborted, PeerError) as e:  # a fault: verified next time
+            log.info("verification interrupted", step=s, error=str(e)[:200])
+            return
+        vals = vec.tolist()
+        if len(set(vals)) == 1:
+            self.copy = None  # one copy at a time
+            self.copy, self.verified = state.snapshot(), s
+            return
+        top, n = Counter(vals).most_common(1)[0]
+        odd = [r for r, v in enumerate(vals) if v != top] if n * 2 > len(vals) else []
+        log.error("replicas disagree: silent data corruption", step=s, ranks=odd or "no majority",
+                  verified=self.verified)
+        if m.rank in odd:
+            self._report = (f"state digest differs from the majority at step {s} (last "
+                            f"verified step {self.verified})")
+        if self.copy is None:
+            log.error("no verified copy yet: cannot roll back", step=s)
+            return
+        state.restore(self.copy)
+        self.rolled_back = True
+        log.warning("rolled back to the last verified copy", step=s, verified=self.verified)
+        rt.update(now=True, step=state.last_committed, digest=state.digest())
