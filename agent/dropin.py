@@ -236,6 +236,8 @@ class DropIn:
             # rank alike (the optimizer pre-hook), as the Session's guard does
             self.loss = st.read_loss(self.step, red) / (max(1, self.k) * self.world_size)
             self.nonfinite = st.nonfinite is not None
+            if self.loss_t is None:  # the forward returns no loss: nothing to show
+                self.loss = float("nan")
         self.synced = red is not None
 
     # ------------------------------------------------------------------ the update
@@ -325,7 +327,7 @@ class DropIn:
                           micro_batch_size=mb, pod=self.s.pod,
                           fixed_world_size=self.world_size)
         try:
-            self.s.runtime.kv.put(SCRIPT_KEY, info.model_dump_json().encode())
+            self.s.runtime.kv.put(SCRIPT_KEY, info.model_dump_json(exclude_none=True).encode())
         except Exception as e:  # informational: never fail a step on it
             log.warning("could not publish the script's batch", error=str(e)[:200])
 

@@ -21,7 +21,7 @@ log = logs.get("agent")
 def check_plan_batch(rt: KVRuntime, cfg: AgentConfig, plan: Plan, rank: int | None, world_size: int | None,
                      script: ScriptInfo, micro_batches: int, first: bool) -> None:
     if rank == 0 and first:
-        rt.kv.put(SCRIPT_KEY, script.model_dump_json().encode())
+        rt.kv.put(SCRIPT_KEY, script.model_dump_json(exclude_none=True).encode())
     mine = [script.global_batch_size, script.micro_batch_size]
     planned = [plan.global_batch_size, plan.micro_batch_size]
     if planned != mine:

@@ -67,6 +67,9 @@ class Verifier:
         """At the commit of step ``s`` (every member alike): compare, keep or roll back."""
         from .collectives import Aborted, PeerError
 
+        import time
+
+        t0 = time.perf_counter()
         self.rolled_back = False
         if self._report is not None and m is not None and m.is_member:
             rt.report_sync(ReportKind.corruption, self._report)
@@ -86,6 +89,7 @@ class Verifier:
         if len(set(vals)) == 1:
             self.copy = None  # one copy at a time
             self.copy, self.verified = state.snapshot(), s
+            log.info("state verified", step=s, seconds=round(time.perf_counter() - t0, 4))
             return
         top, n = Counter(vals).most_common(1)[0]
         odd = [r for r, v in enumerate(vals) if v != top] if n * 2 > len(vals) else []

@@ -47,7 +47,8 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "healing": "replacement pods (refill, grow back) and last-resort checkpoints' cost",
         "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join",
         "size": "real model sizes: peak memory per role, transfer vs the link, kill bitwise",
-        "dropin": "the DDP drop-in's step time against the Session API's, side by side"}
+        "dropin": "the DDP drop-in's step time against the Session API's, side by side",
+        "guards": "state verification's cost; a preemption's hand-over against a crash"}
 
 
 def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
@@ -71,4 +72,5 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "sharded", "bench.sharded")
     _module(bsub, "size", "bench.size")
     _module(bsub, "dropin", "bench.dropin")
+    _module(bsub, "guards", "bench.guards")
     return p

@@ -773,7 +773,7 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "skipped_steps": sorted({s for r in finals for s in r.get("skipped_steps", [])}),
         "job_failed": obs.failed.model_dump(mode="json") if obs.failed is not None else None,
         # what the script itself ran (KV `script`: its batch and step total)
-        "script": obs.script.model_dump() if obs.script else None,
+        "script": obs.script.model_dump(exclude_none=True) if obs.script else None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
