@@ -58,7 +58,8 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
                                      for p in c.plans), 60, "the planned departure")
         await c.wait_for(lambda: any(x.rank == 1 and x.generation == 2 and x.step >= 16
                                      for x in c.hb.values()), 120, "rank 1 taken over")
-        left.append(c.member(0).pod)
+        h0 = await c.wait_for(lambda: c.member(0), 30, "rank 0's heartbeat")
+        left.append(h0.pod)
         await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.preempt, rank=0,
                                                           deadline_s=60))
 

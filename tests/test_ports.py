@@ -109,6 +109,7 @@ class FakeRuntime:
         self.cfg, self.kv, self.stores = cfg, FakeKV(), None
         self.abort = threading.Event()
         self.injected_stall = False
+        self.step_began = 0.0
         self.plan_at, self.plan, self.plan_ctx = 0.0, None, None
         self.calls: list[Any] = []
         self.reports: list[tuple[ReportKind, str]] = []
@@ -191,6 +192,8 @@ class FakeMember:
 
 
 class FakeFaults:
+    slow = 1.0  # no injected slowness
+
     def __init__(self) -> None:
         self.seen: list[int] = []
 
@@ -285,7 +288,7 @@ def test_script_batch_through_a_fake_kv_runtime():
     assert _missing(rt, ports.KVRuntime) == []
     script = ScriptInfo(global_batch_size=8, micro_batch_size=4, total=10)
     check_plan_batch(rt, rt.cfg, _plan(["p0", "p1"]), 0, 2, script, 2, first=True)
-    assert rt.kv.puts == [(SCRIPT_KEY, script.model_dump_json().encode())]
+    assert rt.kv.puts == [(SCRIPT_KEY, script.model_dump_json(exclude_none=True).encode())]
     check_plan_batch(rt, rt.cfg, _plan(["p0", "p1"]), 1, 2, script, 2, first=True)
     check_plan_batch(rt, rt.cfg, _plan(["p0", "p1"]), 0, 2, script, 2, first=False)
     assert len(rt.kv.puts) == 1  # rank 0, once

@@ -144,6 +144,10 @@ class PodActor:
         if self.proc is None or self.proc.poll() is not None:
             return None
         await self.signal(_signal_mod.SIGTERM)
+        try:  # a member takes a first SIGTERM as a preemption notice; a second ends it now
+            return await asyncio.to_thread(self.proc.wait, min(0.3, grace_s))
+        except subprocess.TimeoutExpired:
+            await self.signal(_signal_mod.SIGTERM)
         try:
             return await asyncio.to_thread(self.proc.wait, grace_s)
         except subprocess.TimeoutExpired:
