@@ -193,7 +193,7 @@ async def test_bad_input_on_every_subject(nats_server, bus):
     # With the monitor running, the scaler and the broker read its health view instead of
     # the heartbeats (services/common/heartbeats.py).
     subs = {mon: ["heartbeat.*", "report.*", "lifecycle.*", "plan"],
-            sc: ["health", "lifecycle.*", "fault", "capacity", "priority", "plan"],
+            sc: ["health", "lifecycle.*", "report.*", "fault", "capacity", "priority", "plan"],
             br: ["health", "plan"]}
     transfers: list = []
 
