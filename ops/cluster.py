@@ -310,6 +310,9 @@ async def run(opts: UpOptions) -> int:
            # no batch given: a first plan made with the default is no mismatch to warn about
            "CEASELESS_BATCH_FROM_SCRIPT": "0" if opts.batch_given else "1",
            "PYTHONUNBUFFERED": "1", **opts.extra_env}
+    threads_note = _default_threads(env, opts, ray=ray_act is not None)
+    if threads_note:
+        print(f"  threads: {threads_note}", file=out, flush=True)
     if opts.checkpoint_dir:
         env.update(CEASELESS_CHECKPOINT_DIR=str(Path(opts.checkpoint_dir).resolve()),
                    CEASELESS_CHECKPOINT_EVERY=str(opts.checkpoint_every),
@@ -492,6 +495,26 @@ async def run(opts: UpOptions) -> int:
             and opts.auto_resume > 0):
         return await _resume_after_loss(opts, run_dir, summary, out, code)
     return code
+
+
+def pod_threads(cores: int, workers: int, max_replicas: int | None) -> int:
+    """Intra-op threads per pod so that the pods of one machine do not oversubscribe its cores:
+    torch's default (a thread per core in every process) makes co-located pods' OpenMP pools
+    spin against each other and each other's gloo threads (steps 20-50x slower on 2 cores).
+    torchrun sets 1 for several processes; we share the cores out."""
+    return max(1, cores // max(1, workers, max_replicas or 0))
+
+
+def _default_threads(env: dict[str, str], opts: "UpOptions", ray: bool) -> str:
+    """Set OMP_NUM_THREADS for the pods unless the operator did; say what was chosen."""
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in env:
+        return ""
+    if ray:  # Ray sets it per actor from its CPU share
+        return ""
+    n = pod_threads(os.cpu_count() or 1, opts.workers, opts.max_replicas)
+    env["OMP_NUM_THREADS"] = str(n)
+    return (f"OMP_NUM_THREADS={n} per pod ({os.cpu_count()} cores here; set OMP_NUM_THREADS "
+            "to choose)")
 
 
 def _what_runs(opts: UpOptions) -> str:
