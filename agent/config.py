@@ -50,6 +50,13 @@ class AgentConfig:
     # compare the replicas' state every N committed steps, keep the agreed one, roll back on
     # a disagreement (agent/verify.py; `ceaseless up --verify-every`); 0: off
     verify_every: int = 0
+    # A step whose loss or gradient is not finite (or a loss spike) is skipped on every rank;
+    # "rollback": also go back to the last verified copy and compute the steps after it
+    # again, that step still skipped (the state may have gone bad before the symptom).
+    on_nonfinite: str = "skip"
+    # The loss-spike guard: a step whose loss is over this factor times the median of the
+    # last committed ones is skipped as a non-finite one is (0: off).
+    loss_spike: float = 0.0
     # The longest a member may work alone (``with s.solo():``, a rank-0 evaluation) while its
     # peers wait in the collective; past it the monitor calls the member hung.
     solo_max: float = 3600.0
@@ -104,6 +111,15 @@ class AgentConfig:
             raise ValueError(f"solo_max must be positive (CEASELESS_SOLO_MAX, got {self.solo_max})")
         if not (0 < self.collective_slice < self.collective_timeout):
             raise ValueError("collective_slice must be positive and below collective_timeout")
+        if self.on_nonfinite not in ("skip", "rollback"):
+            raise ValueError(f"on_nonfinite must be skip or rollback (CEASELESS_ON_NONFINITE, "
+                             f"got {self.on_nonfinite!r})")
+        if self.on_nonfinite == "rollback" and self.verify_every <= 0:
+            raise ValueError("on_nonfinite=rollback goes back to the last verified copy: it "
+                             "needs verification on (CEASELESS_VERIFY_EVERY > 0)")
+        if self.loss_spike != 0 and not self.loss_spike > 1:
+            raise ValueError(f"loss_spike must be 0 (off) or over 1 (CEASELESS_LOSS_SPIKE, got "
+                             f"{self.loss_spike})")
         if self.stuck_report_after < 0:
             raise ValueError("stuck_report_after must be >= 0 (0 turns it off)")
         from schemas.timeouts import check_timeouts
@@ -144,6 +160,8 @@ class AgentConfig:
             solo_max=float(env("CEASELESS_SOLO_MAX", cls.solo_max)),
             stall_timeout=float(env("CEASELESS_STALL_TIMEOUT", cls.stall_timeout)),
             verify_every=int(env("CEASELESS_VERIFY_EVERY") or cls.verify_every),
+            on_nonfinite=env("CEASELESS_ON_NONFINITE") or cls.on_nonfinite,
+            loss_spike=float(env("CEASELESS_LOSS_SPIKE") or cls.loss_spike),
             max_attempts=int(env("CEASELESS_MAX_ATTEMPTS", cls.max_attempts)),
             backend=env("CEASELESS_BACKEND") or None,
             exit_on_release=_flag("CEASELESS_EXIT_ON_RELEASE", cls.exit_on_release),

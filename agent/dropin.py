@@ -235,9 +235,11 @@ class DropIn:
             # the step's one host sync; a loss that is not finite skips the update on every
             # rank alike (the optimizer pre-hook), as the Session's guard does
             self.loss = st.read_loss(self.step, red) / (max(1, self.k) * self.world_size)
-            self.nonfinite = st.nonfinite is not None
             if self.loss_t is None:  # the forward returns no loss: nothing to show
                 self.loss = float("nan")
+            else:
+                st.guard(self.step, self.loss)  # the loss-spike guard
+            self.nonfinite = st.nonfinite is not None
         self.synced = red is not None
 
     # ------------------------------------------------------------------ the update

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from schemas import micro_batch_range, num_micro_batches
+from schemas import micro_batch_range, num_micro_batches, shares_range
 from schemas.messages import Plan
 from schemas.policy import ScriptInfo
 
@@ -38,7 +38,7 @@ class BatchFeed:
                                         micro_batch_size=m, total=total, pod=self.pod),
                              M, first=not self._checked)
             self._checked = plan.generation
-        ks = micro_batch_range(M, world_size, rank, plan.shard_size if plan else 1)
+        ks = rank_range(M, world_size, rank, plan)
         stepper.micro_batches(m, ks, gradient_loop=gradient_loop)
         abort = runtime.abort if runtime is not None else None
         for k in ks:
@@ -68,5 +68,16 @@ class BatchFeed:
             self._sources[key] = BatchSource(dataset, self.global_batch_size, self.seed, m,
                                              pin=pin)
         src = self._sources[key]
-        src.begin(step, rank or 0, world_size or 1, plan.shard_size if plan else 1)
+        src.begin(step, rank or 0, world_size or 1, plan.shard_size if plan else 1,
+                  rank_range(num_micro_batches(self.global_batch_size, m), world_size, rank,
+                             plan))
         return src
+
+
+def rank_range(M: int, world_size: int | None, rank: int | None, plan: Plan | None) -> range:
+    """The micro-batches ``rank`` computes: its plan's share when the plan carries its own
+    (a straggler's smaller one), else the even spread."""
+    if (plan is not None and plan.shard_size == 1 and rank is not None
+            and world_size == plan.world_size and sum(plan.shares.values()) == M):
+        return shares_range(plan.shares, rank)
+    return micro_batch_range(M, world_size or 1, rank or 0, plan.shard_size if plan else 1)

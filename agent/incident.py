@@ -73,6 +73,9 @@ class Timeline:
             self.useful_s += now - self.last_commit_time  # a step with no incident in it
         if self.first_commit_time is None:
             self.first_commit_time = now
+            from plumbing import telemetry  # the goodput ledger's start of training
+
+            telemetry.mark(telemetry.SPAN_TRAIN_START, now, step=s)
         self.losses[s] = loss
         self.commits.append((s, now))
         self.last_commit_time = now

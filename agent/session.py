@@ -426,8 +426,7 @@ class Session:
 
     # ------------------------------------------------------------------ commit / discard
     def _commit(self, s: int, loss: float, sync_s: float, skipped: bool = False) -> None:
-        if skipped:  # the non-finite guard's
-            self.state.note_skipped(s)
+        self.state.note_commit(s, loss, skipped)  # the guards' (non-finite, spike) record
         now = time.time()
         self.timeline.commit(s, loss, now)
         self.state.last_committed, self.state.loss = s, loss

@@ -339,12 +339,15 @@ class FlatState:
 
 
 def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-             to_host: bool = False) -> FlatState:
+             to_host: bool = False, reuse: FlatState | None = None) -> FlatState:
     """Copy the state of ``objs`` (name -> object with ``state_dict()``) and ``extra`` into a
     FlatState: one contiguous buffer per (dtype, device). Tensors that share memory (tied
     weights) are stored once. Non-tensor leaves must be picklable. ``to_host``: buffers of
     CUDA tensors are built in pinned host memory, tensor by tensor (no second copy of the
-    state on the GPU); the specs keep the device, so a restore puts them back there."""
+    state on the GPU); the specs keep the device, so a restore puts them back there.
+    ``reuse``: an older snapshot of the same layout whose buffers are written over (no new
+    allocation: a periodic copy of a 70B model's state is not re-allocated each time); its
+    buffers are used only where their dtype, device and size match."""
     structures, extra_s, refs = _strip(objs, extra)
     groups: dict[tuple[torch.dtype, str], list[int]] = {}
     for i, t in enumerate(refs):
@@ -361,8 +364,13 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
             metas[i] = TensorMeta(b, off, n, tuple(refs[i].shape))
             off += -(-n // step) * step
         host = to_host and torch.device(dev).type == "cuda"
-        buf = (torch.empty(off, dtype=dtype, pin_memory=True) if host
-               else torch.empty(off, dtype=dtype, device=dev))
+        old = reuse.buffers[b] if reuse is not None and b < len(reuse.buffers) else None
+        if (old is not None and old.dtype == dtype and old.numel() == off
+                and reuse.skeleton["specs"][b].device == dev):
+            buf = old
+        else:
+            buf = (torch.empty(off, dtype=dtype, pin_memory=True) if host
+                   else torch.empty(off, dtype=dtype, device=dev))
         for j, i in enumerate(idx):
             m = metas[i]
             buf[m.offset:m.offset + m.numel].copy_(refs[i].reshape(-1))

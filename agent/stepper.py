@@ -45,7 +45,8 @@ class Stepper:
         self.compute_times: deque[float] = deque(maxlen=5)  # this member's own, recent steps
         from .verify import Verifier
 
-        self.verify = Verifier(cfg.verify_every if cfg is not None else 0)
+        self.verify = Verifier(cfg.verify_every if cfg is not None else 0,
+                               cfg.on_nonfinite if cfg is not None else "skip")
         self.micro_batch_size: int | None = None
         self._backwards_left: int | None = None  # this step's backwards still to come
         self._loss_acc: torch.Tensor | None = None
@@ -106,6 +107,7 @@ class Stepper:
         if red is None:
             return None
         loss = self.read_loss(s, red)  # the step's one host sync
+        self.guard(s, loss)
         skip = self.state.unscale(params)  # fp16 GradScaler: unscaled; skip on inf/nan
         if self.nonfinite is not None and not skip:
             skip = True  # not the scaler's: the guard's, on every rank alike
@@ -138,6 +140,24 @@ class Stepper:
             log.warning("non-finite loss: the step's update is skipped on every rank",
                         step=s, ranks=bad, loss=vals[0])
         return vals[0]
+
+    def guard(self, s: int, loss: float) -> None:
+        """The loss-spike guard (a loss over ``loss_spike`` x the median of the last committed
+        ones), and a step skipped before that is computed again after a rollback: skipped
+        again. Both read only what every rank holds alike (the reduced loss, the state)."""
+        if self.nonfinite is not None:
+            return
+        sk = self.state.skipped
+        if sk and s <= sk[-1] and s in sk:
+            self.nonfinite = []
+            log.warning("a skipped step computed again (after a rollback): skipped again", step=s)
+            return
+        spike = self.cfg.loss_spike if self.cfg is not None else 0.0
+        med = self.state.loss_median() if spike else None
+        if med is not None and med > 0 and loss > spike * med:
+            self.nonfinite = []
+            log.warning("loss spike: the step's update is skipped on every rank", step=s,
+                        loss=loss, median=med, factor=spike)
 
     def _sync_gradients(self, s: int, params: list[torch.nn.Parameter],
                         loss_t: torch.Tensor) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ nothing of process groups, plans or the bus (issue 18: the Session's first part 
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from typing import Any, Iterable
 
@@ -19,6 +20,7 @@ import torch
 
 HYPER_KEYS = ("lr", "weight_decay", "momentum", "dampening", "eps")
 MAX_SKIPPED = 10_000
+SPIKE_WINDOW, SPIKE_MIN = 50, 10  # the loss-spike guard's median: of up to 50 losses, from 10
 
 
 class TrainState:
@@ -34,6 +36,10 @@ class TrainState:
         # steps whose update the non-finite guard skipped (the last MAX_SKIPPED): part of
         # the state, so the job's list survives the pod that saw them
         self.skipped: list[int] = []
+        # the last committed losses the update was not skipped at (the loss-spike guard's
+        # median): part of the state, so every rank (a promoted spare too) decides alike
+        self.recent_losses: list[float] = []
+        self.new_skip = False  # the last commit's step was skipped for the first time
 
     # ------------------------------------------------------------------ what is registered
     def register(self, **objs: Any) -> None:
@@ -173,12 +179,23 @@ class TrainState:
                 sch.step()
         self._scale_after(skip)
 
-    def note_skipped(self, s: int) -> None:
-        self.skipped = (self.skipped + [s])[-MAX_SKIPPED:]
+    def note_commit(self, s: int, loss: float, skipped: bool) -> None:
+        """The guards' record of a committed step: skipped (once), or its loss."""
+        # a step skipped for the first time (not one computed again after a rollback): what
+        # the "rollback" policy goes back for (agent/verify.py)
+        self.new_skip = skipped and s not in self.skipped[-1:]
+        if self.new_skip:
+            self.skipped = (self.skipped + [s])[-MAX_SKIPPED:]
+        elif math.isfinite(loss):
+            self.recent_losses = (self.recent_losses + [float(loss)])[-SPIKE_WINDOW:]
+
+    def loss_median(self) -> float | None:
+        r = sorted(self.recent_losses)
+        return r[len(r) // 2] if len(r) >= SPIKE_MIN else None
 
     def _extra(self) -> dict[str, Any]:
         return {"step": self.last_committed, "loss": self.loss, "lr_factor": self.lr_factor,
-                "skipped": list(self.skipped)}
+                "skipped": list(self.skipped), "recent_losses": list(self.recent_losses)}
 
     def zero_grad(self) -> None:
         for opt in self.optimizers():
@@ -210,13 +227,14 @@ class TrainState:
         return h.hexdigest()
 
     # ------------------------------------------------------------------ copies
-    def snapshot(self) -> Any:
+    def snapshot(self, reuse: Any = None) -> Any:
         """A copy of the committed state (FlatState), with what a recipient restores too.
         CUDA state goes to pinned host memory: a second full copy of model + optimizer on
-        the GPU would cost what the user's batch needs (issue 19)."""
+        the GPU would cost what the user's batch needs (issue 19). ``reuse``: an older copy
+        whose buffers are written over (the verifier's: no allocation per verification)."""
         from .state import snapshot
 
-        return snapshot(self.objs, self._extra(), to_host=True)
+        return snapshot(self.objs, self._extra(), to_host=True, reuse=reuse)
 
     def describe(self) -> Any:
         """The committed state by reference (a ``TensorState`` of the live tensors): what a
@@ -239,12 +257,13 @@ class TrainState:
         self.loss = extra.get("loss")
         self.lr_factor = float(extra.get("lr_factor", 1.0))
         self.skipped = [int(x) for x in extra.get("skipped", [])][-MAX_SKIPPED:]
+        self.recent_losses = [float(x) for x in extra.get("recent_losses", [])][-SPIKE_WINDOW:]
         return self.last_committed
 
     def forget(self) -> None:
         """Hold no committed step (a spare whose copy stopped matching the job's)."""
         self.last_committed, self.loss, self.lr_factor = -1, None, 1.0
-        self.skipped = []
+        self.skipped, self.recent_losses = [], []
 
 
 def _once(tensors: Iterable[torch.Tensor]) -> list[Any]:

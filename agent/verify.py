@@ -6,8 +6,9 @@ computes a digest of its parameters and optimizer state on the device: per tenso
 its bit patterns as integers (exact and order-free, so identical states give identical
 digests on any rank; a flipped bit changes it), weighted by the tensor's index. The digests
 travel in one small all-reduce (rank r fills row r). When all agree, the state is kept as
-the last verified copy in host memory (the previous copy is dropped first: one copy at a
-time). When they do not, every member restores that copy and the job computes the steps
+the last verified copy in host memory (written over the previous one, its buffers reused:
+one copy at a time, no allocation per verification; the copy is synchronous: on GPU an
+asynchronous one is not built yet). When they do not, every member restores that copy and the job computes the steps
 after it again (at most N; the batches and randomness are a function of the step, so the
 result is the fault-free one); with three or more replicas the majority names the member
 that differed: it reports ``corruption`` about itself (at its next commit, once rank 0 has
@@ -20,13 +21,15 @@ differ per rank by design).
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, deque
 from typing import Any
 
 import torch
 
 from schemas.messages import ReportKind
-from plumbing import logs
+from .train_state import MAX_SKIPPED
+from plumbing import logs, telemetry
 
 log = logs.get("agent")
 
@@ -49,8 +52,9 @@ def state_digest(params: list[torch.Tensor], optimizers: list[Any]) -> torch.Ten
 
 
 class Verifier:
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, on_nonfinite: str = "skip") -> None:
         self.every = every
+        self.on_nonfinite = on_nonfinite  # "rollback": a skipped step goes back to the copy
         self.copy: Any = None          # the last verified FlatState (host)
         self.verified: int | None = None
         self.rolled_back = False       # the last verification restored the copy
@@ -59,6 +63,8 @@ class Verifier:
         # older than theirs makes them drop their copy; promoted before that, they would
         # report the abandoned step as the newest)
         self._report: str | None = None
+        self._gaps: deque[float] = deque(maxlen=50)  # seconds between commits: the step time
+        self._last: float | None = None
 
     def due(self, s: int) -> bool:
         return self.every > 0 and (s + 1) % self.every == 0
@@ -67,14 +73,26 @@ class Verifier:
         """At the commit of step ``s`` (every member alike): compare, keep or roll back."""
         from .collectives import Aborted, PeerError
 
-        import time
-
         t0 = time.perf_counter()
+        if self._last is not None:
+            self._gaps.append(t0 - self._last)
+        self._last = t0
         self.rolled_back = False
         if self._report is not None and m is not None and m.is_member:
             rt.report_sync(ReportKind.corruption, self._report)
             self._report = None
-        if not self.due(s) or m is None or m.group is None or m.sharding is not None:
+        if m is None or m.group is None or m.sharding is not None:
+            return
+        if self.on_nonfinite == "rollback" and state.new_skip and state.skipped[-1:] == [s]:
+            # every member alike (the skip was decided on the reduced loss): back to the
+            # verified copy, that step's data still skipped when it comes again
+            if self.copy is None:
+                log.warning("non-finite step: no verified copy yet to roll back to", step=s)
+            else:
+                self._rollback(s, state, rt, "nonfinite")
+                state.skipped = (state.skipped + [s])[-MAX_SKIPPED:]
+            return
+        if not self.due(s):
             return
         d = state_digest(state.params(), state.optimizers())
         vec = torch.zeros(m.world_size, dtype=torch.int64, device=d.device)
@@ -87,8 +105,9 @@ class Verifier:
             return
         vals = vec.tolist()
         if len(set(vals)) == 1:
-            self.copy = None  # one copy at a time
-            self.copy, self.verified = state.snapshot(), s
+            # one copy at a time, written over in place (its buffers reused when the layout
+            # is the same: no allocation of a full host copy per verification)
+            self.copy, self.verified = state.snapshot(reuse=self.copy), s
             log.info("state verified", step=s, seconds=round(time.perf_counter() - t0, 4))
             return
         top, n = Counter(vals).most_common(1)[0]
@@ -101,7 +120,16 @@ class Verifier:
         if self.copy is None:
             log.error("no verified copy yet: cannot roll back", step=s)
             return
+        self._rollback(s, state, rt, "corruption")
+
+    def _rollback(self, s: int, state: Any, rt: Any, reason: str) -> None:
         state.restore(self.copy)
         self.rolled_back = True
-        log.warning("rolled back to the last verified copy", step=s, verified=self.verified)
+        log.warning("rolled back to the last verified copy", step=s, verified=self.verified,
+                    reason=reason)
+        gaps = sorted(self._gaps)
+        telemetry.mark(telemetry.SPAN_ROLLBACK, time.time(), step=s, restore_step=self.verified,
+                       recomputed_steps=s - self.verified, reason=reason,
+                       step_time=gaps[len(gaps) // 2] if gaps else 0.0)
+        self._last = None  # the restore is no step
         rt.update(now=True, step=state.last_committed, digest=state.digest())

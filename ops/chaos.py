@@ -53,6 +53,9 @@ from typing import Any
 
 from schemas.timeouts import DEFAULTS as TIMEOUTS
 
+from . import chaos_guards
+from .chaos_guards import GUARD_KINDS
+
 SERVICES = ("health_monitor", "scaler", "state_broker")
 # Worker faults need a spare each (two for a fault during recovery): then the world size
 # never changes and the result must be bitwise the reference's.
@@ -64,7 +67,8 @@ WEIGHTS = {"kill": 3, "hang": 2, "stall": 1, "kill_rank0": 1, "spare_kill": 1, "
            "kill_scaler": 1, "kill_state_broker": 1, "nats_restart": 1, "during_recovery": 1,
            "kill_with_service": 1, "kill_all": 1, "capacity_add": 1, "capacity_remove": 1, "priority": 1}
 SPARES_NEEDED = {"kill": 1, "hang": 1, "stall": 1, "kill_rank0": 1, "during_recovery": 2,
-                 "kill_with_service": 1, "spare_kill": 1, "capacity_add": 1}
+                 "kill_with_service": 1, "spare_kill": 1, "capacity_add": 1,
+                 **chaos_guards.SPARES_NEEDED}
 # Steps per second of the tiny example on a 2-core machine, by world size (to size a run
 # from --duration; the schedule itself is in steps, so a slower machine only runs longer).
 RATE = {1: 12.0, 2: 9.0, 3: 7.0, 4: 5.0}
@@ -93,6 +97,7 @@ class ChaosOptions:
     steps: int | None = None
     gap: float = 8.0             # mean seconds between events (sets how many there are)
     elastic: bool = False
+    guards: bool = False         # also the guards' events (ops/chaos_guards.py)
     run_dir: str | None = None
     model: str = "tiny"
     kinds: list[str] | None = None
@@ -142,11 +147,12 @@ def _signal(pid: int, sig: int, what: str) -> None:
 
 
 def make_schedule(seed: int, duration: float, gap: float = 8.0, elastic: bool = False,
-                  kinds: list[str] | None = None) -> list[Event]:
+                  kinds: list[str] | None = None, guards: bool = False) -> list[Event]:
     """The events of a run: a pure function of its arguments. Every kind once (in a seeded
     order) before any repeats, as long as there are enough events."""
     rng = random.Random(seed)
-    pool = list(kinds or (KINDS + (ELASTIC_KINDS if elastic else ())))
+    pool = list(kinds or (KINDS + (ELASTIC_KINDS if elastic else ())
+                          + (GUARD_KINDS if guards else ())))
     n = max(1, int(duration // gap))
     order = rng.sample(pool, len(pool))
     while len(order) < n:
@@ -197,6 +203,7 @@ class Chaos:
         self.segment = 0                        # index of the attached job (0: the first)
         self.killed_gen: int | None = None      # the generation a kill_all killed
         self.trained_plans: list[Any] = []      # plans of the jobs before the attached one
+        self.nan_steps: list[int] = []          # steps made non-finite (the guards' `nan`)
 
     def say(self, text: str) -> None:
         line = f"[{time.time() - self.t_start:7.2f}s] {text}"
@@ -417,10 +424,11 @@ class Chaos:
         return rank, h
 
     async def _recovered(self, out: Outcome, gen: int, victims: set[str], step: int,
-                         t0: float) -> None:
+                         t0: float, timeout: float | None = None) -> None:
         await self.wait(lambda: self.finished() or self.healthy(gen=gen, past=step,
                                                                 exclude=victims),
-                        RECOVER_TIMEOUT, f"recovery from {out.kind} of {', '.join(victims)}")
+                        timeout or RECOVER_TIMEOUT,
+                        f"recovery from {out.kind} of {', '.join(victims)}")
         out.recover_s = time.monotonic() - t0
 
     async def _progress(self, out: Outcome, step: int, t0: float, steps: int = 3) -> None:
@@ -540,6 +548,8 @@ class Chaos:
                                 60, f"the scaler's decision on {kind}")
             out.detail = f"{'accepted' if d.accepted else 'refused'}: {d.reason}"
             await self._progress(out, step, t0)
+        elif kind in GUARD_KINDS:
+            await chaos_guards.inject(self, ev, out)
         else:
             raise ChaosFailure(f"unknown event kind {kind!r}")
         out.survived = True
@@ -617,12 +627,13 @@ async def _full_start(c: Any, workers: int) -> None:
                          f"registered after the scaler's start timeout): starting again")
 
 
-async def _reference(base: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
+async def _reference(base: Path, opts: ChaosOptions, steps: int, timeout: float,
+                     nan_steps: list[int] | None = None) -> dict:
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return await _reference_once(base / ("reference" if attempt == 1 else
                                                  f"reference-{attempt}"),
-                                         opts, steps, timeout)
+                                         opts, steps, timeout, nan_steps or [])
         except SmallStart as e:
             print(f"reference: {e}", flush=True)
             if attempt == ATTEMPTS:
@@ -630,12 +641,14 @@ async def _reference(base: Path, opts: ChaosOptions, steps: int, timeout: float)
     raise AssertionError("unreachable")
 
 
-async def _reference_once(run_dir: Path, opts: ChaosOptions, steps: int, timeout: float) -> dict:
+async def _reference_once(run_dir: Path, opts: ChaosOptions, steps: int, timeout: float,
+                          nan_steps: list[int]) -> dict:
     from ops.launcher import Cluster
 
     async with Cluster(run_dir, opts.workers, 0, steps, timeout=timeout,
                        extra=["--model", opts.model, "--dtype", opts.example_dtype]) as c:
         await _full_start(c, opts.workers)
+        await chaos_guards.inject_reference(c, nan_steps)
         code = await c.finish(timeout + 30)
         if code != 0:
             raise ChaosFailure(f"the reference run failed (exit {code}):\n{c.output()}")
@@ -650,17 +663,16 @@ async def run(opts: ChaosOptions) -> int:
     steps = opts.steps or default_steps(opts)
     base = Path(opts.run_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}-s{opts.seed}")
     base.mkdir(parents=True, exist_ok=True)
-    schedule = make_schedule(opts.seed, opts.duration, opts.gap, opts.elastic, opts.kinds)
+    schedule = make_schedule(opts.seed, opts.duration, opts.gap, opts.elastic, opts.kinds,
+                             opts.guards)
     print(f"ceaseless chaos: seed {opts.seed}, {opts.workers} workers + {opts.spares} spares, "
           f"{steps} steps ({opts.example_dtype}), {len(schedule)} events\n  run dir: {base}", flush=True)
     for ev in schedule:
         print(f"  #{ev.index:<3} at {ev.at_fraction:5.1%} of the steps: {ev.kind}", flush=True)
     run_timeout = max(600.0, 6 * opts.duration)
-    t = time.monotonic()
-    ref = await _reference(base, opts, steps, run_timeout)
-    ref_s = time.monotonic() - t
-    print(f"reference: {steps} steps in {ref_s:.1f}s, params {ref['param_sha256'][:16]}…",
-          flush=True)
+    ref, ref_s = None, 0.0
+    if not any(ev.kind == "nan" for ev in schedule):  # else after the chaos run, with its NaNs
+        ref, ref_s = await _timed_reference(base, opts, steps, run_timeout)
 
     for attempt in range(1, ATTEMPTS + 1):
         try:
@@ -673,8 +685,19 @@ async def run(opts: ChaosOptions) -> int:
     raise AssertionError("unreachable")
 
 
+async def _timed_reference(base: Path, opts: ChaosOptions, steps: int, timeout: float,
+                           nan_steps: list[int] | None = None) -> tuple[dict, float]:
+    t = time.monotonic()
+    ref = await _reference(base, opts, steps, timeout, nan_steps)
+    ref_s = time.monotonic() - t
+    print(f"reference: {steps} steps in {ref_s:.1f}s, params {ref['param_sha256'][:16]}…"
+          + (f", non-finite steps {sorted(set(nan_steps))}" if nan_steps else ""), flush=True)
+    return ref, ref_s
+
+
 async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
-                      schedule: list[Event], ref: dict, ref_s: float, run_timeout: float) -> int:
+                      schedule: list[Event], ref: dict | None, ref_s: float,
+                      run_timeout: float) -> int:
     from ops.launcher import Cluster
 
     outcomes: list[Outcome] = []
@@ -685,6 +708,8 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
     extra = ["--model", opts.model, "--dtype", opts.example_dtype,
              "--max-replacements", "1000", "--stall-timeout", "8"]
     kill_alls = sum(1 for ev in schedule if ev.kind == "kill_all")
+    if any(ev.kind == "bitflip" for ev in schedule):  # found within this many steps
+        extra += ["--verify-every", str(chaos_guards.VERIFY_EVERY)]
     ckdir = None
     if kill_alls:
         # Every pod killed at once: `up` restarts the job from its newest last-resort
@@ -734,6 +759,8 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
         # the plans members trained in: not those of a total loss (replacement pods at
         # step -1, the state declared lost, nothing trained)
         plans = ch.trained_plans + list(c.plans)
+    if ref is None:
+        ref, ref_s = await _timed_reference(base, opts, steps, run_timeout, ch.nan_steps)
     return _verdict(base, opts, steps, schedule, outcomes, failures, ref, s, plans, code,
                     ref_s, chaos_s, ch)
 
@@ -741,7 +768,7 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
 def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
              outcomes: list[Outcome], failures: list[str], ref: dict, s: dict, plans: list,
              code: int, ref_s: float, chaos_s: float, ch: Chaos) -> int:
-    failures = list(failures)
+    failures = list(failures) + chaos_guards.verdict(s, ref, ch.nan_steps)
     if code != 0:
         failures.append(f"the chaos run exited {code}: {s.get('reason')}")
     if s.get("final_step") != steps - 1:
@@ -805,6 +832,8 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         "downtime_max": max(downs) if downs else None,
         "recover_p50": percentile(rec, 50), "recover_p99": percentile(rec, 99),
         "lost_steps": lost, "recomputed_steps": recomputed,
+        "nan_steps": sorted(set(ch.nan_steps)), "skipped_steps": s.get("skipped_steps", []),
+        "goodput": s.get("goodput"),
         "restarts": [{**r, "outcome": o.index} for r, o in zip(ch.restarts, kill_alls)],
         "check": check, "world_sizes": world_sizes,
         "generation": s.get("generation"), "param_sha256": s.get("param_sha256"),
@@ -847,18 +876,24 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
 def cmd_chaos(args: argparse.Namespace) -> int:
     kinds = args.kinds.split(",") if args.kinds else None
     if kinds:
-        unknown = set(kinds) - set(KINDS) - set(ELASTIC_KINDS)
+        unknown = set(kinds) - set(KINDS) - set(ELASTIC_KINDS) - set(GUARD_KINDS)
         if unknown:
             print(f"ceaseless chaos: unknown kinds {sorted(unknown)}", file=sys.stderr)
             return 2
-    need = max(SPARES_NEEDED.get(k, 0) for k in (kinds or KINDS))
+    need = max(SPARES_NEEDED.get(k, 0) for k in (kinds or KINDS + (
+        GUARD_KINDS if args.guards else ())))
+    if "slow" in (kinds or (GUARD_KINDS if args.guards else ())) and args.workers < 3:
+        print("ceaseless chaos: `slow` needs --workers >= 3 (a straggler is slow against the "
+              "median of the others)", file=sys.stderr)
+        return 2
     if args.workers < 1 or args.spares < max(1, need):
         print(f"ceaseless chaos: needs --workers >= 1 and --spares >= {max(1, need)} "
               "(a fault during recovery uses two)", file=sys.stderr)
         return 2
     opts = ChaosOptions(duration=args.duration, seed=args.seed, workers=args.workers,
                         spares=args.spares, steps=args.steps, gap=args.gap,
-                        elastic=args.elastic, run_dir=args.run_dir, model=args.model,
+                        elastic=args.elastic, guards=args.guards, run_dir=args.run_dir,
+                        model=args.model,
                         kinds=kinds, dtype=args.dtype, checkpoint_every=args.checkpoint_every)
     try:
         return asyncio.run(run(opts))
@@ -882,7 +917,11 @@ def register(sub: Any) -> None:
     p.add_argument("--elastic", action="store_true",
                    help="also capacity add/remove and priority release events (the world "
                         "size then changes: losses are compared within 1e-4)")
-    p.add_argument("--kinds", help="comma-separated subset of: " + ",".join(KINDS + ELASTIC_KINDS))
+    p.add_argument("--guards", action="store_true",
+                   help="also the guards' events: nan, slow, preempt, bitflip (the chaos run "
+                        "then verifies every 10 steps)")
+    p.add_argument("--kinds", help="comma-separated subset of: "
+                   + ",".join(KINDS + ELASTIC_KINDS + GUARD_KINDS))
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", choices=["float32", "float64"],
                    help="the example's dtype (default: float64 with --elastic, else float32)")

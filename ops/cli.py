@@ -65,7 +65,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      ray_address=args.ray_address, ray_cpus_per_pod=args.ray_cpus_per_pod,
                      bus_host=args.bus_host, shard_size=args.shard_size,
                      straggler_factor=args.straggler_factor, verify_every=args.verify_every,
-                     straggler_window=args.straggler_window)
+                     straggler_window=args.straggler_window,
+                     on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike)
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -77,6 +78,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"ceaseless up: --workers {opts.workers} is not a multiple of --shard-size {k}: "
               f"the job runs whole replicas of {k} ranks (try --workers "
               f"{max(k, opts.workers // k * k)})", file=sys.stderr)
+        return 2
+    if opts.on_nonfinite == "rollback" and opts.verify_every <= 0:
+        print("ceaseless up: --on-nonfinite rollback goes back to the last verified copy: it "
+              "needs --verify-every N > 0", file=sys.stderr)
+        return 2
+    if opts.loss_spike != 0 and not opts.loss_spike > 1:
+        print(f"ceaseless up: --loss-spike must be 0 (off) or over 1, got {opts.loss_spike:g}",
+              file=sys.stderr)
         return 2
     from schemas.timeouts import agent_timeouts_from_env, check_timeouts
 
@@ -143,9 +152,25 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
             out["script"] = json.loads((await kv.get("script")).value)
         except Exception:
             out["script"] = None
+        out["goodput"] = _ledger(args)
         return out
     finally:
         await bus.close()
+
+
+def _ledger(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The goodput ledger so far, from the run directory's traces (None with --nats: no run
+    directory to read)."""
+    if args.nats:
+        return None
+    from .ledger import from_run_dir
+    from .runinfo import ClusterInfo, find_run_dir
+
+    try:
+        info = ClusterInfo.read(find_run_dir(args.run_dir))
+        return from_run_dir(info.run_dir, launched=info.started)
+    except Exception as e:  # an aid: the rest of the status still shows
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _render_status(st: dict[str, Any]) -> str:
@@ -229,6 +254,11 @@ def _render_status(st: dict[str, Any]) -> str:
                          f"leaving {r['leaving']}")
         if sc.get("waiting"):
             lines.append(f"  waiting: {sc['waiting']}")
+    led = st.get("goodput")
+    if led and "error" not in led:
+        from .ledger import render
+
+        lines += render(led)
     return "\n".join(lines)
 
 
@@ -405,6 +435,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="every N steps the replicas compare a digest of their state; the "
                          "agreed one is kept in host memory, a disagreement rolls back to it "
                          "and the odd replica is replaced (default %(default)s; 0: off)")
+    up.add_argument("--on-nonfinite", choices=["skip", "rollback"], default="skip",
+                    help="a step whose loss or gradient is not finite is skipped on every rank; "
+                         "rollback: also go back to the last verified copy and compute the "
+                         "steps after it again, that step's data skipped (default %(default)s)")
+    up.add_argument("--loss-spike", type=float, default=0.0, metavar="F",
+                    help="skip a step whose loss is over F times the median of the last "
+                         "committed ones, as a non-finite one (default 0: off)")
     up.add_argument("--straggler-factor", type=float, default=None, metavar="F",
                     help="a member whose own compute of a step is F times the members' "
                          "median for --straggler-window s is swapped for a live spare at a "

@@ -59,6 +59,8 @@ class UpOptions:
     # wait (a long rank-0 evaluation is no hang)
     stall_timeout: float = DEFAULTS["collective_timeout"]
     verify_every: int = 0  # the agents' CEASELESS_VERIFY_EVERY (up's default: 100)
+    on_nonfinite: str = "skip"   # the agents' CEASELESS_ON_NONFINITE (skip | rollback)
+    loss_spike: float = 0.0      # the agents' CEASELESS_LOSS_SPIKE (0: off)
     straggler_factor: float | None = None  # None: the monitor's defaults
     straggler_window: float | None = None
     allow_inject: bool = True
@@ -305,6 +307,7 @@ async def run(opts: UpOptions) -> int:
            # the agents' own stall watchdog acts at the monitor's stall timeout
            "CEASELESS_STALL_TIMEOUT": str(opts.stall_timeout),
            "CEASELESS_VERIFY_EVERY": str(opts.verify_every),
+           "CEASELESS_ON_NONFINITE": opts.on_nonfinite, "CEASELESS_LOSS_SPIKE": str(opts.loss_spike),
            # the agent shards its model over the ranks of a replica (1: unsharded)
            "CEASELESS_SHARD_SIZE": str(opts.shard_size),
            # no batch given: a first plan made with the default is no mismatch to warn about
@@ -476,7 +479,7 @@ async def run(opts: UpOptions) -> int:
         if finished_w and not interrupted and (
                 what := _finished(finished_w, _run_steps(run_dir))):
             reason = what + after
-        summary = _summary(run_dir, obs, exits, code, reason)
+        summary = _summary(run_dir, obs, exits, code, reason, launched=info.started)
         sup.stopping = True
         sup_task.cancel()
         await asyncio.gather(sup_task, return_exceptions=True)
@@ -490,6 +493,10 @@ async def run(opts: UpOptions) -> int:
         print(f"  final step {summary['final_step']}, params sha256 "
               f"{(summary.get('param_sha256') or '')[:16]}…, incidents "
               f"{len(summary['incidents'])}, lost steps {summary['lost_steps']}", file=out)
+    if (summary.get("goodput") or {}).get("effective_ratio") is not None:
+        from .ledger import render
+
+        print("  " + "\n  ".join(render(summary["goodput"], last=3)), file=out)
     print(f"  summary: {run_dir / 'summary.json'}", file=out, flush=True)
     if (obs.failed is None and _total_loss(code, exits) and opts.checkpoint_dir
             and opts.auto_resume > 0):
@@ -755,8 +762,20 @@ def param_digests(finals: list[dict[str, Any]]) -> tuple[set[str], bool]:
     return {h.hexdigest()}, True
 
 
+def _goodput(run_dir: Path, results: list[dict[str, Any]],
+             launched: float | None) -> dict[str, Any] | None:
+    """The goodput ledger (ops/ledger.py) up to the job's last commit; None without traces."""
+    from .ledger import from_run_dir
+
+    last = max((t for r in results for _, t in r.get("commits", [])), default=None)
+    try:
+        return from_run_dir(run_dir, launched=launched, end=last)
+    except Exception as e:  # an aid: never a reason to lose the summary
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
-             reason: str) -> dict[str, Any]:
+             reason: str, launched: float | None = None) -> dict[str, Any]:
     results = []
     for p in sorted((run_dir / "results").glob("*.json")):
         try:
@@ -797,6 +816,8 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "job_failed": obs.failed.model_dump(mode="json") if obs.failed is not None else None,
         # what the script itself ran (KV `script`: its batch and step total)
         "script": obs.script.model_dump(exclude_none=True) if obs.script else None,
+        # the effective training time ratio and, per incident, where the time went
+        "goodput": _goodput(run_dir, results, launched),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

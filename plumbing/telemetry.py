@@ -64,6 +64,10 @@ SPAN_DATA_RESUME = "data_resume"      # agent: loader seeks to restore_step + 1
 SPAN_FIRST_STEP = "first_step"        # agent: the first step of g+1; the incident ends here
 # agent, instead of abort: the step in flight was finished for g+1 (resume in place)
 SPAN_FINISH_STEP = "finish_step"
+# agent, outside incidents (the goodput ledger, ops/ledger.py): a pod's first committed step
+# (one per pod) and a rollback to the last verified copy (the steps it computes again)
+SPAN_TRAIN_START = "train_start"
+SPAN_ROLLBACK = "rollback"
 
 PHASES: tuple[str, ...] = (SPAN_ABORT, SPAN_RENDEZVOUS, SPAN_STATE_SYNC, SPAN_DATA_RESUME,
                            SPAN_FIRST_STEP)
@@ -88,6 +92,9 @@ ATTR_THROUGHPUT_MBPS = "ceaseless.throughput_mbps"
 ATTR_LOST_STEPS = "ceaseless.lost_steps"
 ATTR_ROLE = "ceaseless.role"                  # worker / spare / source / recipient
 ATTR_SERVICE = "ceaseless.service"            # resource: short service name (agent, scaler...)
+ATTR_STEP = "ceaseless.step"
+ATTR_RECOMPUTED_STEPS = "ceaseless.recomputed_steps"  # rollback: steps computed again
+ATTR_STEP_TIME = "ceaseless.step_time"        # rollback: the member's median step time, s
 
 _ATTR_BY_KEY = {
     "job": ATTR_JOB, "incident": ATTR_INCIDENT, "generation": ATTR_GENERATION,
@@ -95,6 +102,7 @@ _ATTR_BY_KEY = {
     "restore_step": ATTR_RESTORE_STEP, "bytes": ATTR_BYTES,
     "throughput_mbps": ATTR_THROUGHPUT_MBPS, "lost_steps": ATTR_LOST_STEPS, "role": ATTR_ROLE,
     "fault_kind": ATTR_FAULT_KIND, "detection_latency": ATTR_DETECTION_LATENCY,
+    "step": ATTR_STEP, "recomputed_steps": ATTR_RECOMPUTED_STEPS, "step_time": ATTR_STEP_TIME,
 }
 
 # Metrics.
@@ -466,6 +474,18 @@ def span(name: str, *, context: Context | None = None, start_time: int | None = 
     with tracer().start_as_current_span(name, context=context, start_time=start_time,
                                         links=links, attributes=attrs(**attributes)) as s:
         yield s
+
+
+def mark(name: str, at_s: float, **attributes: Any) -> None:
+    """A zero-length root span at wall time ``at_s`` (the ledger's ``train_start`` and
+    ``rollback``); never raises: a trace is an aid, not a reason to stop training."""
+    try:
+        ns = int(at_s * 1e9)
+        s = tracer().start_span(name, context=Context(), start_time=ns,
+                                attributes=attrs(**attributes))
+        s.end(end_time=ns)
+    except Exception:
+        pass
 
 
 def root_context() -> Context:

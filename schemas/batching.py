@@ -61,6 +61,39 @@ def micro_batch_range(num_micro: int, world_size: int, rank: int,
     return range(start, start + n)
 
 
+def shares_range(shares: dict[int, int], rank: int) -> range:
+    """The micro-batches ``rank`` computes under a plan's explicit ``shares`` (unsharded): the
+    ranks' runs in rank order. Equal to :func:`micro_batch_range` for the even shares
+    :func:`shares` gives; a straggler's smaller share (the scaler's ``share_out``) moves the
+    others' runs, not which samples a micro-batch holds."""
+    if rank not in shares:
+        raise ValueError(f"rank {rank} has no share")
+    start = sum(n for r, n in shares.items() if r < rank)
+    return range(start, start + shares[rank])
+
+
+def uneven_shares(num_micro: int, weights: dict[int, float]) -> dict[int, int]:
+    """``num_micro`` micro-batches over the ranks of ``weights`` in proportion to them (each
+    at least one; largest remainders first, ties to the lower rank): a straggler weighted by
+    its speed gets fewer. Weights equal to a distribution give it back (a fixed point)."""
+    ranks = sorted(weights)
+    if num_micro < len(ranks):
+        raise ValueError(f"{num_micro} micro-batches cannot be spread over {len(ranks)} ranks")
+    if any(not w > 0 for w in weights.values()):
+        raise ValueError("weights must be positive")
+    total = sum(weights.values())
+    exact = {r: num_micro * weights[r] / total for r in ranks}
+    out = {r: max(1, int(exact[r])) for r in ranks}
+    rest = {r: exact[r] - out[r] for r in ranks}
+    left = num_micro - sum(out.values())
+    for r in sorted(ranks, key=lambda r: (-rest[r], r))[:max(0, left)]:
+        out[r] += 1
+    while left < 0:  # the ones given to tiny weights, taken from the least deserving
+        r = min((q for q in ranks if out[q] > 1), key=lambda q: (rest[q], -q))
+        out[r], rest[r], left = out[r] - 1, rest[r] + 1, left + 1
+    return out
+
+
 def lr_factor_at(step: int, start: int, prev: float, target: float, warmup_steps: int) -> float:
     """The learning-rate factor at ``step`` of a generation that began at ``start``: a
     linear ramp from ``prev`` to ``target`` over ``warmup_steps`` steps (0: at once)."""

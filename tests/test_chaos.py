@@ -148,3 +148,26 @@ def test_chaos_kill_all_restarts_from_a_checkpoint(tmp_path):
     assert r["run_dir"].endswith("restart-1") and r["from_step"] is not None
     assert rep["recomputed_steps"] >= 0
     assert "total losses" in text and "recomputed" in text
+
+
+GUARDS_TIMEOUT = 420
+
+
+@pytest.mark.timeout(GUARDS_TIMEOUT + 60)
+def test_chaos_guards_pass(tmp_path):
+    """The guards' events (`--kinds nan,slow,preempt,bitflip`, 3 workers so that a straggler
+    stands out from the median): each survived through its guard, the NaN step skipped in the
+    chaos run and in the reference run after it, the result bitwise the reference's."""
+    from ops.chaos_guards import GUARD_KINDS
+
+    code, text, run_dir = _chaos(tmp_path, [
+        "--duration", "40", "--gap", "10", "--seed", str(CI_SEED), "--workers", "3",
+        "--spares", "2", "--steps", "700", "--kinds", ",".join(GUARD_KINDS)], GUARDS_TIMEOUT)
+    assert code == 0, text[-6000:]
+    rep = json.loads((run_dir / "chaos.json").read_text())
+    assert rep["failures"] == [], rep["failures"]
+    assert sorted(rep["by_kind"]) == sorted(GUARD_KINDS), text[-4000:]
+    assert all(v[0] == v[1] >= 1 for v in rep["by_kind"].values()), rep["by_kind"]
+    assert rep["nan_steps"] and rep["skipped_steps"] == rep["nan_steps"]
+    assert rep["check"] == "bitwise parameters" and rep["param_sha256"] == rep["reference_sha256"]
+    assert rep["goodput"]["effective_ratio"] is not None

@@ -34,6 +34,16 @@ async def test_an_injected_nan_step_is_skipped_on_every_rank_and_repeats(tmp_pat
               for r in log_events(tmp_path / "a", pod, "non-finite loss: the step's update is "
                                   "skipped on every rank")}
     assert warned == {AT: [1]}  # every rank names rank 1, whose local loss was NaN
+    # the "rollback" policy: back to the copy verified at step 9, steps 10-12 computed
+    # again, step 12's data skipped again: the same result as skipping it
+    r = await run_job(tmp_path, "rollback", 2, 0, fault=_nan, steps=STEPS,
+                      extra=["--on-nonfinite", "rollback", "--verify-every", "5"])
+    assert r["skipped_steps"] == [AT] and r["param_sha256"] == a["param_sha256"], r
+    for pod in ("w0", "w1"):
+        (ev,) = log_events(tmp_path / "rollback", pod, "rolled back to the last verified copy")
+        assert ev["reason"] == "nonfinite" and ev["verified"] == 9 and ev["step"] == AT
+    rb = [e for e in r["goodput"]["incidents"] if e["recomputed_s"] > 0]
+    assert [e["kind"] for e in rb] == ["nonfinite"], r["goodput"]
 
 
 async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
@@ -129,3 +139,42 @@ async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path)
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
     for pod in ("w0", "w2"):
         assert log_events(tmp_path / "flip", pod, "rolled back to the last verified copy")
+    # the goodput ledger: the rollback's recomputed steps (19 -> 9) and the corruption
+    # incident, each with where its time went
+    g = s["goodput"]
+    assert 0 < g["effective_ratio"] < 1 and g["startup_s"] > 0, g
+    rb = [e for e in g["incidents"] if e["recomputed_s"] > 0]
+    assert len(rb) == 1 and rb[0]["kind"] == "corruption", g
+    assert [e["kind"] for e in g["incidents"] if e["recomputed_s"] == 0] == ["corruption"], g
+    assert g["lost_s"]["recomputed"] == rb[0]["recomputed_s"] > 0
+
+
+async def test_a_straggler_without_a_spare_computes_fewer_micro_batches(tmp_path):
+    """No spare: the scaler cuts the straggler's share of the step's micro-batches by its
+    slowness and gives them to the others, at a step boundary, the same members and the
+    same global batch. The micro-batches are summed in another order (float64 here: the
+    losses agree with the fault-free run within 1e-9), nothing is recomputed."""
+    from schemas.messages import Inject, InjectAction
+
+    steps = 70
+    flags = ["--straggler-factor", "2.5", "--straggler-window", "2", "--dtype", "float64"]
+    slow: list[str] = []
+
+    async def straggle(c):
+        await c.wait_rank_step(1, 5)
+        slow.append(c.member(1).pod)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
+                                                          at_step=8, factor=6))
+
+    ref = await run_job(tmp_path, "ref", 3, 0, steps=steps, extra=flags)
+    s = await run_job(tmp_path, "share", 3, 0, fault=straggle, steps=steps, extra=flags)
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
+    assert [(i["kind"], i["pod"]) for i in s["incidents"]][:1] == [("straggler", slow[0])], s
+    cut = [p for p in s["plans"] if p.reason.startswith("straggler:")]
+    assert cut and cut[0].apply_step is not None, [p.reason for p in s["plans"]]
+    first = s["plans"][0]
+    assert [m.pod for m in cut[0].members] == [m.pod for m in first.members]
+    assert cut[0].shares[1] < first.shares[1] and sum(cut[0].shares.values()) == 8
+    assert s["world_size"] == 3 and s["param_sha256_consistent"]
+    for k, v in ref["losses"].items():
+        assert abs(s["losses"][k] - v) <= 1e-9 * abs(v), (k, s["losses"][k], v)

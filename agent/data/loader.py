@@ -100,15 +100,17 @@ class ElasticLoader:
         return self._ks
 
     def seek(self, step: int, rank: int | None = None, world_size: int | None = None,
-             shard_size: int | None = None) -> None:
+             shard_size: int | None = None, ks: range | None = None) -> None:
         """Position at ``step`` for ``rank`` of ``world_size`` in replicas of ``shard_size``
-        (defaults: unchanged). O(1)."""
+        (defaults: unchanged), computing micro-batches ``ks`` (default: the even spread).
+        O(1)."""
         if step < 0:
             raise DataError(f"step {step} is negative")
         rank = self._rank if rank is None else int(rank)
         world = self._world if world_size is None else int(world_size)
         k = self._shard if shard_size is None else int(shard_size)
-        ks = self.order.rank_range(world, rank, self.micro_batch_size, k)
+        if ks is None:
+            ks = self.order.rank_range(world, rank, self.micro_batch_size, k)
         if not ks:
             raise DataError(f"{self.num_micro} micro-batches cannot be spread over {world} ranks")
         with self._cond:
@@ -298,12 +300,15 @@ class BatchSource:
                                     pin_memory=pin) if isinstance(dataset, TokenDataset) else None
         self._ahead: Iterator[tuple[int, Any]] | None = None
 
-    def begin(self, step: int, rank: int, world_size: int, shard_size: int = 1) -> None:
-        """This rank's micro-batches of ``step`` come next."""
+    def begin(self, step: int, rank: int, world_size: int, shard_size: int = 1,
+              ks: range | None = None) -> None:
+        """This rank's micro-batches of ``step`` (``ks``: the plan's; default: the even
+        spread) come next."""
         self._ahead = None
-        if self.loader is not None and self.order.rank_range(world_size, rank, self.m,
-                                                             shard_size):
-            self.loader.seek(step, rank, world_size, shard_size)
+        if ks is None:
+            ks = self.order.rank_range(world_size, rank, self.m, shard_size)
+        if self.loader is not None and ks:
+            self.loader.seek(step, rank, world_size, shard_size, ks=ks)
             self._ahead = iter(self.loader)
 
     def get(self, step: int, k: int) -> Any:

@@ -441,20 +441,26 @@ class HealthMonitor(Service):
         """A member whose own compute of a step (``Heartbeat.compute_time``, not the wait for
         the others) stays over ``straggler_factor`` times the members' median (and at least
         STRAGGLER_MIN_S over it) for ``straggler_window`` s is a ``straggler``, while a live
-        spare can take its place (the scaler swaps them at a step boundary). It stays
-        watched: it is alive and a member until the swap."""
+        spare can take its place (the scaler swaps them at a step boundary) or, without one,
+        while the job is unsharded and it computes more than one micro-batch (the scaler
+        shares them out). It stays watched: it is alive and a member."""
         if plan is None or self.straggler_factor <= 0:
             return
         views = [self.pods[m.pod] for m in plan.members if m.pod in self.pods]
         views = [v for v in views if v.compute_time is not None and v.pod not in self.faulted
                  and v.generation == plan.generation and v.state == AgentState.training]
-        if len(views) < 2 or not any(  # a live spare (plan.spares lists only the plan's)
-                v.role == Role.spare and v.rank is None and now - v.last_hb < self.fault_timeout
-                for v in self.pods.values()):
+        spare = any(  # a live spare (plan.spares lists only the plan's)
+            v.role == Role.spare and v.rank is None and now - v.last_hb < self.fault_timeout
+            for v in self.pods.values())
+        # without one, the scaler shares an unsharded straggler's micro-batches out instead
+        if len(views) < 2 or not (spare or plan.shard_size == 1):
             return
         times = sorted(v.compute_time for v in views)
         med = times[len(times) // 2]
         for v in views:
+            if not spare and plan.shares.get(v.rank if v.rank is not None else -1, 0) <= 1:
+                v.slow_since = None  # one micro-batch: nothing left to share out
+                continue
             if not (v.compute_time > self.straggler_factor * med
                     and v.compute_time - med > STRAGGLER_MIN_S):
                 v.slow_since = None

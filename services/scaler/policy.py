@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from schemas import num_micro_batches, shares
+from schemas.batching import uneven_shares
 from schemas.messages import Member, Plan
 from schemas.policy import ScalingPolicy
 
@@ -348,6 +349,36 @@ def on_preempt(plan: Plan, pods: str | Iterable[str], alive_spares: Iterable[str
     return d.model_copy(update={
         "apply_step": apply_step, "fenced": [p for p in d.fenced if p not in gone],
         "reason": f"{why}: {', '.join(leaving)} leave at step {apply_step}"[:2000]})
+
+def share_out(plan: Plan, pod: str, ratio: float, apply_step: int,
+              incident: str | None = None) -> Plan | Wait | None:
+    """A straggler and no spare to swap in: the same members at step ``apply_step``, the
+    straggler's micro-batches cut by its slowness (``ratio``: its own compute of a step over
+    the others' median) and shared out to the others; the global batch is unchanged.
+    Weights are speeds (micro-batches per second of compute), so a second look after the
+    change refines the first. None: not a member, or the shares would not change; ``Wait``:
+    a sharded job (a replica's ranks compute equal shares)."""
+    r = plan.rank_of(pod)
+    if r is None:
+        return None
+    if plan.shard_size > 1:
+        return Wait("a straggler in a sharded replica needs a spare (its ranks compute "
+                    "equal shares)")
+    weights = {q: n / (max(1.0, ratio) if q == r else 1.0) for q, n in plan.shares.items()}
+    try:
+        new = uneven_shares(sum(plan.shares.values()), weights)
+    except ValueError as e:
+        return Wait(str(e))
+    if new == plan.shares:
+        return None
+    data = plan.model_dump()
+    data.update(generation=plan.generation + 1, shares=new, apply_step=apply_step,
+                incident=incident, fenced=[], ts=0.0,
+                reason=(f"straggler: {pod} computes {new[r]} of {sum(new.values())} "
+                        f"micro-batches from step {apply_step} (was {plan.shares[r]}; "
+                        f"{ratio:.1f}x slower)")[:2000])
+    return Plan.model_validate(data)
+
 
 def on_capacity_add(target: int, count: int, cfg: PolicyConfig) -> TargetChange | Refused:
     """``count`` new slots: the target grows by ``count`` up to ``max_replicas`` (and the

@@ -68,6 +68,7 @@ class PodSeen:
     step: int = -1
     step_time: float | None = None  # the agent's median, or estimated from the view's steps
     since: float = 0.0  # monotonic time this generation was first heard of
+    compute_time: float | None = None  # its own compute of a step (a straggler's slowness)
 
 
 @dataclass
@@ -141,6 +142,8 @@ class Scaler(Service):
         # members to plan out at a step boundary: pod -> (why, the fault's incident or None):
         # a preemption notice ("preempted"), a straggler ("straggler")
         self.preempting: dict[str, tuple[str, str | None]] = {}
+        # stragglers without a spare: (slowness, incident), their share cut at a boundary
+        self.sharing: dict[str, tuple[float, str]] = {}
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = BoundedSet(MAX_TRACKED)
         self._dead_logged = BoundedSet(MAX_TRACKED)
@@ -277,7 +280,8 @@ class Scaler(Service):
         self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
                                     rank=hb.rank, last=last, step=hb.step,
                                     step_time=hb.step_time or (seen.step_time if same else None),
-                                    since=seen.since if same else last)
+                                    since=seen.since if same else last,
+                                    compute_time=hb.compute_time)
         if new:
             self._kick.set()
 
@@ -333,6 +337,35 @@ class Scaler(Service):
                       detail=r.error[:200])
         self._kick.set()
 
+    def _slowness(self, plan: Plan, pod: str) -> float | None:
+        """A member's own compute of a step over the other members' median (None: unknown)."""
+        me = self.pods.get(pod)
+        others = sorted(s.compute_time for m in plan.members if m.pod != pod
+                        and (s := self.pods.get(m.pod)) is not None and s.compute_time)
+        if me is None or not me.compute_time or not others:
+            return None
+        return me.compute_time / others[len(others) // 2]
+
+    async def _share_out(self, plan: Plan, now: float) -> None:
+        """A straggler without a spare: a plan with its share cut, at a step boundary."""
+        for pod in [p for p in self.sharing if plan.rank_of(p) is None]:
+            del self.sharing[pod]
+        if not self.sharing or self._not_entered(plan):
+            return
+        apply = self._apply_step(plan, now)
+        if apply is None:
+            self._note_wait("sharing out a straggler's micro-batches: waiting for the "
+                            "members' step time")
+            self._kick_later(VIEW_INTERVAL)
+            return
+        pod = sorted(self.sharing)[0]
+        ratio, incident = self.sharing.pop(pod)
+        d = policy.share_out(plan, pod, ratio, apply, incident=incident)
+        if isinstance(d, Wait):
+            self._note_wait(f"straggler {pod}: {d.reason}")
+        elif d is not None:
+            await self._commit(d, self.plans.revision, [])
+
     async def _preemptions(self, plan: Plan, now: float) -> None:
         """Members that gave notice leave at the next step boundary: a planned plan."""
         for pod in [p for p in self.preempting if plan.rank_of(p) is None]:
@@ -381,9 +414,15 @@ class Scaler(Service):
                 self.log.info("straggler: planning its swap for a spare", pod=f.pod,
                               incident=f.incident, reason=f.reason[:200])
                 self._kick.set()
+            elif plan.rank_of(f.pod) is not None and (ratio := self._slowness(plan, f.pod)):
+                # no spare: its micro-batches are shared out to the others
+                self.sharing[f.pod] = (ratio, f.incident)
+                self.log.info("straggler without a spare: sharing out its micro-batches",
+                              pod=f.pod, ratio=round(ratio, 2), incident=f.incident)
+                self._kick.set()
             else:
-                self._ignore(env.subject, "straggler without a live spare to swap in",
-                             pod=f.pod, incident=f.incident)
+                self._ignore(env.subject, "straggler: no live spare, and its slowness is not "
+                             "known here", pod=f.pod, incident=f.incident)
             return
         if plan.rank_of(f.pod) is None:
             self.dead.add(f.pod)
@@ -686,6 +725,10 @@ class Scaler(Service):
         if not self.pending and self.preempting:
             await self._preemptions(plan, now)
             if self.preempting:
+                return
+        if not self.pending and self.sharing:
+            await self._share_out(plan, now)
+            if self.sharing:
                 return
         if not self.pending:
             self.waiting = ""

@@ -1,0 +1,154 @@
+"""Unit tests of the guards' decisions (issue 32): the loss-spike guard, a skipped step that is
+computed again after a rollback, the state that carries both, and the settings' checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.config import AgentConfig
+from agent.stepper import Stepper
+from agent.train_state import SPIKE_MIN, SPIKE_WINDOW, TrainState
+
+
+def _state(losses: list[float]) -> TrainState:
+    st = TrainState()
+    st.register(model=torch.nn.Linear(2, 2))
+    for i, x in enumerate(losses):
+        st.note_commit(i, x, False)
+    return st
+
+
+def _stepper(st: TrainState, spike: float = 3.0) -> Stepper:
+    return Stepper(8, st, cfg=AgentConfig(nats_url="nats://127.0.0.1:1", pod="p0",
+                                          loss_spike=spike))
+
+
+def test_a_loss_over_the_factor_times_the_median_is_skipped():
+    st = _state([1.0 + 0.01 * i for i in range(SPIKE_MIN)])
+    sp = _stepper(st)
+    sp.guard(20, 3.0)  # 3.0 < 3 x 1.05
+    assert sp.nonfinite is None
+    sp.guard(20, 3.5)
+    assert sp.nonfinite == []  # skipped, with no rank to blame
+    off = _stepper(st, spike=0.0)
+    off.guard(20, 1e9)
+    assert off.nonfinite is None
+
+
+def test_the_spike_guard_waits_for_enough_losses_and_keeps_a_window():
+    st = _state([1.0] * (SPIKE_MIN - 1))
+    sp = _stepper(st)
+    sp.guard(9, 100.0)
+    assert sp.nonfinite is None  # too few losses for a median
+    st.note_commit(9, float("nan"), False)  # not finite: not in the median
+    st.note_commit(10, 50.0, True)          # skipped: not in it either
+    assert len(st.recent_losses) == SPIKE_MIN - 1
+    for i in range(200):
+        st.note_commit(11 + i, 2.0, False)
+    assert len(st.recent_losses) == SPIKE_WINDOW and st.loss_median() == 2.0
+
+
+def test_a_skipped_step_computed_again_is_skipped_again_once_listed():
+    st = _state([1.0] * SPIKE_MIN)
+    st.note_commit(12, float("nan"), True)
+    assert st.new_skip and st.skipped == [12]
+    st.note_commit(12, float("nan"), True)  # the same step committed again
+    assert not st.new_skip and st.skipped == [12]
+    sp = _stepper(st, spike=0.0)
+    sp.guard(11, 1.0)
+    assert sp.nonfinite is None
+    sp.guard(12, 1.0)  # finite this time, but its data is skipped (the rollback policy)
+    assert sp.nonfinite == []
+
+
+def test_the_guards_state_travels_with_the_snapshot():
+    st = _state([1.0, 2.0, 3.0])
+    st.note_commit(3, float("inf"), True)
+    st.last_committed = 3
+    snap = st.snapshot()
+    other = _state([])
+    other.restore(snap)
+    assert other.recent_losses == [1.0, 2.0, 3.0] and other.skipped == [3]
+    other.forget()
+    assert other.recent_losses == [] and other.skipped == []
+
+
+def test_settings_are_checked():
+    base = dict(nats_url="nats://127.0.0.1:1", pod="p0")
+    with pytest.raises(ValueError, match="needs verification on"):
+        AgentConfig(**base, on_nonfinite="rollback")
+    AgentConfig(**base, on_nonfinite="rollback", verify_every=10)
+    with pytest.raises(ValueError, match="skip or rollback"):
+        AgentConfig(**base, on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="loss_spike"):
+        AgentConfig(**base, loss_spike=0.5)
+
+
+# ---------------------------------------------------------------- a straggler without a spare
+from hypothesis import given, settings, strategies as hs  # noqa: E402
+
+from schemas.batching import micro_batch_range, shares, shares_range, uneven_shares  # noqa: E402
+from services.scaler import policy  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.integers(1, 64), hs.lists(hs.floats(0.01, 100), min_size=1, max_size=16))
+def test_uneven_shares_cover_the_batch_and_give_everyone_one(m, ws):
+    weights = dict(enumerate(ws))
+    if m < len(ws):
+        with pytest.raises(ValueError):
+            uneven_shares(m, weights)
+        return
+    out = uneven_shares(m, weights)
+    assert sum(out.values()) == m and min(out.values()) >= 1
+    ranges = [shares_range(out, r) for r in sorted(out)]
+    assert [k for r in ranges for k in r] == list(range(m))  # contiguous, in rank order
+    assert uneven_shares(m, {r: float(n) for r, n in out.items()}) == out  # a fixed point
+    if len(set(ws)) == 1:  # equal speeds: the even spread
+        assert out == shares(m, len(ws))
+        assert ranges == [micro_batch_range(m, len(ws), r) for r in range(len(ws))]
+
+
+def _plan(world=3, m=8, shard=1):
+    return policy.make_plan(4, {r: f"w{r}" for r in range(world)}, global_batch_size=4 * m,
+                            micro_batch_size=4, shard_size=shard)
+
+
+def test_share_out_cuts_the_stragglers_share_and_keeps_the_batch():
+    p = _plan()
+    d = policy.share_out(p, "w1", 6.0, apply_step=20, incident="inc-w1-g4")
+    assert d.generation == 5 and d.apply_step == 20 and d.members == p.members
+    assert d.shares == {0: 4, 1: 1, 2: 3} and d.global_batch_size == p.global_batch_size
+    assert d.reason.startswith("straggler: w1 computes 1 of 8") and d.fenced == []
+    # a second look after the cut: the same slowness per micro-batch, nothing to change
+    assert policy.share_out(d, "w1", 1.0, apply_step=30) is None
+    assert policy.share_out(p, "nobody", 6.0, apply_step=20) is None
+    assert isinstance(policy.share_out(_plan(world=4, shard=2), "w1", 6.0, apply_step=20),
+                      policy.Wait)
+
+
+def test_the_verified_copy_is_written_over_in_place():
+    st = _state([])
+    opt = torch.optim.AdamW(st.objs["model"].parameters())
+    st.register(opt=opt)
+    first = st.snapshot()
+    with torch.no_grad():
+        st.objs["model"].weight.add_(1.0)
+    again = st.snapshot(reuse=first)
+    assert [b.data_ptr() for b in again.buffers] == [b.data_ptr() for b in first.buffers]
+    w = st.objs["model"].weight.detach().clone()
+    with torch.no_grad():
+        st.objs["model"].weight.zero_()
+    st.restore(again)
+    assert torch.equal(st.objs["model"].weight, w)  # the newer state, not the first
+    # a changed layout (AdamW's state appears at its first step): new buffers where needed
+    st.objs["model"].weight.grad = torch.ones_like(w)
+    st.objs["model"].bias.grad = torch.ones(2)
+    opt.step()
+    grown = st.snapshot(reuse=again)
+    assert grown.nbytes > again.nbytes
+    st2 = _state([])
+    st2.register(opt=torch.optim.AdamW(st2.objs["model"].parameters()))
+    st2.restore(grown)
+    assert torch.equal(st2.objs["model"].weight, st.objs["model"].weight)
