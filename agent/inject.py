@@ -98,8 +98,10 @@ class Injector:
         import torch
 
         wide = p.element_size() == 4  # fp32: a mantissa bit; bf16/fp16: one too
+        from .state import local  # sharded: this rank's shard of it
+
         with torch.no_grad():
-            w = p.data.view(-1)[:1].view(torch.int32 if wide else torch.int16)
+            w = local(p).detach().view(-1)[:1].view(torch.int32 if wide else torch.int16)
             w.bitwise_xor_(1 << 20 if wide else 1 << 4)
         log.warning("injected bit flip", tensor=name or "(first)")
 

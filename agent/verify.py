@@ -13,10 +13,11 @@ after it again (at most N; the batches and randomness are a function of the step
 result is the fault-free one); with three or more replicas the majority names the member
 that differed: it reports ``corruption`` about itself (at its next commit, once rank 0 has
 streamed a step computed again: spares that followed the abandoned steps drop them), the
-health monitor declares the
-fault, the scaler fences it and a spare takes its rank. Sharded jobs are not verified yet
-(each rank holds other shards); module buffers (BatchNorm statistics) are left out (they may
-differ per rank by design).
+health monitor declares the fault, the scaler fences it and a spare takes its rank. Sharded
+jobs: each rank digests its own shards, and the replicas compare per shard position (rank r
+holds position r % k); the copy is of the shards. Module buffers (BatchNorm statistics) are
+left out (they may differ per rank by design). The DDP drop-in is not verified (the script
+owns its loop counter and its data: a rollback cannot take them back).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ log = logs.get("agent")
 
 def state_digest(params: list[torch.Tensor], optimizers: list[Any]) -> torch.Tensor:
     """An int64 scalar on the parameters' device: no host sync, no copy of the state."""
-    tensors = list(params) + [v for opt in optimizers for st in opt.state.values()
-                              for v in st.values() if isinstance(v, torch.Tensor)]
+    from .state import local  # sharded (FSDP2): this rank's shard
+
+    tensors = [local(t) for t in params] + [
+        local(v) for opt in optimizers for st in opt.state.values()
+        for v in st.values() if isinstance(v, torch.Tensor)]
     dev = tensors[0].device if tensors else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.int64, device=dev)
     as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -81,7 +85,7 @@ class Verifier:
         if self._report is not None and m is not None and m.is_member:
             rt.report_sync(ReportKind.corruption, self._report)
             self._report = None
-        if m is None or m.group is None or m.sharding is not None:
+        if m is None or m.group is None:
             return
         if self.on_nonfinite == "rollback" and state.new_skip and state.skipped[-1:] == [s]:
             # every member alike (the skip was decided on the reduced loss): back to the
@@ -104,14 +108,19 @@ class Verifier:
             log.info("verification interrupted", step=s, error=str(e)[:200])
             return
         vals = vec.tolist()
-        if len(set(vals)) == 1:
+        # sharded: the replicas compare per shard position (rank r holds position r % k)
+        k = m.sharding.k if m.sharding is not None else 1
+        rows = [[(r, v) for r, v in enumerate(vals) if r % k == pos] for pos in range(k)]
+        if all(len({v for _, v in row}) == 1 for row in rows):
             # one copy at a time, written over in place (its buffers reused when the layout
             # is the same: no allocation of a full host copy per verification)
             self.copy, self.verified = state.snapshot(reuse=self.copy), s
             log.info("state verified", step=s, seconds=round(time.perf_counter() - t0, 4))
             return
-        top, n = Counter(vals).most_common(1)[0]
-        odd = [r for r, v in enumerate(vals) if v != top] if n * 2 > len(vals) else []
+        odd: list[int] = []
+        for row in rows:
+            top, n = Counter(v for _, v in row).most_common(1)[0]
+            odd += [r for r, v in row if v != top] if n * 2 > len(row) else []
         log.error("replicas disagree: silent data corruption", step=s, ranks=odd or "no majority",
                   verified=self.verified)
         if m.rank in odd:

@@ -352,8 +352,11 @@ class Chaos:
     async def _top_up(self) -> None:
         from schemas.messages import ActuatorAction, ActuatorCommand, ActuatorReply, Role
 
-        if not self.opts.elastic:
-            return  # `up` replaces every failed pod by itself; only scale-ups use spares up
+        planned = self.opts.guards or bool({"slow", "preempt"} & set(self.opts.kinds or ()))
+        if not (self.opts.elastic or planned):
+            # `up` replaces every failed pod by itself; scale-ups and planned departures (a
+            # straggler swapped out, a preempted pod: they leave, exit 0) use spares up
+            return
 
         have = {h.pod for h in self.spares()}
         now = time.monotonic()
@@ -710,6 +713,8 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
     kill_alls = sum(1 for ev in schedule if ev.kind == "kill_all")
     if any(ev.kind == "bitflip" for ev in schedule):  # found within this many steps
         extra += ["--verify-every", str(chaos_guards.VERIFY_EVERY)]
+    if any(ev.kind == "slow" for ev in schedule):  # a shorter window: a shorter run
+        extra += ["--straggler-window", str(chaos_guards.STRAGGLER_WINDOW)]
     ckdir = None
     if kill_alls:
         # Every pod killed at once: `up` restarts the job from its newest last-resort
@@ -803,9 +808,12 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         check = f"losses within 1e-4 (world sizes {world_sizes})"
         if not s.get("param_sha256_consistent", True):
             failures.append("members finished with different parameters")
-        bad = [k for k in compared
-               if abs(losses[k] - ref_losses[k]) > 1e-4 * max(1.0, abs(ref_losses[k]))]
-    rel = [abs(losses[k] - ref_losses[k]) / max(1e-12, abs(ref_losses[k])) for k in compared]
+        bad = [k for k in compared if (losses[k] is None) != (ref_losses[k] is None) or (
+               losses[k] is not None
+               and abs(losses[k] - ref_losses[k]) > 1e-4 * max(1.0, abs(ref_losses[k])))]
+    # a skipped non-finite step has no loss (None) in both runs
+    rel = [abs(losses[k] - ref_losses[k]) / max(1e-12, abs(ref_losses[k])) for k in compared
+           if losses[k] is not None and ref_losses[k] is not None]
     if bad:
         failures.append(f"{len(bad)} step loss(es) differ from the reference, e.g. step "
                         f"{bad[0]}: {losses[bad[0]]} vs {ref_losses[bad[0]]}")

@@ -7,7 +7,8 @@ job's own guard, not around it.
   (skipping a step changes the trajectory: the reference must skip it too), so the result
   is still compared bit for bit.
 * ``slow``: one member's compute slowed ``SLOW_FACTOR`` times (``inject slow``): survived
-  when the health monitor found the straggler and a spare took its rank at a step boundary.
+  when the health monitor found the straggler (over ``STRAGGLER_WINDOW`` s) and a spare took
+  its rank at a step boundary.
 * ``preempt``: a preemption notice with a deadline (``inject preempt``): survived when the
   pod left at a step boundary and a spare took its rank, with no fault incident.
 * ``bitflip``: one bit of one member's parameters flipped (``inject bitflip``; the chaos run
@@ -26,7 +27,8 @@ SLOW_FACTOR = 6.0
 PREEMPT_DEADLINE = 60.0
 VERIFY_EVERY = 10
 NAN_AHEAD = 5            # steps ahead of the newest member's: it cannot have passed it yet
-STRAGGLER_TIMEOUT = 120.0  # the straggler window (10 s) and the swap at a step boundary
+STRAGGLER_WINDOW = 3.0     # `up --straggler-window` of a chaos run with `slow` events
+STRAGGLER_TIMEOUT = 120.0  # the straggler window and the swap at a step boundary
 
 
 async def inject(ch: Any, ev: Any, out: Any) -> None:

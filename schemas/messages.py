@@ -241,6 +241,10 @@ class Fault(Message):
     role: Role = Role.worker
     detection_latency: Annotated[float, Field(ge=0)] | None = None
     reason: Text = ""
+    # straggler: its own compute of a step over the members' median (what the scaler cuts
+    # its share of micro-batches by when no spare can take its place). Added 2026-12-06
+    # (issue 32), optional: older services ignore it.
+    slowness: Annotated[float, Field(ge=1, le=1e6)] | None = None
 
 
 class JobFailedKind(str, Enum):

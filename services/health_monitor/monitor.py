@@ -472,6 +472,7 @@ class HealthMonitor(Service):
             if now - v.slow_since >= self.straggler_window:
                 await self._declare(v.pod, FaultKind.straggler, last_seen=v.last_seen,
                                     since=time.time() - (now - v.slow_since), keep=True,
+                                    slowness=v.compute_time / max(med, 1e-9),
                                     reason=f"computes a step in {v.compute_time:.3f}s, the "
                                            f"members' median {med:.3f}s, for "
                                            f"{now - v.slow_since:.1f}s")
@@ -553,7 +554,8 @@ class HealthMonitor(Service):
                                msg_id=f"job-failed-{kind.value}-{f.step}")
 
     async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
-                       reason: str, role: Role | None = None, keep: bool = False) -> bool:
+                       reason: str, role: Role | None = None, keep: bool = False,
+                       slowness: float | None = None) -> bool:
         """Publish the fault of ``pod`` (once per pod and incident): True when it did.
         ``keep``: the pod stays watched (a straggler: alive, a member until swapped)."""
         gen = self.generation
@@ -578,7 +580,8 @@ class HealthMonitor(Service):
         latency = max(0.0, detected - since)
         fault = Fault(incident=incident, pod=pod, kind=kind, detected_at=detected,
                       last_seen=max(0.0, last_seen), generation=gen, rank=rank, role=role,
-                      detection_latency=latency, reason=reason[:2048])
+                      detection_latency=latency, reason=reason[:2048],
+                      slowness=None if slowness is None else min(1e6, max(1.0, slowness)))
         attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.incident": incident,
                  "ceaseless.generation": gen, "ceaseless.pod": pod,
                  "ceaseless.reason": f"{kind.value}: {reason}"[:512],

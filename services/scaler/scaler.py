@@ -414,7 +414,8 @@ class Scaler(Service):
                 self.log.info("straggler: planning its swap for a spare", pod=f.pod,
                               incident=f.incident, reason=f.reason[:200])
                 self._kick.set()
-            elif plan.rank_of(f.pod) is not None and (ratio := self._slowness(plan, f.pod)):
+            elif plan.rank_of(f.pod) is not None and (
+                    ratio := f.slowness or self._slowness(plan, f.pod)):
                 # no spare: its micro-batches are shared out to the others
                 self.sharing[f.pod] = (ratio, f.incident)
                 self.log.info("straggler without a spare: sharing out its micro-batches",
