@@ -339,7 +339,8 @@ class FlatState:
 
 
 def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-             to_host: bool = False, reuse: FlatState | None = None) -> FlatState:
+             to_host: bool = False, reuse: FlatState | None = None,
+             non_blocking: bool = False) -> FlatState:
     """Copy the state of ``objs`` (name -> object with ``state_dict()``) and ``extra`` into a
     FlatState: one contiguous buffer per (dtype, device). Tensors that share memory (tied
     weights) are stored once. Non-tensor leaves must be picklable. ``to_host``: buffers of
@@ -347,7 +348,9 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
     state on the GPU); the specs keep the device, so a restore puts them back there.
     ``reuse``: an older snapshot of the same layout whose buffers are written over (no new
     allocation: a periodic copy of a 70B model's state is not re-allocated each time); its
-    buffers are used only where their dtype, device and size match."""
+    buffers are used only where their dtype, device and size match. ``non_blocking``: device
+    to pinned-host copies are queued on the current CUDA stream (the caller waits for it
+    before the state changes or the copy is read)."""
     structures, extra_s, refs = _strip(objs, extra)
     groups: dict[tuple[torch.dtype, str], list[int]] = {}
     for i, t in enumerate(refs):
@@ -373,7 +376,8 @@ def snapshot(objs: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
                    else torch.empty(off, dtype=dtype, device=dev))
         for j, i in enumerate(idx):
             m = metas[i]
-            buf[m.offset:m.offset + m.numel].copy_(refs[i].reshape(-1))
+            buf[m.offset:m.offset + m.numel].copy_(refs[i].reshape(-1),
+                                                   non_blocking=non_blocking)
             end = metas[idx[j + 1]].offset if j + 1 < len(idx) else off
             buf[m.offset + m.numel:end].zero_()  # padding: checksums see the same bytes
         buffers.append(buf)

@@ -123,6 +123,7 @@ class Stepper:
         # them), taken before zero-grad drops them; only when a spare follows
         sent = ([p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
                 self.state.hypers()) if stream else None
+        self.verify.before_update()  # the verified copy in flight (CUDA) is complete first
         self.state.update(lr_factor, skip)
         self.zero_grad()
         return loss, sent

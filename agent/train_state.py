@@ -227,14 +227,15 @@ class TrainState:
         return h.hexdigest()
 
     # ------------------------------------------------------------------ copies
-    def snapshot(self, reuse: Any = None) -> Any:
+    def snapshot(self, reuse: Any = None, non_blocking: bool = False) -> Any:
         """A copy of the committed state (FlatState), with what a recipient restores too.
         CUDA state goes to pinned host memory: a second full copy of model + optimizer on
         the GPU would cost what the user's batch needs (issue 19). ``reuse``: an older copy
         whose buffers are written over (the verifier's: no allocation per verification)."""
         from .state import snapshot
 
-        return snapshot(self.objs, self._extra(), to_host=True, reuse=reuse)
+        return snapshot(self.objs, self._extra(), to_host=True, reuse=reuse,
+                        non_blocking=non_blocking)
 
     def describe(self) -> Any:
         """The committed state by reference (a ``TensorState`` of the live tensors): what a

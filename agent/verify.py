@@ -68,6 +68,10 @@ class Verifier:
         # report the abandoned step as the newest)
         self._report: str | None = None
         self._gaps: deque[float] = deque(maxlen=50)  # seconds between commits: the step time
+        # CUDA: the verified copy is made on a side stream while the next step computes; the
+        # training stream waits for it before the next update changes the state
+        self._stream: Any = None
+        self._pending: Any = None
         self._last: float | None = None
 
     def due(self, s: int) -> bool:
@@ -114,7 +118,7 @@ class Verifier:
         if all(len({v for _, v in row}) == 1 for row in rows):
             # one copy at a time, written over in place (its buffers reused when the layout
             # is the same: no allocation of a full host copy per verification)
-            self.copy, self.verified = state.snapshot(reuse=self.copy), s
+            self.copy, self.verified = self._snapshot(state), s
             log.info("state verified", step=s, seconds=round(time.perf_counter() - t0, 4))
             return
         odd: list[int] = []
@@ -131,7 +135,35 @@ class Verifier:
             return
         self._rollback(s, state, rt, "corruption")
 
+    def _snapshot(self, state: Any) -> Any:
+        """The verified copy: on CUDA queued on a side stream after the work that made the
+        state (device to pinned host, no host sync, the training stream goes on); on the
+        CPU a plain copy. Its buffers are the previous copy's when the layout is the same."""
+        params = state.params()
+        dev = params[0].device if params else None
+        if dev is None or dev.type != "cuda":
+            return state.snapshot(reuse=self.copy)
+        self.before_update()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        self._stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self._stream):
+            copy = state.snapshot(reuse=self.copy, non_blocking=True)
+        self._pending = self._stream
+        return copy
+
+    def before_update(self) -> None:
+        """Before the optimizer changes the state (and before a restore reads the copy): the
+        training stream waits for the copy in flight (a device-side wait, no host sync)."""
+        if self._pending is not None:
+            dev = self._pending.device
+            torch.cuda.current_stream(dev).wait_stream(self._pending)
+            self._pending = None
+
     def _rollback(self, s: int, state: Any, rt: Any, reason: str) -> None:
+        if self._stream is not None:
+            self.before_update()
+            self._stream.synchronize()  # the copy is read on the host side too (its extra)
         state.restore(self.copy)
         self.rolled_back = True
         log.warning("rolled back to the last verified copy", step=s, verified=self.verified,

@@ -59,15 +59,17 @@ def reference(tmp_path_factory):
 
     from harness import STEPS, run_job
 
-    cache: dict[tuple[int, int], dict] = {}
+    cache: dict[tuple, dict] = {}
 
-    def get(workers: int, steps: int = STEPS) -> dict:
-        key = (workers, steps)
+    def get(workers: int, steps: int = STEPS, extra: tuple[str, ...] = ()) -> dict:
+        """``extra``: `up` flags that change the trajectory (``--dtype float64``); flags that
+        do not (verification, straggler settings) need no reference of their own."""
+        key = (workers, steps, tuple(extra))
         if key not in cache:
             d = tmp_path_factory.mktemp(f"ref{workers}-{steps}")
             with concurrent.futures.ThreadPoolExecutor(1) as ex:  # the test's loop is running
-                cache[key] = ex.submit(asyncio.run,
-                                       run_job(d, "ref", workers, 0, steps=steps)).result()
+                cache[key] = ex.submit(asyncio.run, run_job(
+                    d, "ref", workers, 0, steps=steps, extra=list(extra) or None)).result()
             assert cache[key]["param_sha256"], cache[key]
         return cache[key]
 

@@ -103,3 +103,28 @@ def test_a_working_cuda_context_passes_the_health_check_and_a_bound_device_is_us
     th.start()
     th.join()
     assert seen == [dev]
+
+
+def test_the_verified_copy_is_made_on_a_side_stream_and_waited_for():
+    """Issue 32: the verified copy of CUDA state goes to pinned host memory on a side stream;
+    the update after it waits for it on the device; a rollback restores what was copied."""
+    from agent.train_state import TrainState
+    from agent.verify import Verifier
+
+    st = TrainState()
+    model = torch.nn.Linear(256, 256).cuda()
+    st.register(model=model)
+    v = Verifier(1)
+    copy = v._snapshot(st)
+    assert v._pending is not None and all(b.is_pinned() for b in copy.buffers)
+    want = model.weight.detach().clone()
+    v.before_update()  # the training stream waits for the copy
+    assert v._pending is None
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next update
+    torch.cuda.synchronize()
+    v.copy = copy
+    st.restore(copy)
+    assert torch.equal(model.weight, want)
+    again = v._snapshot(st)  # written over in place
+    assert [b.data_ptr() for b in again.buffers] == [b.data_ptr() for b in copy.buffers]

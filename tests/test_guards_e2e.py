@@ -20,10 +20,10 @@ async def _nan(c):
                                                       at_step=AT))
 
 
-async def test_an_injected_nan_step_is_skipped_on_every_rank_and_repeats(tmp_path):
+async def test_an_injected_nan_step_is_skipped_on_every_rank_and_repeats(tmp_path, reference):
     a = await run_job(tmp_path, "a", 2, 0, fault=_nan, steps=STEPS)
     b = await run_job(tmp_path, "b", 2, 0, fault=_nan, steps=STEPS)
-    clean = await run_job(tmp_path, "clean", 2, 0, steps=STEPS)
+    clean = reference(2, STEPS)
     for s in (a, b):
         assert s["final_step"] == STEPS - 1 and s["skipped_steps"] == [AT], s
         assert s["incidents"] == [] and s["lost_steps"] == 0
@@ -46,7 +46,7 @@ async def test_an_injected_nan_step_is_skipped_on_every_rank_and_repeats(tmp_pat
     assert [e["kind"] for e in rb] == ["nonfinite"], r["goodput"]
 
 
-async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
+async def test_preemption_notices_are_planned_departures_not_faults(tmp_path, reference):
     """SIGTERM to a worker (what Kubernetes, Slurm, a spot reclaim send), then ``inject
     preempt`` to rank 0: each leaves at a step boundary the scaler planned, a spare holding
     the state takes its rank, nothing is recomputed, no fault is declared, the leavers exit
@@ -56,7 +56,7 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
 
     from schemas.messages import Inject, InjectAction
 
-    steps = 60
+    steps = 80
     left: list[str] = []
 
     async def notices(c):
@@ -73,7 +73,7 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
         await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.preempt, rank=0,
                                                           deadline_s=60))
 
-    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps)
+    ref = reference(2, steps)
     s = await run_job(tmp_path, "preempted", 2, 2, fault=notices, steps=steps)
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
     assert s["incidents"] == [], s["incidents"]  # planned: no crash, no lost pod
@@ -86,7 +86,7 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path):
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
 
 
-async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path):
+async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path, reference):
     """``inject slow --factor 6`` to rank 1 of three: the health monitor finds its own compute
     of a step (not the wait for the others) over 2.5x the members' median for 2 s, declares a
     ``straggler``; the scaler swaps it for the live spare at a step boundary (a planned plan,
@@ -104,7 +104,7 @@ async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path):
         await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
                                                           at_step=8, factor=6))
 
-    ref = await run_job(tmp_path, "ref", 3, 0, steps=steps, extra=flags)
+    ref = reference(3, steps)  # the straggler settings do not change the trajectory
     s = await run_job(tmp_path, "slow", 3, 1, fault=straggle, steps=steps, extra=flags)
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
     assert [(i["kind"], i["pod"]) for i in s["incidents"]] == [("straggler", slow[0])], s
@@ -115,7 +115,7 @@ async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path):
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
 
 
-async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path):
+async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path, reference):
     """Silent data corruption: one bit of one of rank 1's parameters flipped (``inject
     bitflip``) at step 13 of a 3-replica job verifying every 10 steps. At step 19 the
     digests disagree, every member rolls back to the copy verified at step 9 and computes the
@@ -123,7 +123,7 @@ async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path)
     takes its rank, and the job ends bitwise equal to the fault-free run."""
     from schemas.messages import Inject, InjectAction
 
-    steps, flags = 50, ["--verify-every", "10"]
+    steps, flags = 80, ["--verify-every", "10"]
     flipped: list[str] = []
 
     async def flip(c):
@@ -132,7 +132,7 @@ async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path)
         await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.bitflip, rank=1,
                                                           at_step=13))
 
-    ref = await run_job(tmp_path, "ref", 3, 0, steps=steps, extra=flags)
+    ref = reference(3, steps)  # verification does not change the trajectory
     s = await run_job(tmp_path, "flip", 3, 1, fault=flip, steps=steps, extra=flags)
     assert s["final_step"] == steps - 1, s
     assert [(i["kind"], i["pod"]) for i in s["incidents"]] == [("corruption", flipped[0])], s
@@ -149,7 +149,7 @@ async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path)
     assert g["lost_s"]["recomputed"] == rb[0]["recomputed_s"] > 0
 
 
-async def test_a_straggler_without_a_spare_computes_fewer_micro_batches(tmp_path):
+async def test_a_straggler_without_a_spare_computes_fewer_micro_batches(tmp_path, reference):
     """No spare: the scaler cuts the straggler's share of the step's micro-batches by its
     slowness and gives them to the others, at a step boundary, the same members and the
     same global batch. The micro-batches are summed in another order (float64 here: the
@@ -166,7 +166,7 @@ async def test_a_straggler_without_a_spare_computes_fewer_micro_batches(tmp_path
         await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
                                                           at_step=8, factor=6))
 
-    ref = await run_job(tmp_path, "ref", 3, 0, steps=steps, extra=flags)
+    ref = reference(3, steps, ("--dtype", "float64"))
     s = await run_job(tmp_path, "share", 3, 0, fault=straggle, steps=steps, extra=flags)
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
     assert [(i["kind"], i["pod"]) for i in s["incidents"]][:1] == [("straggler", slow[0])], s
