@@ -313,7 +313,17 @@ def _more_rows(res: dict[str, Any]) -> list[str]:
             f"| straggler: job step time before / while slow / after the swap | "
             f"{fmt(res['straggler_step_before_s'], 's', 3)} / {fmt(res['straggler_step_slow_s'], 's', 3)} / "
             f"{fmt(res['straggler_step_after_s'], 's', 3)} |"]
-    return rows
+    notes = []
+    if "corruption_latency_steps" in res:
+        notes.append("A flipped bit is found at the next verification (at most N steps "
+                     "later) and costs the steps since the last verified copy (at most N) "
+                     "times the step time, plus the replacement of the odd pod.")
+    if "straggler_detect_s" in res:
+        notes.append("A straggler is declared once its heartbeat's compute time (the median "
+                     "of its last 5 steps) has been over the factor for the window: about 3 "
+                     "slow steps plus the window; after the swap the job steps at its "
+                     "earlier pace.")
+    return rows + ([""] + notes if notes else [])
 
 
 def run(a: argparse.Namespace) -> int:
