@@ -572,8 +572,11 @@ async def _read_script(bus: Bus, obs: Observer, opts: UpOptions) -> None:
 
 
 def _run_steps(run_dir: Path) -> tuple[int | None, int | None]:
-    """(first step computed in this run, final step) from the members' result files (each
-    holds the loss of every step it committed); (None, None) without results."""
+    """(first step computed in this run, final step): the first from every pod's first
+    commit in the traces (``ledger.first_committed_step``: the finishing members may all be
+    spares promoted mid-run), else from the members' result files (each holds the loss of
+    every step it committed); the final from the result files. (None, None) without
+    results."""
     first, final = None, None
     for p in (run_dir / "results").glob("*.json"):
         try:
@@ -585,7 +588,13 @@ def _run_steps(run_dir: Path) -> tuple[int | None, int | None]:
             first = min(steps) if first is None else min(first, min(steps))
         if r.get("final_step") is not None:
             final = r["final_step"] if final is None else max(final, r["final_step"])
-    return first, final
+    from .ledger import first_committed_step
+
+    try:
+        traced = first_committed_step(run_dir)
+    except Exception:  # the traces are an aid: the result files say it too, less well
+        traced = None
+    return (first if traced is None else traced), final
 
 
 def _finished(world_size: int, steps: tuple[int | None, int | None]) -> str | None:

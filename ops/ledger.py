@@ -152,6 +152,18 @@ def from_run_dir(run_dir: str | Path, *, launched: float | None = None,
     return build(tt.load_spans(d), launched=launched, end=end)
 
 
+def first_committed_step(run_dir: str | Path) -> int | None:
+    """The first step any pod of the job committed (its ``train_start`` spans), including
+    pods that did not finish: where the run started (0, or the step after a checkpoint it
+    resumed from). None without traces."""
+    d = Path(run_dir) / "traces"
+    if not d.is_dir():
+        return None
+    steps = [int(s.attr(T.ATTR_STEP)) for s in tt.load_spans(d)
+             if s.name == T.SPAN_TRAIN_START and s.attr(T.ATTR_STEP) is not None]
+    return min(steps) if steps else None
+
+
 def render(led: dict[str, Any], last: int = 5) -> list[str]:
     """Lines for `ceaseless status` and `up`'s end."""
     if led.get("effective_ratio") is None:

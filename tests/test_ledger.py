@@ -83,3 +83,13 @@ def test_a_change_before_the_first_step_is_start_up(tmp_path):
     w.close()
     led = ledger.from_run_dir(rd, end=base / 1e9 + 1.0)
     assert [e["kind"] for e in led["incidents"]] == ["crash"]  # not the scale-up at -10 s
+
+
+def test_the_first_committed_step_of_the_run(run_dir, tmp_path):
+    rd, base = run_dir
+    assert ledger.first_committed_step(rd) == 0
+    w = World(rd, int(base * 1e9))
+    w.span(w.tracer("agent", pod="s3", rank=1), T.SPAN_TRAIN_START, 9_000.0, 9_000.0, step=57)
+    w.close()
+    assert ledger.first_committed_step(rd) == 0  # a spare promoted later: not the start
+    assert ledger.first_committed_step(tmp_path / "none") is None
