@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from harness import REPO, run_job
+from harness import REPO, log_events, run_job
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -91,7 +91,12 @@ async def test_fp16_grad_scaler_survives_a_kill_of_rank0_bitwise(tmp_path):
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
     assert len(s["incidents"]) == 1
     assert s["param_sha256"] == ref["param_sha256"]
-    assert "spare stops following" not in (tmp_path / "kill" / "logs" / "s0.log").read_text()
+    # the spare followed the skipped steps and the scale: it never diverged; it may drop its
+    # copy only in the race the design accepts (rank 0 killed between streaming a step and
+    # confirming it: the spare then takes the state transfer, still bitwise)
+    for ev in log_events(tmp_path / "kill", "s0", "spare stops following the job; it takes "
+                         "the state transfer when promoted"):
+        assert ev["reason"].endswith("applied but not confirmed"), ev
 
 
 SOLO_TIMEOUTS = ["--stall-timeout", "2.5", "--fault-timeout", "1.5"]
