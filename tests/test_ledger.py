@@ -93,3 +93,20 @@ def test_the_first_committed_step_of_the_run(run_dir, tmp_path):
     w.close()
     assert ledger.first_committed_step(rd) == 0  # a spare promoted later: not the start
     assert ledger.first_committed_step(tmp_path / "none") is None
+
+
+def test_status_shows_the_ledger(run_dir, monkeypatch):
+    import argparse
+    import json
+
+    from ops import cli
+
+    rd, base = run_dir
+    (rd / "cluster.json").write_text(json.dumps({
+        "nats_url": "nats://127.0.0.1:1", "job": "demo", "creds": "", "run_dir": str(rd),
+        "pid": 1, "started": base - 25.0}))
+    led = cli._ledger(argparse.Namespace(nats=None, run_dir=str(rd)))
+    assert led["effective_ratio"] is not None and led["startup_s"] is not None
+    text = cli._render_status({"job": "demo", "services": {}, "goodput": led})
+    assert "goodput: " in text and "crash" in text
+    assert cli._ledger(argparse.Namespace(nats="nats://127.0.0.1:1", run_dir=None)) is None
