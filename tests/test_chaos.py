@@ -162,7 +162,7 @@ def test_chaos_guards_pass(tmp_path):
 
     code, text, run_dir = _chaos(tmp_path, [
         "--duration", "40", "--gap", "10", "--seed", str(CI_SEED), "--workers", "3",
-        "--spares", "2", "--steps", "900", "--kinds", ",".join(GUARD_KINDS)], GUARDS_TIMEOUT)
+        "--spares", "2", "--steps", "700", "--kinds", ",".join(GUARD_KINDS)], GUARDS_TIMEOUT)
     assert code == 0, text[-6000:]
     rep = json.loads((run_dir / "chaos.json").read_text())
     assert rep["failures"] == [], rep["failures"]
