@@ -717,3 +717,34 @@ def test_a_preemption_is_a_planned_swap_that_fences_nobody():
     shrink = on_preempt(plan, "w1", [], cfg, apply_step=17)
     assert shrink.world_size == 2 and shrink.rank_of("w1") is None and shrink.apply_step == 17
     assert on_preempt(plan, "s0", [], cfg, apply_step=17) is None  # a spare: not a member
+
+
+async def test_a_straggler_without_a_spare_gets_a_smaller_share(env, bus):
+    """Issue 32: no spare to swap in: the same members at a step boundary, the straggler's
+    micro-batches cut by the slowness the monitor measured; a drop-in job (the script splits
+    its own micro-batches) is left alone."""
+    from schemas.policy import SCRIPT_KEY, ScriptInfo
+
+    sc = await env.scaler(workers=3)
+    [await env.agent(f"w{i}") for i in range(3)]
+    await until(lambda: env.plans, what="initial plan")
+    p1 = env.plans[0]
+    assert p1.shares == {0: 3, 1: 3, 2: 2}
+    now = time.time()
+    await bus.publish(bus.subjects.fault, Fault(
+        incident="inc-w1-g1", pod="w1", kind=FaultKind.straggler, detected_at=now,
+        last_seen=now, generation=1, slowness=6.0))
+    await until(lambda: len(env.plans) >= 2, what="the share-out plan")
+    p2 = env.plans[1]
+    assert members(p2) == members(p1) and p2.shares == {0: 4, 1: 1, 2: 3}, p2
+    assert p2.apply_step is not None and p2.fenced == [] and p2.reason.startswith("straggler:")
+    assert env.actuator == []  # nobody fenced, nothing started
+    kv = await bus.kv()
+    await kv.put(SCRIPT_KEY, ScriptInfo(global_batch_size=32, micro_batch_size=4, pod="w0",
+                                        fixed_world_size=3).model_dump_json().encode())
+    await until(lambda: sc.script is not None, what="the script's record")
+    await bus.publish(bus.subjects.fault, Fault(
+        incident="inc-w2-g2", pod="w2", kind=FaultKind.straggler, detected_at=time.time(),
+        last_seen=time.time(), generation=2, slowness=6.0))
+    await asyncio.sleep(1.0)
+    assert len(env.plans) == 2

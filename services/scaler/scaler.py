@@ -414,6 +414,12 @@ class Scaler(Service):
                 self.log.info("straggler: planning its swap for a spare", pod=f.pod,
                               incident=f.incident, reason=f.reason[:200])
                 self._kick.set()
+            elif self.script is not None and self.script.fixed_world_size is not None:
+                # a DDP drop-in script splits its micro-batches itself: a plan's shares
+                # would not reach it
+                self._ignore(env.subject, "straggler without a live spare in a drop-in job "
+                             "(the script splits its own micro-batches)", pod=f.pod,
+                             incident=f.incident)
             elif plan.rank_of(f.pod) is not None and (
                     ratio := f.slowness or self._slowness(plan, f.pod)):
                 # no spare: its micro-batches are shared out to the others
