@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 POLICY_ENV = "CEASELESS_POLICY"
 SCALE_KEY = "scale"  # KV key of ScaleState (written by the scaler only)
 SCRIPT_KEY = "script"  # KV key of ScriptInfo (written by the script's rank 0)
+DEPARTURES_KEY = "departures"  # KV key of Departures (written by the scaler only)
 MAX_REPLICAS = 8192
 
 
@@ -154,6 +155,27 @@ class ScaleState(BaseModel):
     request_id: Annotated[str, Field(max_length=128)] | None = None
     updated: float = 0.0
     releases: Annotated[list[PendingRelease], Field(max_length=256)] = []
+
+
+class Departure(BaseModel):
+    """A member to plan out at a step boundary (a preemption notice, a straggler to swap for
+    a spare) or, with ``slowness``, to give a smaller share of the micro-batches."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pod: Annotated[str, Field(min_length=1, max_length=64)]
+    why: Annotated[str, Field(max_length=32)] = "preempted"  # preempted | straggler
+    incident: Annotated[str, Field(max_length=128)] | None = None
+    slowness: Annotated[float, Field(ge=1, le=1e6)] | None = None
+
+
+class Departures(BaseModel):
+    """KV ``departures`` (issue 32): the scaler's notices not planned yet, so that a scaler
+    restarted (or another taking the lease) goes on with them instead of letting a preempted
+    pod leave as a crash at its deadline."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    leaving: Annotated[list[Departure], Field(max_length=4096)] = []
+    sharing: Annotated[list[Departure], Field(max_length=4096)] = []
 
 
 class ScriptInfo(BaseModel):

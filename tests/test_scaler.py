@@ -748,3 +748,39 @@ async def test_a_straggler_without_a_spare_gets_a_smaller_share(env, bus):
         last_seen=time.time(), generation=2, slowness=6.0))
     await asyncio.sleep(1.0)
     assert len(env.plans) == 2
+
+
+async def test_a_preemption_notice_outlives_a_scaler_restart(env, bus):
+    """Issue 32: a notice that cannot be planned yet (no spare, no room to shrink) is kept in
+    KV ``departures``; the next scaler plans it once a spare comes."""
+    from schemas.messages import Report, ReportKind
+    from schemas.policy import DEPARTURES_KEY, Departures
+
+    sc = await env.scaler(workers=2, min_replicas=2)
+    [await env.agent(f"w{i}") for i in range(2)]
+    await until(lambda: env.plans, what="initial plan")
+    await bus.publish(bus.subjects.report("w1"), Report(
+        pod="w1", generation=1, rank=1, report=ReportKind.preempted, error="deadline 60"))
+    kv = await bus.kv()
+
+    async def stored():
+        try:
+            return Departures.model_validate_json((await kv.get(DEPARTURES_KEY)).value)
+        except Exception:
+            return None
+    for _ in range(50):
+        d = await stored()
+        if d is not None and [x.pod for x in d.leaving] == ["w1"]:
+            break
+        await asyncio.sleep(0.1)
+    assert d is not None and [(x.pod, x.why) for x in d.leaving] == [("w1", "preempted")], d
+    assert len(env.plans) == 1  # no spare, min 2: it waits
+    await env.stop(sc)
+    sc2 = await env.scaler(workers=2, min_replicas=2, scaler_id="second")
+    await until(lambda: sc2.acting, what="new scaler holds the lease")
+    await env.agent("s0", Role.spare)
+    await until(lambda: len(env.plans) >= 2, what="the departure planned by the new scaler")
+    p2 = env.plans[1]
+    assert members(p2) == {0: "w0", 1: "s0"} and p2.reason.startswith("preempted: w1")
+    assert p2.apply_step is not None and p2.fenced == []
+    await until(lambda: sc2.preempting == {}, what="the notice done")

@@ -27,7 +27,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from schemas.policy import SCALE_KEY
+from schemas.policy import DEPARTURES_KEY, SCALE_KEY
 from schemas.subjects import Subjects
 
 from plumbing.bus import Credentials
@@ -65,7 +65,7 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
         "health_monitor": [s.fault, s.health, s.job_failed],
         "state_broker": [s.transfer, s.state_lost],
         "scaler": [s.plan, s.decision, s.actuator, f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
-                   f"$KV.{kv}.{SCALE_KEY}"],
+                   f"$KV.{kv}.{SCALE_KEY}", f"$KV.{kv}.{DEPARTURES_KEY}"],
     }[role]
     pub = _COMMON_PUB + own + ["$JS.API.>", s.service_status("*")]
     # The JetStream API is open to services (stream/bucket creation at start-up), so the
@@ -73,7 +73,8 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
     perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role != "scaler":
         perms["publish"]["deny"] = [f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
-                                    f"$KV.{kv}.{SCALE_KEY}", s.plan]
+                                    f"$KV.{kv}.{SCALE_KEY}", f"$KV.{kv}.{DEPARTURES_KEY}",
+                                    s.plan]
     return perms
 
 

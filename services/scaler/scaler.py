@@ -33,7 +33,7 @@ from opentelemetry import trace
 
 from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
 from schemas import LEASE_KEY, PLAN_KEY
-from schemas.policy import (SCALE_KEY, SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy,
+from schemas.policy import (DEPARTURES_KEY, SCALE_KEY, SCRIPT_KEY, Departure, Departures, PendingRelease, ScaleState, ScalingPolicy,
                             ScriptInfo)
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, CapacityChange, Decision, Fault, FaultKind, Heartbeat,
@@ -144,6 +144,9 @@ class Scaler(Service):
         self.preempting: dict[str, tuple[str, str | None]] = {}
         # stragglers without a spare: (slowness, incident), their share cut at a boundary
         self.sharing: dict[str, tuple[float, str]] = {}
+        # both kept in KV ``departures``: read once per lease term, written when they change
+        self._departures_loaded = False
+        self._departures_saved: Departures | None = None
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = BoundedSet(MAX_TRACKED)
         self._dead_logged = BoundedSet(MAX_TRACKED)
@@ -202,6 +205,7 @@ class Scaler(Service):
         if value and not self.holder:
             self.holder_since = time.monotonic()
             self._reconciled = False
+            self._departures_loaded = False
             self.log.info("lease acquired", lease_ttl=self.lease_ttl)
             self._kick.set()
         elif not value and self.holder:
@@ -336,6 +340,45 @@ class Scaler(Service):
         self.log.info("preemption notice: planning its departure", pod=r.pod,
                       detail=r.error[:200])
         self._kick.set()
+
+    def _departures_now(self) -> Departures:
+        return Departures(
+            leaving=[Departure(pod=p, why=w, incident=i)
+                     for p, (w, i) in sorted(self.preempting.items())],
+            sharing=[Departure(pod=p, why="straggler", incident=i, slowness=max(1.0, r))
+                     for p, (r, i) in sorted(self.sharing.items())])
+
+    async def _sync_departures(self) -> None:
+        """KV ``departures``: read once per lease term (a restarted scaler goes on with the
+        notices the last one had not planned yet), written when they change."""
+        if not self._departures_loaded:
+            self._departures_loaded = True
+            try:
+                entry = await self.kv.get(DEPARTURES_KEY)
+                stored = (Departures.model_validate_json(entry.value) if entry.value
+                          else Departures())
+            except (KeyNotFoundError, NotFoundError):
+                stored = Departures()
+            except ValueError as e:
+                self.log.error("KV departures do not validate; ignoring them",
+                               error=str(e)[:300])
+                stored = Departures()
+            for d in stored.leaving:
+                self.preempting.setdefault(d.pod, (d.why, d.incident))
+            for d in stored.sharing:
+                self.sharing.setdefault(d.pod, (d.slowness or 1.0, d.incident or ""))
+            if stored.leaving or stored.sharing:
+                self.log.info("notices taken over from KV", leaving=len(stored.leaving),
+                              sharing=len(stored.sharing))
+            self._departures_saved = stored
+        now = self._departures_now()
+        if now != self._departures_saved:
+            try:
+                await self.kv.put(DEPARTURES_KEY, now.model_dump_json().encode())
+            except Exception as e:  # kept in memory; written again at the next decision
+                self.log.warning("could not write KV departures", error=str(e)[:200])
+                return
+            self._departures_saved = now
 
     def _slowness(self, plan: Plan, pod: str) -> float | None:
         """A member's own compute of a step over the other members' median (None: unknown)."""
@@ -725,16 +768,19 @@ class Scaler(Service):
                             f"scaler runs with --shard-size {self.cfg.shard_size}; restart it "
                             f"with --shard-size {plan.shard_size}")
             return
+        await self._sync_departures()
         self._reconcile(plan, now)
         self._dead_members(plan, now)
         for pod in [p for p in self.pending if plan.rank_of(p) is None]:
             del self.pending[pod]  # handled by a plan (possibly another scaler's)
         if not self.pending and self.preempting:
             await self._preemptions(plan, now)
+            await self._sync_departures()
             if self.preempting:
                 return
         if not self.pending and self.sharing:
             await self._share_out(plan, now)
+            await self._sync_departures()
             if self.sharing:
                 return
         if not self.pending:
