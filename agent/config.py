@@ -111,15 +111,7 @@ class AgentConfig:
             raise ValueError(f"solo_max must be positive (CEASELESS_SOLO_MAX, got {self.solo_max})")
         if not (0 < self.collective_slice < self.collective_timeout):
             raise ValueError("collective_slice must be positive and below collective_timeout")
-        if self.on_nonfinite not in ("skip", "rollback"):
-            raise ValueError(f"on_nonfinite must be skip or rollback (CEASELESS_ON_NONFINITE, "
-                             f"got {self.on_nonfinite!r})")
-        if self.on_nonfinite == "rollback" and self.verify_every <= 0:
-            raise ValueError("on_nonfinite=rollback goes back to the last verified copy: it "
-                             "needs verification on (CEASELESS_VERIFY_EVERY > 0)")
-        if self.loss_spike != 0 and not self.loss_spike > 1:
-            raise ValueError(f"loss_spike must be 0 (off) or over 1 (CEASELESS_LOSS_SPIKE, got "
-                             f"{self.loss_spike})")
+        check_guards(self.on_nonfinite, self.verify_every, self.loss_spike)
         if self.stuck_report_after < 0:
             raise ValueError("stuck_report_after must be >= 0 (0 turns it off)")
         from schemas.timeouts import check_timeouts
@@ -173,6 +165,19 @@ class AgentConfig:
             shard_size=int(env("CEASELESS_SHARD_SIZE") or cls.shard_size),
             batch_from_script=_flag("CEASELESS_BATCH_FROM_SCRIPT", cls.batch_from_script),
         )
+
+
+def check_guards(on_nonfinite: str, verify_every: int, loss_spike: float) -> None:
+    """The guards' settings (the agent's, and `ceaseless up`'s before it starts anything)."""
+    if on_nonfinite not in ("skip", "rollback"):
+        raise ValueError(f"on_nonfinite must be skip or rollback (CEASELESS_ON_NONFINITE, "
+                         f"--on-nonfinite; got {on_nonfinite!r})")
+    if on_nonfinite == "rollback" and verify_every <= 0:
+        raise ValueError("on_nonfinite=rollback goes back to the last verified copy: it needs "
+                         "verification on (CEASELESS_VERIFY_EVERY, --verify-every N > 0)")
+    if loss_spike != 0 and not loss_spike > 1:
+        raise ValueError(f"loss_spike must be 0 (off) or over 1 (CEASELESS_LOSS_SPIKE, "
+                         f"--loss-spike; got {loss_spike:g})")
 
 
 def refuse_foreign_launcher() -> None:

@@ -26,6 +26,7 @@ class BatchFeed:
         self.global_batch_size, self.seed, self.pod = global_batch_size, seed, pod
         self._checked = 0  # the generation whose batch was checked
         self._sources: dict[tuple[int, int], Any] = {}  # (dataset, m) -> BatchSource
+        self._range: tuple[tuple, range] | None = None  # this rank's run, per plan and batch
 
     def micro_batches(self, step: int, m: int, *, rank: int | None, world_size: int | None,
                       plan: Plan | None, runtime: Any, cfg: AgentConfig | None,
@@ -38,7 +39,7 @@ class BatchFeed:
                                         micro_batch_size=m, total=total, pod=self.pod),
                              M, first=not self._checked)
             self._checked = plan.generation
-        ks = rank_range(M, world_size, rank, plan)
+        ks = self._ks(M, world_size, rank, plan)
         stepper.micro_batches(m, ks, gradient_loop=gradient_loop)
         abort = runtime.abort if runtime is not None else None
         for k in ks:
@@ -69,9 +70,17 @@ class BatchFeed:
                                              pin=pin)
         src = self._sources[key]
         src.begin(step, rank or 0, world_size or 1, plan.shard_size if plan else 1,
-                  rank_range(num_micro_batches(self.global_batch_size, m), world_size, rank,
-                             plan))
+                  self._ks(num_micro_batches(self.global_batch_size, m), world_size, rank,
+                           plan))
         return src
+
+    def _ks(self, M: int, world_size: int | None, rank: int | None,
+            plan: Plan | None) -> range:
+        """``rank_range``, computed once per plan (it reads every rank's share)."""
+        key = (plan.generation if plan is not None else None, M, world_size, rank)
+        if self._range is None or self._range[0] != key:
+            self._range = (key, rank_range(M, world_size, rank, plan))
+        return self._range[1]
 
 
 def rank_range(M: int, world_size: int | None, rank: int | None, plan: Plan | None) -> range:

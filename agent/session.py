@@ -439,7 +439,8 @@ class Session:
                       compute_time=self._stepper.median_compute())
             if self.timeline.incident is not None:
                 self.timeline.close(rt, self.cfg, self.rank, self.world_size, now)
-            self._stepper.verify.after_commit(s, self.state, self.m, rt, self.cfg)
+            self._stepper.verify.after_commit(s, self.state, self.m, rt, self.cfg,
+                                              self.timeline.median_step())
         self.timeline.record_metrics(now)
 
     def _write_result(self) -> None:

@@ -186,7 +186,7 @@ class TrainState:
         self.new_skip = skipped and s not in self.skipped[-1:]
         if self.new_skip:
             self.skipped = (self.skipped + [s])[-MAX_SKIPPED:]
-        elif math.isfinite(loss):
+        elif not skipped and math.isfinite(loss):  # a skipped step's loss is no baseline
             self.recent_losses = (self.recent_losses + [float(loss)])[-SPIKE_WINDOW:]
 
     def loss_median(self) -> float | None:

@@ -7,8 +7,9 @@ its bit patterns as integers (exact and order-free, so identical states give ide
 digests on any rank; a flipped bit changes it), weighted by the tensor's index. The digests
 travel in one small all-reduce (rank r fills row r). When all agree, the state is kept as
 the last verified copy in host memory (written over the previous one, its buffers reused:
-one copy at a time, no allocation per verification; the copy is synchronous: on GPU an
-asynchronous one is not built yet). When they do not, every member restores that copy and the job computes the steps
+one copy at a time, no allocation per verification; on CUDA made on a side stream while the
+next step computes, waited for on the device before the next update). When they do not,
+every member restores that copy and the job computes the steps
 after it again (at most N; the batches and randomness are a function of the step, so the
 result is the fault-free one); with three or more replicas the majority names the member
 that differed: it reports ``corruption`` about itself (at its next commit, once rank 0 has
@@ -23,7 +24,7 @@ owns its loop counter and its data: a rollback cannot take them back).
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import torch
@@ -67,24 +68,22 @@ class Verifier:
         # older than theirs makes them drop their copy; promoted before that, they would
         # report the abandoned step as the newest)
         self._report: str | None = None
-        self._gaps: deque[float] = deque(maxlen=50)  # seconds between commits: the step time
         # CUDA: the verified copy is made on a side stream while the next step computes; the
         # training stream waits for it before the next update changes the state
         self._stream: Any = None
         self._pending: Any = None
-        self._last: float | None = None
+        self._step_time: float | None = None
 
     def due(self, s: int) -> bool:
         return self.every > 0 and (s + 1) % self.every == 0
 
-    def after_commit(self, s: int, state: Any, m: Any, rt: Any, cfg: Any) -> None:
+    def after_commit(self, s: int, state: Any, m: Any, rt: Any, cfg: Any,
+                     step_time: float | None = None) -> None:
         """At the commit of step ``s`` (every member alike): compare, keep or roll back."""
         from .collectives import Aborted, PeerError
 
         t0 = time.perf_counter()
-        if self._last is not None:
-            self._gaps.append(t0 - self._last)
-        self._last = t0
+        self._step_time = step_time  # the member's median (Timeline): a rollback's cost
         self.rolled_back = False
         if self._report is not None and m is not None and m.is_member:
             rt.report_sync(ReportKind.corruption, self._report)
@@ -168,9 +167,7 @@ class Verifier:
         self.rolled_back = True
         log.warning("rolled back to the last verified copy", step=s, verified=self.verified,
                     reason=reason)
-        gaps = sorted(self._gaps)
         telemetry.mark(telemetry.SPAN_ROLLBACK, time.time(), step=s, restore_step=self.verified,
                        recomputed_steps=s - self.verified, reason=reason,
-                       step_time=gaps[len(gaps) // 2] if gaps else 0.0)
-        self._last = None  # the restore is no step
+                       step_time=self._step_time or 0.0)
         rt.update(now=True, step=state.last_committed, digest=state.digest())

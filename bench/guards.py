@@ -114,15 +114,6 @@ def _gap(run: Path, t_fault: float) -> float | None:
     return best
 
 
-def _commits(run: Path, rank: int = 0) -> list[tuple[int, float]]:
-    out: list[tuple[int, float]] = []
-    for p in (run / "results").glob("*.json"):
-        r = json.loads(p.read_text())
-        if r.get("rank") == rank:
-            out += [(int(k), float(t)) for k, t in r["commits"]]
-    return sorted(out, key=lambda x: x[1])
-
-
 def _median_gap(commits: list[tuple[int, float]], lo: float, hi: float) -> float | None:
     ts = [t for _, t in commits if lo <= t <= hi]
     gaps = [b - a for a, b in zip(ts, ts[1:])]
@@ -191,7 +182,7 @@ async def straggler(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         d = work / f"straggler-{r}"
         s = await _run(d, a, 1, flags, straggle, workers=3)
         f = next((x for x in s["faults"] if x.kind == FaultKind.straggler), None)
-        cm = _commits(d)
+        cm = sorted(((int(k), float(t)) for k, t in _rank0(d)["commits"]), key=lambda x: x[1])
         if f is not None:
             det.append(f.detected_at - s["t_fault"])
             swap = next((p for p in s["plans"] if p.reason.startswith("straggler:")), None)

@@ -79,13 +79,12 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"the job runs whole replicas of {k} ranks (try --workers "
               f"{max(k, opts.workers // k * k)})", file=sys.stderr)
         return 2
-    if opts.on_nonfinite == "rollback" and opts.verify_every <= 0:
-        print("ceaseless up: --on-nonfinite rollback goes back to the last verified copy: it "
-              "needs --verify-every N > 0", file=sys.stderr)
-        return 2
-    if opts.loss_spike != 0 and not opts.loss_spike > 1:
-        print(f"ceaseless up: --loss-spike must be 0 (off) or over 1, got {opts.loss_spike:g}",
-              file=sys.stderr)
+    from agent.config import check_guards
+
+    try:
+        check_guards(opts.on_nonfinite, opts.verify_every, opts.loss_spike)
+    except ValueError as e:
+        print(f"ceaseless up: {e}", file=sys.stderr)
         return 2
     from schemas.timeouts import agent_timeouts_from_env, check_timeouts
 

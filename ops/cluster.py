@@ -476,10 +476,12 @@ async def run(opts: UpOptions) -> int:
             await _read_script(bus, obs, opts)
             for ev in obs.events[shown:]:
                 print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
+        spans = _spans(run_dir)  # once: the run's first step and the goodput ledger
         if finished_w and not interrupted and (
-                what := _finished(finished_w, _run_steps(run_dir))):
+                what := _finished(finished_w, _run_steps(run_dir, spans))):
             reason = what + after
-        summary = _summary(run_dir, obs, exits, code, reason, launched=info.started)
+        summary = _summary(run_dir, obs, exits, code, reason, launched=info.started,
+                           spans=spans)
         sup.stopping = True
         sup_task.cancel()
         await asyncio.gather(sup_task, return_exceptions=True)
@@ -571,7 +573,17 @@ async def _read_script(bus: Bus, obs: Observer, opts: UpOptions) -> None:
                           f"was made with the default {fB} = {fm} x {fB // fm})")
 
 
-def _run_steps(run_dir: Path) -> tuple[int | None, int | None]:
+def _spans(run_dir: Path) -> list[Any] | None:
+    """The job's spans (None: no traces, or they cannot be read: they are an aid)."""
+    from .ledger import load
+
+    try:
+        return load(run_dir)
+    except Exception:
+        return None
+
+
+def _run_steps(run_dir: Path, spans: list[Any] | None = None) -> tuple[int | None, int | None]:
     """(first step computed in this run, final step): the first from every pod's first
     commit in the traces (``ledger.first_committed_step``: the finishing members may all be
     spares promoted mid-run), else from the members' result files (each holds the loss of
@@ -590,10 +602,7 @@ def _run_steps(run_dir: Path) -> tuple[int | None, int | None]:
             final = r["final_step"] if final is None else max(final, r["final_step"])
     from .ledger import first_committed_step
 
-    try:
-        traced = first_committed_step(run_dir)
-    except Exception:  # the traces are an aid: the result files say it too, less well
-        traced = None
+    traced = first_committed_step(spans) if spans else None
     return (first if traced is None else traced), final
 
 
@@ -771,20 +780,23 @@ def param_digests(finals: list[dict[str, Any]]) -> tuple[set[str], bool]:
     return {h.hexdigest()}, True
 
 
-def _goodput(run_dir: Path, results: list[dict[str, Any]],
+def _goodput(spans: list[Any] | None, results: list[dict[str, Any]],
              launched: float | None) -> dict[str, Any] | None:
     """The goodput ledger (ops/ledger.py) up to the job's last commit; None without traces."""
-    from .ledger import from_run_dir
+    from .ledger import build
 
+    if spans is None:
+        return None
     last = max((t for r in results for _, t in r.get("commits", [])), default=None)
     try:
-        return from_run_dir(run_dir, launched=launched, end=last)
+        return build(spans, launched=launched, end=last)
     except Exception as e:  # an aid: never a reason to lose the summary
         return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
-             reason: str, launched: float | None = None) -> dict[str, Any]:
+             reason: str, launched: float | None = None,
+             spans: list[Any] | None = None) -> dict[str, Any]:
     results = []
     for p in sorted((run_dir / "results").glob("*.json")):
         try:
@@ -826,7 +838,7 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         # what the script itself ran (KV `script`: its batch and step total)
         "script": obs.script.model_dump(exclude_none=True) if obs.script else None,
         # the effective training time ratio and, per incident, where the time went
-        "goodput": _goodput(run_dir, results, launched),
+        "goodput": _goodput(spans, results, launched),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -143,23 +143,24 @@ def build(spans: Sequence[tt.Span], *, launched: float | None = None,
     return out
 
 
+def load(run_dir: str | Path) -> list[tt.Span] | None:
+    """The spans of the job in ``run_dir`` (None when it has no traces yet)."""
+    d = Path(run_dir) / "traces"
+    return tt.load_spans(d) if d.is_dir() else None
+
+
 def from_run_dir(run_dir: str | Path, *, launched: float | None = None,
                  end: float | None = None) -> dict[str, Any] | None:
     """The ledger of the job in ``run_dir`` (None when it has no traces yet)."""
-    d = Path(run_dir) / "traces"
-    if not d.is_dir():
-        return None
-    return build(tt.load_spans(d), launched=launched, end=end)
+    spans = load(run_dir)
+    return None if spans is None else build(spans, launched=launched, end=end)
 
 
-def first_committed_step(run_dir: str | Path) -> int | None:
+def first_committed_step(spans: Sequence[tt.Span]) -> int | None:
     """The first step any pod of the job committed (its ``train_start`` spans), including
     pods that did not finish: where the run started (0, or the step after a checkpoint it
-    resumed from). None without traces."""
-    d = Path(run_dir) / "traces"
-    if not d.is_dir():
-        return None
-    steps = [int(s.attr(T.ATTR_STEP)) for s in tt.load_spans(d)
+    resumed from). None without one."""
+    steps = [int(s.attr(T.ATTR_STEP)) for s in spans
              if s.name == T.SPAN_TRAIN_START and s.attr(T.ATTR_STEP) is not None]
     return min(steps) if steps else None
 

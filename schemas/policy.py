@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -163,7 +163,7 @@ class Departure(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     pod: Annotated[str, Field(min_length=1, max_length=64)]
-    why: Annotated[str, Field(max_length=32)] = "preempted"  # preempted | straggler
+    why: Literal["preempted", "straggler"] = "preempted"
     incident: Annotated[str, Field(max_length=128)] | None = None
     slowness: Annotated[float, Field(ge=1, le=1e6)] | None = None
 

@@ -53,8 +53,10 @@ def test_a_skipped_step_computed_again_is_skipped_again_once_listed():
     st = _state([1.0] * SPIKE_MIN)
     st.note_commit(12, float("nan"), True)
     assert st.new_skip and st.skipped == [12]
-    st.note_commit(12, float("nan"), True)  # the same step committed again
+    before = list(st.recent_losses)
+    st.note_commit(12, 1.5, True)  # the same step committed again, finite this time
     assert not st.new_skip and st.skipped == [12]
+    assert st.recent_losses == before  # a skipped step's loss is no baseline
     sp = _stepper(st, spike=0.0)
     sp.guard(11, 1.0)
     assert sp.nonfinite is None

@@ -86,23 +86,29 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path, re
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
 
 
+def _straggle(slow: list[str]):
+    """The fault: rank 1 computes 6x slower from step 8 (``inject slow``); its pod into
+    ``slow``."""
+    async def straggle(c):
+        from schemas.messages import Inject, InjectAction
+
+        await c.wait_rank_step(1, 5)
+        slow.append(c.member(1).pod)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
+                                                          at_step=8, factor=6))
+    return straggle
+
+
 async def test_a_straggler_is_swapped_for_a_spare_at_a_step_boundary(tmp_path, reference):
     """``inject slow --factor 6`` to rank 1 of three: the health monitor finds its own compute
     of a step (not the wait for the others) over 2.5x the members' median for 2 s, declares a
     ``straggler``; the scaler swaps it for the live spare at a step boundary (a planned plan,
     nothing recomputed); the slow pod leaves (exit 0); the job ends bitwise equal to the
     fault-free run."""
-    from schemas.messages import Inject, InjectAction
-
     steps = 80
     flags = ["--straggler-factor", "2.5", "--straggler-window", "2"]
     slow: list[str] = []
-
-    async def straggle(c):
-        await c.wait_rank_step(1, 5)
-        slow.append(c.member(1).pod)
-        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
-                                                          at_step=8, factor=6))
+    straggle = _straggle(slow)
 
     ref = reference(3, steps)  # the straggler settings do not change the trajectory
     s = await run_job(tmp_path, "slow", 3, 1, fault=straggle, steps=steps, extra=flags)
@@ -154,17 +160,10 @@ async def test_a_straggler_without_a_spare_computes_fewer_micro_batches(tmp_path
     slowness and gives them to the others, at a step boundary, the same members and the
     same global batch. The micro-batches are summed in another order (float64 here: the
     losses agree with the fault-free run within 1e-9), nothing is recomputed."""
-    from schemas.messages import Inject, InjectAction
-
     steps = 70
     flags = ["--straggler-factor", "2.5", "--straggler-window", "2", "--dtype", "float64"]
     slow: list[str] = []
-
-    async def straggle(c):
-        await c.wait_rank_step(1, 5)
-        slow.append(c.member(1).pod)
-        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
-                                                          at_step=8, factor=6))
+    straggle = _straggle(slow)
 
     ref = reference(3, steps, ("--dtype", "float64"))
     s = await run_job(tmp_path, "share", 3, 0, fault=straggle, steps=steps, extra=flags)

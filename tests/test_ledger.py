@@ -87,12 +87,12 @@ def test_a_change_before_the_first_step_is_start_up(tmp_path):
 
 def test_the_first_committed_step_of_the_run(run_dir, tmp_path):
     rd, base = run_dir
-    assert ledger.first_committed_step(rd) == 0
+    assert ledger.first_committed_step(ledger.load(rd)) == 0
     w = World(rd, int(base * 1e9))
     w.span(w.tracer("agent", pod="s3", rank=1), T.SPAN_TRAIN_START, 9_000.0, 9_000.0, step=57)
     w.close()
-    assert ledger.first_committed_step(rd) == 0  # a spare promoted later: not the start
-    assert ledger.first_committed_step(tmp_path / "none") is None
+    assert ledger.first_committed_step(ledger.load(rd)) == 0  # a spare promoted later
+    assert ledger.load(tmp_path / "none") is None and ledger.first_committed_step([]) is None
 
 
 def test_status_shows_the_ledger(run_dir, monkeypatch):

@@ -33,7 +33,8 @@ from opentelemetry import trace
 
 from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
 from schemas import LEASE_KEY, PLAN_KEY
-from schemas.policy import (DEPARTURES_KEY, SCALE_KEY, SCRIPT_KEY, Departure, Departures, PendingRelease, ScaleState, ScalingPolicy,
+from schemas.policy import (DEPARTURES_KEY, SCALE_KEY, SCRIPT_KEY, Departure, Departures,
+                            PendingRelease, ScaleState, ScalingPolicy,
                             ScriptInfo)
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, CapacityChange, Decision, Fault, FaultKind, Heartbeat,
@@ -68,7 +69,6 @@ class PodSeen:
     step: int = -1
     step_time: float | None = None  # the agent's median, or estimated from the view's steps
     since: float = 0.0  # monotonic time this generation was first heard of
-    compute_time: float | None = None  # its own compute of a step (a straggler's slowness)
 
 
 @dataclass
@@ -284,8 +284,7 @@ class Scaler(Service):
         self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
                                     rank=hb.rank, last=last, step=hb.step,
                                     step_time=hb.step_time or (seen.step_time if same else None),
-                                    since=seen.since if same else last,
-                                    compute_time=hb.compute_time)
+                                    since=seen.since if same else last)
         if new:
             self._kick.set()
 
@@ -380,15 +379,6 @@ class Scaler(Service):
                 return
             self._departures_saved = now
 
-    def _slowness(self, plan: Plan, pod: str) -> float | None:
-        """A member's own compute of a step over the other members' median (None: unknown)."""
-        me = self.pods.get(pod)
-        others = sorted(s.compute_time for m in plan.members if m.pod != pod
-                        and (s := self.pods.get(m.pod)) is not None and s.compute_time)
-        if me is None or not me.compute_time or not others:
-            return None
-        return me.compute_time / others[len(others) // 2]
-
     async def _share_out(self, plan: Plan, now: float) -> None:
         """A straggler without a spare: a plan with its share cut, at a step boundary."""
         for pod in [p for p in self.sharing if plan.rank_of(p) is None]:
@@ -463,16 +453,16 @@ class Scaler(Service):
                 self._ignore(env.subject, "straggler without a live spare in a drop-in job "
                              "(the script splits its own micro-batches)", pod=f.pod,
                              incident=f.incident)
-            elif plan.rank_of(f.pod) is not None and (
-                    ratio := f.slowness or self._slowness(plan, f.pod)):
-                # no spare: its micro-batches are shared out to the others
-                self.sharing[f.pod] = (ratio, f.incident)
+            elif plan.rank_of(f.pod) is not None and f.slowness:
+                # no spare: its micro-batches are shared out to the others, by the slowness
+                # the monitor measured (the heartbeats the scaler sees are too old for it)
+                self.sharing[f.pod] = (f.slowness, f.incident)
                 self.log.info("straggler without a spare: sharing out its micro-batches",
-                              pod=f.pod, ratio=round(ratio, 2), incident=f.incident)
+                              pod=f.pod, ratio=round(f.slowness, 2), incident=f.incident)
                 self._kick.set()
             else:
-                self._ignore(env.subject, "straggler: no live spare, and its slowness is not "
-                             "known here", pod=f.pod, incident=f.incident)
+                self._ignore(env.subject, "straggler: no live spare, and no slowness measured "
+                             "(an older health monitor)", pod=f.pod, incident=f.incident)
             return
         if plan.rank_of(f.pod) is None:
             self.dead.add(f.pod)
