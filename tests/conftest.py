@@ -23,10 +23,41 @@ UNIT_FILES = {
 }
 
 
+# The longest tests first (about 100, 70 and 40 s on 2 cores), then the files of clusters:
+# with parallel workers (`-n auto`, xdist's default `load` schedule hands tests out in this
+# order) a long test started last would run alone at the end.
+LONGEST_FIRST = (
+    "test_chaos.py::test_chaos_90s_passes", "test_chaos.py::test_chaos_guards_pass",
+    "test_elastic_e2e.py", "test_chaos.py", "test_ray_actuator.py", "test_healing.py",
+    "test_recovery_e2e.py", "test_guards_e2e.py", "test_sharded_e2e.py",
+    "test_control_plane_down.py", "test_training_loop.py", "test_dropin_e2e.py",
+    "test_bench_smoke.py",
+)
+
+
+def _weight(item) -> int:
+    nodeid = item.nodeid.split("/")[-1]
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if nodeid.startswith(prefix):
+            return i
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in UNIT_FILES:
             item.add_marker(pytest.mark.unit)
+    items.sort(key=_weight)  # stable: a file keeps its own order
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most 4. A cluster test keeps about two cores busy
+    part of the time and waits on timeouts the rest: two workers on 2 cores run the full
+    suite in about three quarters of the time of one, more than a worker per core would
+    make the tests' timing bounds race each other."""
+    import os
+
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
 @pytest.fixture
@@ -52,25 +83,44 @@ async def bus(nats_server):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Fault-free runs of the default example, one per (world size, steps), computed once
-    per session and shared by every module that compares against them."""
+    """Fault-free runs of the default example, one per (world size, steps, flags), computed
+    once per test run and shared by every module that compares against them; with parallel
+    test workers (pytest-xdist) by every worker too (a file per run, made under a lock)."""
     import asyncio
     import concurrent.futures
+    import fcntl
+    import json
+    import os
 
     from harness import STEPS, run_job
 
+    # an xdist worker's base temp is `pytest-N/popen-gwK/`: its parent is this run's, shared
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+    root.mkdir(exist_ok=True)
     cache: dict[tuple, dict] = {}
 
     def get(workers: int, steps: int = STEPS, extra: tuple[str, ...] = ()) -> dict:
         """``extra``: `up` flags that change the trajectory (``--dtype float64``); flags that
         do not (verification, straggler settings) need no reference of their own."""
         key = (workers, steps, tuple(extra))
-        if key not in cache:
-            d = tmp_path_factory.mktemp(f"ref{workers}-{steps}")
-            with concurrent.futures.ThreadPoolExecutor(1) as ex:  # the test's loop is running
-                cache[key] = ex.submit(asyncio.run, run_job(
-                    d, "ref", workers, 0, steps=steps, extra=list(extra) or None)).result()
-            assert cache[key]["param_sha256"], cache[key]
+        if key in cache:
+            return cache[key]
+        name = f"ref{workers}-{steps}" + "".join(f"_{x.lstrip('-')}" for x in extra)
+        path = root / f"{name}.json"
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker runs it; the others wait and read
+            if not path.exists():
+                d = tmp_path_factory.mktemp(name)
+                with concurrent.futures.ThreadPoolExecutor(1) as ex:  # the test's loop runs
+                    s = ex.submit(asyncio.run, run_job(
+                        d, "ref", workers, 0, steps=steps, extra=list(extra) or None)).result()
+                assert s["param_sha256"], s
+                s.pop("plans", None)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(s))
+                tmp.replace(path)
+            cache[key] = json.loads(path.read_text())
         return cache[key]
 
     return get
