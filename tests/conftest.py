@@ -43,10 +43,19 @@ def _weight(item) -> int:
     return len(LONGEST_FIRST)
 
 
+# Files whose tests share a module fixture worth keeping to one worker (a Ray cluster, a
+# sharded reference job, a traced job): `--dist loadgroup` (pyproject) sends a group to one.
+ONE_WORKER_FILES = {"test_ray_actuator.py", "test_sharded_e2e.py", "test_trace_cli.py",
+                    "test_data_loader.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the marks select (-m unit) and xdist names groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in UNIT_FILES:
             item.add_marker(pytest.mark.unit)
+        if item.path.name in ONE_WORKER_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=_weight)  # stable: a file keeps its own order
 
 
