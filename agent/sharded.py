@@ -57,7 +57,8 @@ def _check_torch() -> None:
     deep inside FSDP2 on an older one."""
     from torch.distributed.fsdp import FSDPModule
 
-    need = [n for n in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
+    need = [n for n in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
+                        "reset_iter_state")
             if not hasattr(FSDPModule, n)]
     if not hasattr(dist.ProcessGroup, "all_gather_single"):
         need.append("ProcessGroup.all_gather_single")
@@ -336,6 +337,24 @@ class Sharding:
             except Exception:
                 pass
             self.pos_group = None
+
+
+def reset_iteration(modules: list[torch.nn.Module]) -> None:
+    """After a discarded step: FSDP2's per-iteration state back to a step's start on every
+    rank alike (``FSDPModule.reset_iter_state`` on each root; in-flight works of a failed
+    generation return at once). A step abandoned mid-way leaves it where that rank was: a
+    forward whose backward was skipped (a newer plan arrived) keeps the root's parameters
+    unsharded, so this rank's next forward skips the root's all-gather, while a shard peer
+    that ran its backward (or a promoted spare) does it: the shard group's collectives no
+    longer match (gloo: "Received data size doesn't match expected size", the process
+    aborted: two such lost both holders of a shard once)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in modules:
+        for sub in mod.modules():
+            # the root holds every state of its tree (None: never run, nothing to reset)
+            if isinstance(sub, FSDPModule) and sub._get_fsdp_state()._is_root:
+                sub.reset_iter_state()
 
 
 def gradient_divide_factor_one(modules: list[torch.nn.Module]) -> int:

@@ -300,7 +300,12 @@ class Stepper:
             self._sync.disarm()
 
     def discard(self, reason: str | None, phase: Phase | None = None) -> bool:
-        """The step is thrown away (None: membership already recorded why)."""
+        """The step is thrown away (None: membership already recorded why). Sharded: FSDP2's
+        state of the abandoned iteration goes too (``sharded.reset_iteration``)."""
+        if self.m is not None and self.m.sharding is not None:
+            from .sharded import reset_iteration
+
+            reset_iteration(self.state.modules())
         if self.zero_on_discard:
             self.zero_grad()
         else:

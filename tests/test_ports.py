@@ -283,6 +283,23 @@ def test_stepper_discards_a_failed_reduction(error, reason, phase, report):
     assert all(p.grad is None for p in model.parameters())  # zero-grad: the step is gone
 
 
+def test_a_discarded_step_of_a_sharded_member_resets_fsdp(monkeypatch):
+    """``Stepper.discard``: a sharded member's FSDP iteration state goes with the step
+    (``sharded.reset_iteration``; what it does: tests/test_sharded.py), an unsharded one's
+    models are left alone."""
+    import agent.sharded
+
+    reset: list[list] = []
+    monkeypatch.setattr(agent.sharded, "reset_iteration", reset.append)
+    st, rt, m, _, model = _stepper(FakeGroup(), overlap=False)
+    st.discard("a newer plan arrived")
+    assert reset == []
+    m.sharding = object()
+    st.discard("a newer plan arrived")
+    assert reset == [[model]]
+    assert [r for r, _ in m.discarded] == ["a newer plan arrived"] * 2
+
+
 def test_script_batch_through_a_fake_kv_runtime():
     rt = FakeRuntime(_cfg())
     assert _missing(rt, ports.KVRuntime) == []
