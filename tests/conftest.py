@@ -23,26 +23,6 @@ UNIT_FILES = {
 }
 
 
-# The longest tests first (about 100, 70 and 40 s on 2 cores), then the files of clusters:
-# with parallel workers (`-n auto`, xdist's default `load` schedule hands tests out in this
-# order) a long test started last would run alone at the end.
-LONGEST_FIRST = (
-    "test_chaos.py::test_chaos_90s_passes", "test_chaos.py::test_chaos_guards_pass",
-    "test_elastic_e2e.py", "test_chaos.py", "test_ray_actuator.py", "test_healing.py",
-    "test_recovery_e2e.py", "test_guards_e2e.py", "test_sharded_e2e.py",
-    "test_control_plane_down.py", "test_training_loop.py", "test_dropin_e2e.py",
-    "test_bench_smoke.py",
-)
-
-
-def _weight(item) -> int:
-    nodeid = item.nodeid.split("/")[-1]
-    for i, prefix in enumerate(LONGEST_FIRST):
-        if nodeid.startswith(prefix):
-            return i
-    return len(LONGEST_FIRST)
-
-
 # Files whose tests share a module fixture worth keeping to one worker (a Ray cluster, a
 # sharded reference job, a traced job): `--dist loadgroup` (pyproject) sends a group to one.
 ONE_WORKER_FILES = {"test_ray_actuator.py", "test_sharded_e2e.py", "test_trace_cli.py",
@@ -56,14 +36,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         if item.path.name in ONE_WORKER_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    items.sort(key=_weight)  # stable: a file keeps its own order
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core, at most 4. A cluster test keeps about two cores busy
-    part of the time and waits on timeouts the rest: two workers on 2 cores run the full
-    suite in about three quarters of the time of one, more than a worker per core would
-    make the tests' timing bounds race each other."""
+    """`-n auto` (the unit tier's option): a worker per core, at most 4. The full suite runs
+    on one: its cluster tests are bound by real timeouts and step counts (two workers on 2
+    cores made three of them fail in one run)."""
     import os
 
     return max(1, min(len(os.sched_getaffinity(0)), 4))
