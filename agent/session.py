@@ -235,7 +235,7 @@ class Session:
             if m.leader.generation and self.last_committed == s:
                 m.leader.confirm(s)
             self._ckpt.on_request(rt.checkpoint_request, self.rank, self.state)
-            if self.last_committed != s and not self._stepper.verify.rolled_back:
+            if self._stepper.verify.discarded(s, self.last_committed):
                 if m.phase not in DISCARDED:
                     raise RuntimeError("call s.step() exactly once per step")
                 if not m.after_discard():

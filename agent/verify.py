@@ -62,7 +62,7 @@ class Verifier:
         self.on_nonfinite = on_nonfinite  # "rollback": a skipped step goes back to the copy
         self.copy: Any = None          # the last verified FlatState (host)
         self.verified: int | None = None
-        self.rolled_back = False       # the last verification restored the copy
+        self.rolled_back_at: int | None = None  # the step whose commit restored the copy
         # this member differed: reported at the next commit, after the first step computed
         # again, so that spares following rank 0 have seen the job go back (a followed step
         # older than theirs makes them drop their copy; promoted before that, they would
@@ -74,6 +74,14 @@ class Verifier:
         self._pending: Any = None
         self._step_time: float | None = None
 
+    def discarded(self, s: int, last_committed: int) -> bool:
+        """Step ``s`` ended without its commit: discarded, unless its own commit rolled the
+        state back to the verified copy (then the last commit is the copy's step). Only that
+        step is excused: a later step discarded before the next commit (a plan arriving
+        while the steps after the copy are computed again) recovers as any discarded step
+        (excusing it too made a member retry it for ever, out of the next generation)."""
+        return last_committed != s and self.rolled_back_at != s
+
     def due(self, s: int) -> bool:
         return self.every > 0 and (s + 1) % self.every == 0
 
@@ -84,7 +92,7 @@ class Verifier:
 
         t0 = time.perf_counter()
         self._step_time = step_time  # the member's median (Timeline): a rollback's cost
-        self.rolled_back = False
+        self.rolled_back_at = None
         if self._report is not None and m is not None and m.is_member:
             rt.report_sync(ReportKind.corruption, self._report)
             self._report = None
@@ -164,7 +172,7 @@ class Verifier:
             self.before_update()
             self._stream.synchronize()  # the copy is read on the host side too (its extra)
         state.restore(self.copy)
-        self.rolled_back = True
+        self.rolled_back_at = s
         log.warning("rolled back to the last verified copy", step=s, verified=self.verified,
                     reason=reason)
         telemetry.mark(telemetry.SPAN_ROLLBACK, time.time(), step=s, restore_step=self.verified,

@@ -154,3 +154,29 @@ def test_the_verified_copy_is_written_over_in_place():
     st2.register(opt=torch.optim.AdamW(st2.objs["model"].parameters()))
     st2.restore(grown)
     assert torch.equal(st2.objs["model"].weight, st.objs["model"].weight)
+
+
+def test_only_the_step_that_rolled_back_is_excused_from_recovering():
+    """A rollback at step 29's verification restores the copy of step 19: step 29 ended
+    without its own commit but is no discarded step. Step 20, computed again and discarded
+    before its commit (a plan arrived), is one: it must recover. (Excusing every step until
+    the next commit made a loaded member retry step 20 for ever, out of the next generation:
+    the job stalled and its state was declared lost.)"""
+    from agent.verify import Verifier
+
+    class _Rt:
+        def update(self, **kw):
+            pass
+
+    st = _state([1.0] * 20)
+    st.last_committed = 19
+    v = Verifier(every=10)
+    v.copy, v.verified = st.snapshot(), 19
+    st.last_committed = 29
+    v._rollback(29, st, _Rt(), "corruption")
+    assert st.last_committed == 19 and v.rolled_back_at == 29
+    assert not v.discarded(29, st.last_committed)   # its own commit rolled back
+    assert v.discarded(20, st.last_committed)       # the first step computed again, discarded
+    v.after_commit(20, st, None, _Rt(), None)       # a commit clears the excuse
+    assert v.rolled_back_at is None and v.discarded(29, 20)
+    assert not v.discarded(21, 21)
