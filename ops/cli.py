@@ -54,7 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
-                     replace=not args.no_replace, max_replacements=args.max_replacements,
+                     replace=not args.no_replace, prefork=not args.no_prefork,
+                     max_replacements=args.max_replacements,
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      checkpoint_keep=args.checkpoint_keep, resume=args.resume,
                      auto_resume=args.auto_resume, checkpoint_minutes=args.checkpoint_minutes,
@@ -471,6 +472,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--no-replace", action="store_true",
                     help="do not start a fresh spare in place of a failed pod (by default "
                          "every failed pod is replaced, so the job heals back to its size)")
+    up.add_argument("--no-prefork", action="store_true",
+                    help="start every pod with exec; by default a `python -m` pod is forked "
+                         "from a process that imported torch once (starts in milliseconds)")
     up.add_argument("--checkpoint-dir", metavar="DIR",
                     help="last-resort checkpoints of the committed state (rank 0, in the "
                          "background, torch.distributed.checkpoint); recovery never needs them")

@@ -24,6 +24,7 @@ from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Rec
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
+from services.actuator.prefork import Prefork
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
 from services.common.natsserver import NatsServer
@@ -73,6 +74,7 @@ class UpOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
     gpus_per_pod: int | None = None  # None: one per pod if the machine has enough, else shared
     replace: bool = True     # start a fresh spare in place of every failed pod
+    prefork: bool = True     # fork `python -m` pods from a zygote that imported torch
     checkpoint_dir: str | None = None  # last-resort checkpoints (agent/checkpoint.py)
     checkpoint_every: int = 200
     checkpoint_keep: int = 3
@@ -223,6 +225,11 @@ def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
             "--model", opts.model, "--dtype", opts.dtype, *data]
 
 
+# What the zygote imports for the pods (services/actuator/prefork.py): torch and the parts a
+# first step imports (the optimizer imports torch._dynamo), and the agent's session.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "agent.session"]
+
+
 async def run(opts: UpOptions) -> int:
     run_dir = Path(opts.run_dir) if opts.run_dir else new_run_dir(opts.job)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -266,38 +273,6 @@ async def run(opts: UpOptions) -> int:
     print(f"ceaseless up: job {opts.job!r}, {opts.workers} workers + {opts.spares} spares, "
           f"{_what_runs(opts)}\n  run dir: {run_dir}\n  bus:     {srv.url} (creds {creds_path})\n"
           f"  logs:    {log_dir}/\n  traces:  {run_dir / 'traces'}/", file=out, flush=True)
-    bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
-    await bus.ensure_stream()
-    await bus.kv()
-    await bus.store_kv()
-    base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
-    flags = {
-        "scaler": ["--workers", str(opts.workers),
-                   "--global-batch-size", str(opts.batch[0]),
-                   "--micro-batch-size", str(opts.batch[1]),
-                   # no batch given: the plans take the script's once it is known
-                   *([] if opts.batch_given else ["--batch-from-script"]),
-                   *_opt("--min-replicas", opts.min_replicas),
-                   *_opt("--max-replicas", opts.max_replicas),
-                   *_opt("--policy", opts.policy),
-                   *_opt("--scale-up-snooze", opts.scale_up_snooze),
-                   *_opt("--start-timeout", opts.start_timeout),
-                   *(["--shard-size", str(opts.shard_size)] if opts.shard_size > 1 else [])],
-        "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
-                           "--stall-timeout", str(opts.stall_timeout),
-                           # the pods inherit this environment: the monitor must know the
-                           # collective timeout they wait with (absent-member rule)
-                           "--collective-timeout",
-                           str(agent_timeouts_from_env().get(
-                               "collective_timeout", DEFAULTS["collective_timeout"])),
-                           *_opt("--straggler-factor", opts.straggler_factor),
-                           *_opt("--straggler-window", opts.straggler_window)],
-    }
-    for name in SERVICES:
-        flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
-    sup = ServiceSupervisor(base, log_dir, flags)
-    sup.start_all()
-    sup_task = asyncio.create_task(sup.watch())
     cmd = opts.cmd
     if not cmd:
         cmd = default_cmd(opts, _default_data(run_dir / "data"))
@@ -340,6 +315,43 @@ async def run(opts: UpOptions) -> int:
         env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
+    # services come up: every pod, a replacement spare's too, then starts as a fork.
+    prefork_task = (asyncio.create_task(Prefork.start(
+        {**os.environ, **env}, PRELOAD, log_dir / "zygote.log", run_dir))
+        if ray_act is None and opts.prefork else None)
+    bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
+    await bus.ensure_stream()
+    await bus.kv()
+    await bus.store_kv()
+    base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
+    flags = {
+        "scaler": ["--workers", str(opts.workers),
+                   "--global-batch-size", str(opts.batch[0]),
+                   "--micro-batch-size", str(opts.batch[1]),
+                   # no batch given: the plans take the script's once it is known
+                   *([] if opts.batch_given else ["--batch-from-script"]),
+                   *_opt("--min-replicas", opts.min_replicas),
+                   *_opt("--max-replicas", opts.max_replicas),
+                   *_opt("--policy", opts.policy),
+                   *_opt("--scale-up-snooze", opts.scale_up_snooze),
+                   *_opt("--start-timeout", opts.start_timeout),
+                   *(["--shard-size", str(opts.shard_size)] if opts.shard_size > 1 else [])],
+        "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
+                           "--stall-timeout", str(opts.stall_timeout),
+                           # the pods inherit this environment: the monitor must know the
+                           # collective timeout they wait with (absent-member rule)
+                           "--collective-timeout",
+                           str(agent_timeouts_from_env().get(
+                               "collective_timeout", DEFAULTS["collective_timeout"])),
+                           *_opt("--straggler-factor", opts.straggler_factor),
+                           *_opt("--straggler-window", opts.straggler_window)],
+    }
+    for name in SERVICES:
+        flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
+    sup = ServiceSupervisor(base, log_dir, flags)
+    sup.start_all()
+    sup_task = asyncio.create_task(sup.watch())
     from services.actuator.gpus import GpuAssigner, visible_gpus
 
     # with Ray, Ray assigns the devices (num_gpus = --gpus-per-pod per actor)
@@ -367,6 +379,10 @@ async def run(opts: UpOptions) -> int:
     else:
         act = LocalActuator(bus, cmd, env, log_dir, allow_inject=opts.allow_inject, gpus=gpus,
                             replace=opts.replace, budget=budget, launch_env=launch_env)
+        if prefork_task is not None:
+            act.prefork = await prefork_task
+            if act.prefork is not None:
+                record_pid(run_dir, "zygote", act.prefork.proc.pid)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)
@@ -470,6 +486,8 @@ async def run(opts: UpOptions) -> int:
         while act.running() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await act.shutdown(grace_s=3.0)
+        if ray_act is None and act.prefork is not None:
+            await act.prefork.close()
         if ray_act is not None:
             ray_act.close()
         if obs.script is None:  # a short job may end between two polls

@@ -19,7 +19,7 @@ UNIT_FILES = {
     "test_policy_file.py", "test_policy_properties.py", "test_ports.py", "test_repeats.py",
     "test_scaler.py", "test_schemas_timeouts.py", "test_session_local.py",
     "test_state_broker.py", "test_store.py", "test_trace_cli.py", "test_transfer.py",
-    "test_up_threads.py", "test_ledger.py", "test_guards.py",
+    "test_up_threads.py", "test_ledger.py", "test_guards.py", "test_prefork.py",
 }
 
 

@@ -117,8 +117,12 @@ async def test_sharded_replica_released_and_added_keeps_the_trajectory(tmp_path,
 
     steps = STEPS
     # two idle spares from the start: the capacity event promotes them at once (a cold start
-    # of two pods would take most of the run); the release names the replica's pods
-    async with Cluster(tmp_path / "el", 4, 2, steps, extra=ARGS, cmd=CMD) as c:
+    # of two pods would take most of the run); the release names the replica's pods.
+    # --no-prefork: the two pods the capacity event also starts must still be starting when
+    # the rank dies (a fault without a spare); forked, they would be spares by then and the
+    # rank would be replaced instead of its replica dropped
+    async with Cluster(tmp_path / "el", 4, 2, steps, extra=[*ARGS, "--no-prefork"],
+                       cmd=CMD) as c:
         s = c.bus.subjects
         await c.wait_spares(2)
         await c.wait_rank_step(0, 6)

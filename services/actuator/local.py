@@ -29,6 +29,7 @@ from plumbing.bus import Bus, Envelope
 
 from . import podlog
 from .base import PodSpec
+from .prefork import Prefork
 from .replace import ReplacementBudget, is_failure
 
 # The agent exits with this code when in-process recovery failed too often or it was
@@ -61,7 +62,9 @@ class LocalActuator:
         self.shutting_down = False
         self.stopped: set[str] = set()  # pods this actuator asked to stop: not replaced
         self.replacements: list[tuple[str, str]] = []  # (failed pod, its replacement)
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.procs: dict[str, Any] = {}  # asyncio.subprocess.Process or prefork.ForkedPod
+        # pods forked from a zygote that imported torch (prefork.py), set by `up`; None: exec
+        self.prefork: Prefork | None = None
         self.roles: dict[str, Role] = {}
         self.exits: dict[str, int] = {}
         self._counters = {Role.worker: itertools.count(), Role.spare: itertools.count()}
@@ -173,11 +176,18 @@ class LocalActuator:
         env = {**os.environ, **self.env, **spec.env, **gpu_env,
                "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        proc = None
+        if self.prefork is not None and self.prefork.handles(spec.argv, env):
+            try:
+                proc = await self.prefork.spawn(spec.argv, env, self.log_path(spec.pod))
+            except OSError as e:
+                log.warning("prefork failed; the pod is exec'd", pod=spec.pod, error=str(e))
         out = open(self.log_dir / f"{spec.pod}.log", "ab")
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *spec.argv, env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True)
+            if proc is None:
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.argv, env=env, stdout=out, stderr=out,
+                    stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             # The command cannot run at all (a wrong `python`, not executable): a pod that
             # failed at start, as the shell would put it (127), with the error in its log
@@ -204,7 +214,7 @@ class LocalActuator:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _watch(self, pod: str, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, pod: str, proc: Any) -> None:
         code = await proc.wait()
         self.procs.pop(pod, None)
         if self.gpus is not None:
@@ -311,7 +321,7 @@ def record_pid(run_dir: Path, name: str, pid: int) -> None:
         f.write(f"{name} {pid}\n")
 
 
-def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _signal(proc: Any, sig: int) -> None:
     try:
         proc.send_signal(sig)  # SIGKILL also ends a stopped (SIGSTOP) process
     except ProcessLookupError:

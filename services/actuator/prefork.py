@@ -1,0 +1,217 @@
+"""Pods forked from a process that imported torch already (``zygote.py``), for `up`.
+
+``Prefork.start`` starts the zygote (its preload runs while the bus and the services come
+up); ``Prefork.spawn`` forks a pod from it and returns a ``ForkedPod``, which the local
+actuator uses as it would an ``asyncio.subprocess.Process`` (``pid``, ``wait``,
+``send_signal``). A pod is forked only when its command is ``python -m MODULE`` with this
+interpreter and its environment differs from the zygote's only in per-pod keys
+(``PER_POD_KEYS``): anything else -- another interpreter, a script, a wrapper such as
+``ip netns exec``, an environment that could change what an import does -- is started with
+``exec`` as before (``handles``). If the zygote fails to start or dies, every later pod is
+exec'd; the pods it forked keep running and are still killed by pid, but their exit codes
+are unknown (reported as -SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from plumbing import logs
+
+log = logs.get("actuator")
+
+# Environment keys that may differ between a pod and the zygote: read by the agent at run
+# time, never by an import (a GPU's visibility is read when CUDA initialises, in the pod).
+PER_POD_KEYS = ("CEASELESS_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+                "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+START_TIMEOUT_S = 120.0   # the preload (import torch) on a loaded machine
+UNKNOWN_EXIT = -signal.SIGKILL
+READY = "ready"  # the zygote's first line: its preload is done
+
+
+class ForkedPod:
+    """A pod forked by the zygote: the part of ``asyncio.subprocess.Process`` the actuator
+    uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._done = asyncio.get_running_loop().create_future()
+
+    def _exited(self, code: int) -> None:
+        if not self._done.done():
+            self.returncode = code
+            self._done.set_result(code)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._done)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is not None:
+            raise ProcessLookupError(self.pid)
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Prefork:
+    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
+                 wfd: int, env: dict[str, str]) -> None:
+        self.proc = proc
+        self.env = env
+        self._reader = reader
+        self._wfd = wfd
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._pods: dict[int, ForkedPod] = {}
+        self._early: dict[int, int] = {}  # exits reported before the fork's own reply
+        self._task = asyncio.create_task(self._read())
+        self.alive = True
+
+    @classmethod
+    async def start(cls, env: dict[str, str], preload: list[str], log_path: Path,
+                    run_dir: Path | None = None) -> "Prefork | None":
+        """The zygote, ready to fork, or None (logged) if it could not start."""
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        argv = [sys.executable, "-m", "services.actuator.zygote", "--requests", str(req_r),
+                "--replies", str(rep_w), "--preload", ",".join(preload),
+                *(["--run-dir", str(run_dir)] if run_dir else [])]
+        out = open(log_path, "ab")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                pass_fds=(req_r, rep_w), start_new_session=True)
+        except OSError as e:
+            log.warning("prefork: zygote not started; pods are exec'd", error=str(e))
+            for fd in (req_r, req_w, rep_r, rep_w):
+                os.close(fd)
+            return None
+        finally:
+            out.close()
+        os.close(req_r)
+        os.close(rep_w)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                     os.fdopen(rep_r, "rb", 0))
+        try:
+            line = await asyncio.wait_for(reader.readline(), START_TIMEOUT_S)
+            ready = json.loads(line) if line else {}
+        except (asyncio.TimeoutError, ValueError):
+            ready = {}
+        if ready.get("event") != READY:
+            log.warning("prefork: zygote did not start; pods are exec'd",
+                        log=str(log_path), exit_code=proc.returncode)
+            _kill(proc)
+            os.close(req_w)
+            return None
+        log.info("prefork: zygote ready", pid=proc.pid, preload=preload)
+        return cls(proc, reader, req_w, env)
+
+    def handles(self, argv: list[str], env: dict[str, str]) -> bool:
+        """Whether a pod with this command and environment can be forked (module doc)."""
+        if not self.alive or len(argv) < 3 or argv[1] != "-m":
+            return False
+        if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
+            return False
+        keys = set(env) | set(self.env)
+        return all(env.get(k) == self.env.get(k) for k in keys
+                   if not k.startswith(PER_POD_KEYS))
+
+    async def spawn(self, argv: list[str], env: dict[str, str], log_path: Path,
+                    cwd: str | None = None) -> ForkedPod:
+        """Fork a pod (``handles`` said yes); raises OSError if the zygote cannot."""
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        req = {"id": rid, "argv": argv, "env": env, "log": str(log_path),
+               "cwd": cwd or os.getcwd()}
+        try:
+            os.write(self._wfd, (json.dumps(req) + "\n").encode())
+            reply = await asyncio.wait_for(fut, 30)
+        except (OSError, asyncio.TimeoutError) as e:
+            self._pending.pop(rid, None)
+            raise OSError(f"prefork: the zygote did not fork: {e}") from None
+        if "error" in reply:
+            raise OSError(f"prefork: {reply['error']}")
+        pod = ForkedPod(reply["pid"])
+        self._pods[pod.pid] = pod
+        if pod.pid in self._early:
+            pod._exited(self._early.pop(pod.pid))
+        return pod
+
+    async def _read(self) -> None:
+        try:
+            while line := await self._reader.readline():
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if "exit" in msg:
+                    pod = self._pods.pop(msg["exit"], None)
+                    if pod is None:
+                        self._early[msg["exit"]] = msg["code"]
+                    else:
+                        pod._exited(msg["code"])
+                elif "id" in msg and (fut := self._pending.pop(msg["id"], None)) is not None:
+                    if not fut.done():
+                        fut.set_result(msg)
+        finally:
+            self._lost()
+
+    def _lost(self) -> None:
+        """The zygote is gone: nothing more forks; the exits of its pods cannot be known.
+        Each still-running pod is waited for by polling its pid."""
+        if self.alive and not getattr(self, "_closing", False):
+            log.warning("prefork: the zygote exited; later pods are exec'd",
+                        exit_code=self.proc.returncode)
+        self.alive = False
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(OSError("the zygote exited"))
+        self._pending.clear()
+        for pod in list(self._pods.values()):
+            asyncio.create_task(_poll_exit(pod))
+        self._pods.clear()
+
+    async def close(self) -> None:
+        """Stop the zygote (the pods it forked are the actuator's to stop first)."""
+        self._closing = True
+        self.alive = False
+        try:
+            os.close(self._wfd)
+        except OSError:
+            pass
+        try:
+            await asyncio.wait_for(self.proc.wait(), 5)
+        except asyncio.TimeoutError:
+            _kill(self.proc)
+        self._task.cancel()
+
+
+async def _poll_exit(pod: ForkedPod) -> None:
+    while pod.returncode is None:
+        try:
+            os.kill(pod.pid, 0)
+        except ProcessLookupError:
+            pod._exited(UNKNOWN_EXIT)
+            return
+        except PermissionError:
+            pass
+        await asyncio.sleep(0.5)
+
+
+def _kill(proc: Any) -> None:
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,26 @@
+"""A pod for tests/test_prefork.py: says what it was given, then ends as its argument says."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+
+how = sys.argv[1]
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(),
+                  "sid": os.getsid(0), "pod": os.environ.get("CEASELESS_POD"),
+                  "main": __name__, "path0": sys.path[0],
+                  "zygote_globals": "Zygote" in globals()}))
+atexit.register(lambda: print("atexit ran"))
+if how == "late-thread":  # a non-daemon thread outlives the main module: waited for
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+elif how == "exit":
+    sys.exit(int(sys.argv[2]))
+elif how == "raise":
+    raise RuntimeError("the script failed")
+elif how == "sleep":
+    print("sleeping")  # unflushed: PYTHONUNBUFFERED must hold in a fork too
+    time.sleep(60)

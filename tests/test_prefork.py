@@ -1,0 +1,108 @@
+"""Pods forked from a zygote (services/actuator/prefork.py, zygote.py): a real zygote process,
+real forks; a forked pod must be what `exec` would have started, and every failure of the
+zygote must leave pods startable (exec) and their ends reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import REPO, until
+from services.actuator import prefork as pf
+from services.actuator.prefork import Prefork
+
+POD = [sys.executable, "-m", "tests.helpers.prefork_pod"]
+pytestmark = pytest.mark.timeout(60)
+
+
+# once: the environment of a pod must equal the zygote's (pytest changes PYTEST_CURRENT_TEST)
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+
+
+def _env(**kw: str) -> dict[str, str]:
+    return {**ENV, **kw}
+
+
+@pytest.fixture
+async def zygote(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    z = await Prefork.start(_env(), ["json"], tmp_path / "zygote.log", tmp_path)
+    assert z is not None, (tmp_path / "zygote.log").read_text()
+    try:
+        yield z
+    finally:
+        await z.close()
+
+
+def _first(log: Path) -> dict:
+    return json.loads(log.read_text().splitlines()[0])
+
+
+async def test_a_forked_pod_is_what_exec_would_start(zygote, tmp_path):
+    log = tmp_path / "w0.log"
+    pod = await zygote.spawn([*POD, "late-thread"], _env(CEASELESS_POD="w0"), log)
+    assert await asyncio.wait_for(pod.wait(), 20) == 0 and pod.returncode == 0
+    seen = _first(log)
+    assert seen["argv"][0].endswith("prefork_pod.py") and seen["argv"][1:] == ["late-thread"]
+    assert seen["pid"] == pod.pid and seen["sid"] == pod.pid  # its own session, as exec'd
+    assert seen["cwd"] == str(REPO) and seen["path0"] == str(REPO)
+    assert seen["pod"] == "w0" and seen["main"] == "__main__"
+    assert not seen["zygote_globals"]  # a fresh __main__, not the zygote's
+    rest = log.read_text().splitlines()[1:]
+    # the interpreter's way out: non-daemon threads first, then atexit
+    assert rest == ["thread finished", "atexit ran"], rest
+
+
+@pytest.mark.parametrize("args,code", [(["exit", "3"], 3), (["raise"], 1), (["exit", "0"], 0)])
+async def test_exit_codes_are_the_interpreters(zygote, tmp_path, args, code):
+    log = tmp_path / "p.log"
+    pod = await zygote.spawn([*POD, *args], _env(), log)
+    assert await asyncio.wait_for(pod.wait(), 20) == code
+    if args == ["raise"]:
+        assert "RuntimeError: the script failed" in log.read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+async def test_a_signalled_pod_reports_the_signal_and_its_output_was_unbuffered(
+        zygote, tmp_path, sig):
+    log = tmp_path / "p.log"
+    pod = await zygote.spawn([*POD, "sleep"], _env(), log)
+    await until(lambda: log.exists() and "sleeping" in log.read_text(), 20, "the unflushed line in the log")
+    pod.send_signal(sig)
+    assert await asyncio.wait_for(pod.wait(), 20) == -sig
+    with pytest.raises(ProcessLookupError):
+        pod.send_signal(signal.SIGKILL)
+
+
+async def test_only_same_interpreter_modules_with_the_same_environment_are_forked(zygote):
+    env = _env()
+    assert zygote.handles(POD, env)
+    # per-pod keys may differ: read by the agent, not by an import
+    assert zygote.handles(POD, {**env, "CEASELESS_POD": "s3", "CUDA_VISIBLE_DEVICES": "1"})
+    assert not zygote.handles(POD, {**env, "PYTHONPATH": "/elsewhere"})
+    assert not zygote.handles(POD, {**env, "TORCH_LOGS": "+dynamo"})
+    assert not zygote.handles(["/usr/bin/python3.9", *POD[1:]], env)
+    assert not zygote.handles([sys.executable, "tests/helpers/prefork_pod.py"], env)
+    assert not zygote.handles(["ip", "netns", "exec", "a", *POD], env)
+
+
+async def test_when_the_zygote_dies_its_pods_still_end_and_nothing_more_forks(zygote, tmp_path):
+    pod = await zygote.spawn([*POD, "sleep"], _env(), tmp_path / "p.log")
+    os.kill(zygote.proc.pid, signal.SIGKILL)
+    await until(lambda: not zygote.alive, 10, "the zygote's loss noticed")
+    assert not zygote.handles(POD, _env())
+    with pytest.raises(OSError):
+        await zygote.spawn([*POD, "exit", "0"], _env(), tmp_path / "q.log")
+    os.kill(pod.pid, signal.SIGKILL)  # an orphan now: its exit code is unknown, its end not
+    assert await asyncio.wait_for(pod.wait(), 20) == pf.UNKNOWN_EXIT
+
+
+async def test_a_zygote_that_cannot_start_means_exec(tmp_path, monkeypatch):
+    monkeypatch.setattr(pf.sys, "executable", "/bin/false")
+    assert await Prefork.start(_env(), [], tmp_path / "z.log", tmp_path) is None
