@@ -23,10 +23,9 @@ UNIT_FILES = {
 }
 
 
-# Files whose tests share a module fixture worth keeping to one worker (a Ray cluster, a
-# sharded reference job, a traced job): `--dist loadgroup` (pyproject) sends a group to one.
-ONE_WORKER_FILES = {"test_ray_actuator.py", "test_sharded_e2e.py", "test_trace_cli.py",
-                    "test_data_loader.py"}
+# Unit files whose tests share a module fixture worth keeping to one worker (a traced job,
+# a corpus): `--dist loadgroup` (pyproject) sends a group to one.
+ONE_WORKER_FILES = {"test_trace_cli.py", "test_data_loader.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before the marks select (-m unit) and xdist names groups
@@ -34,14 +33,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in UNIT_FILES:
             item.add_marker(pytest.mark.unit)
-        if item.path.name in ONE_WORKER_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+            if item.path.name in ONE_WORKER_FILES:
+                item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        else:
+            # Everything that runs clusters or real faults runs on one worker, one test at a
+            # time, in order: they are bound by real timeouts and step counts (two of them at
+            # once on 2 cores made three fail in one run). The other workers take the unit
+            # tier meanwhile.
+            item.add_marker(pytest.mark.xdist_group("clusters"))
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (the unit tier's option): a worker per core, at most 4. The full suite runs
-    on one: its cluster tests are bound by real timeouts and step counts (two workers on 2
-    cores made three of them fail in one run)."""
+    """`-n auto`: a worker per core, at most 4. The cluster tests stay on one of them, one at
+    a time (the "clusters" group above); the unit tier spreads over all."""
     import os
 
     return max(1, min(len(os.sched_getaffinity(0)), 4))

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from harness import STEPS, run_job as _run  # noqa: F401
+from harness import STEPS, log_events, run_job as _run  # noqa: F401
 from test_recovery_e2e import _assert_same, _kill
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -36,9 +36,12 @@ def _count(c, name: str) -> int:
 async def _fault_during_outage(c, name: str, checks: dict) -> None:
     # Not in the first moments of the job: the scaler's once-per-term reconcile (2 fault
     # timeouts after it started, about when the first plan is out) handles a member already
-    # dead by itself, which would be a plan during the monitor's outage (seen once when the
-    # kill landed 0.3 s after the first plan).
+    # dead by itself, which would be a plan during the monitor's outage (seen when the kill
+    # landed 0.3 s after the first plan, and with pods forked from a zygote, which train
+    # their step 16 before it)
     await c.wait_rank_step(1, 16)
+    await c.wait_for(lambda: log_events(c.run_dir, "scaler", "lease term reconciled"), 30,
+                     "the scaler's reconcile")
     pid = _latest(c, name)
     os.kill(pid, signal.SIGSTOP)  # down: answers nothing, not yet restarted
     try:
@@ -53,6 +56,15 @@ async def _fault_during_outage(c, name: str, checks: dict) -> None:
     await c.wait_for(lambda: _count(c, name) >= 2, 30, f"{name} restarted")
 
 
+def _slower(tmp_path) -> list[str]:
+    """The default example, 0.02 s slower per micro-batch (same numerics): the job must still
+    be training after its first 16 steps and the scaler's reconcile (~3.5 s after `up`)."""
+    from ops.cluster import UpOptions, _default_data, default_cmd
+
+    return [*default_cmd(UpOptions(steps=STEPS), _default_data(tmp_path / "data")),
+            "--sleep", "0.02"]
+
+
 @pytest.mark.parametrize("name", ["health_monitor", "state_broker", "nats-server"])
 async def test_fault_while_down_is_handled_once_back(tmp_path, reference, name):
     checks: dict = {}
@@ -60,7 +72,7 @@ async def test_fault_while_down_is_handled_once_back(tmp_path, reference, name):
     async def fault(c):
         await _fault_during_outage(c, name, checks)
 
-    s = await _run(tmp_path, f"down-{name}", 2, 1, fault)
+    s = await _run(tmp_path, f"down-{name}", 2, 1, fault, cmd=_slower(tmp_path))
     _assert_same(s, reference(2))
     gens = [p.generation for p in s["plans"]]
     assert gens[-1] == 2 and gens.count(2) >= 1, gens          # one replacement, no more

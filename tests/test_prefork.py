@@ -32,7 +32,7 @@ def _env(**kw: str) -> dict[str, str]:
 @pytest.fixture
 async def zygote(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    z = await Prefork.start(_env(), ["json"], tmp_path / "zygote.log", tmp_path)
+    z = await Prefork.start(_env(), ["json", "numpy"], tmp_path / "zygote.log", tmp_path)
     assert z is not None, (tmp_path / "zygote.log").read_text()
     try:
         yield z
@@ -57,6 +57,16 @@ async def test_a_forked_pod_is_what_exec_would_start(zygote, tmp_path):
     rest = log.read_text().splitlines()[1:]
     # the interpreter's way out: non-daemon threads first, then atexit
     assert rest == ["thread finished", "atexit ran"], rest
+
+
+async def test_forked_pods_draw_their_own_random_numbers(zygote, tmp_path):
+    pods = [await zygote.spawn([*POD, "exit", "0"], _env(), tmp_path / f"{i}.log")
+            for i in range(2)]
+    for p in pods:
+        assert await asyncio.wait_for(p.wait(), 20) == 0
+    a, b = (_first(tmp_path / f"{i}.log") for i in range(2))
+    assert a["np_random"] is not None
+    assert a["random"] != b["random"] and a["np_random"] != b["np_random"]
 
 
 @pytest.mark.parametrize("args,code", [(["exit", "3"], 3), (["raise"], 1), (["exit", "0"], 0)])

@@ -991,6 +991,8 @@ class Scaler(Service):
         if now - self.t0 < 2 * self.fault_timeout:
             return
         self._reconciled = True
+        # once a term: after this line a member's silence is the health monitor's to report
+        self.log.info("lease term reconciled", generation=plan.generation)
         for m in plan.members:
             s = self.pods.get(m.pod)
             if m.pod in self.pending or m.pod in self.done:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -13,7 +14,12 @@ how = sys.argv[1]
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(),
                   "sid": os.getsid(0), "pod": os.environ.get("CEASELESS_POD"),
                   "main": __name__, "path0": sys.path[0],
-                  "zygote_globals": "Zygote" in globals()}))
+                  "zygote_globals": "Zygote" in globals(),
+                  # a fresh process draws fresh random numbers: so must a fork (random and numpy reseed
+                  # themselves after a fork)
+                  "random": random.getrandbits(60),
+                  "np_random": int(sys.modules["numpy"].random.randint(1 << 60))
+                  if "numpy" in sys.modules else None}))
 atexit.register(lambda: print("atexit ran"))
 if how == "late-thread":  # a non-daemon thread outlives the main module: waited for
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
