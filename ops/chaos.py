@@ -561,10 +561,8 @@ class Chaos:
     def pods(self) -> list[tuple[str, int]]:
         """Every live pod `up` (its actuator) started: members, spares, replacements, in
         the run dir and its restarts, as recorded in pids.txt (not services, nats-server)."""
-        from ops.launcher import _ours
-
-        return [(n, pid) for n, pid in self.c.pids()
-                if n not in SERVICES and n != "nats-server" and _ours(pid, str(self.c.run_dir))]
+        return [(n, pid) for n, pid in self.c.live() if n not in SERVICES
+                and n not in ("nats-server", "zygote")]
 
     async def _kill_all(self, ev: Event, out: Outcome, step: int, t0: float) -> None:
         """SIGKILL every pod at once: no holder of the state survives. `up` restarts the job
@@ -604,10 +602,9 @@ class Chaos:
                       f"{r['from_step']}, {out.recomputed} step(s) recomputed")
 
     def cleanup(self) -> None:
-        from ops.launcher import _ours
-
+        live = {pid for _, pid in self.c.live()}
         for pid in self.stopped:
-            if _ours(pid, str(self.c.run_dir)):
+            if pid in live:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -230,6 +230,23 @@ def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "agent.session"]
 
 
+async def _zygote(env: dict[str, str], cmd: list[str], log_dir: Path,
+                  run_dir: Path) -> Prefork | None:
+    """The zygote this run's pods fork from: a shared one (``CEASELESS_ZYGOTE``, a unix
+    socket) when its environment fits the pods', else this run's own."""
+    shared = os.environ.get("CEASELESS_ZYGOTE")
+    if shared:
+        z = await Prefork.connect(shared)
+        if z is not None and z.handles(cmd, env):
+            return z
+        if z is not None:
+            logs.get("up").info("prefork: the shared zygote's environment is not the pods'; "
+                                "starting this run's own", path=shared,
+                                differs=z.differs(env)[:10])
+            await z.close()
+    return await Prefork.start(env, PRELOAD, log_dir / "zygote.log", run_dir)
+
+
 async def run(opts: UpOptions) -> int:
     run_dir = Path(opts.run_dir) if opts.run_dir else new_run_dir(opts.job)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -317,9 +334,8 @@ async def run(opts: UpOptions) -> int:
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
     # services come up: every pod, a replacement spare's too, then starts as a fork.
-    prefork_task = (asyncio.create_task(Prefork.start(
-        {**os.environ, **env}, PRELOAD, log_dir / "zygote.log", run_dir))
-        if ray_act is None and opts.prefork else None)
+    prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
+                    if ray_act is None and opts.prefork else None)
     bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
     await bus.ensure_stream()
     await bus.kv()
@@ -381,7 +397,7 @@ async def run(opts: UpOptions) -> int:
                             replace=opts.replace, budget=budget, launch_env=launch_env)
         if prefork_task is not None:
             act.prefork = await prefork_task
-            if act.prefork is not None:
+            if act.prefork is not None and act.prefork.proc is not None:
                 record_pid(run_dir, "zygote", act.prefork.proc.pid)
     await act.attach()
     obs = Observer()

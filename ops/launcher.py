@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 
 from schemas.messages import Heartbeat, Plan
 from plumbing.bus import Bus, Credentials, Envelope
+from services.actuator.local import proc_start
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,10 @@ class Cluster:
     async def __aenter__(self) -> "Cluster":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.run_dir / "up.out", "wb")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # without pytest's per-test variable: no pod reads it, and it would keep the pods from
+        # forking from a shared zygote (CEASELESS_ZYGOTE: its environment must be theirs)
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+        env["PYTHONPATH"] = str(REPO)
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=REPO, env=env)
         out.close()
@@ -127,25 +131,22 @@ class Cluster:
                 self.proc.kill()
                 self.proc.wait(5)
         # Anything `up` started that is still alive (it records every child's pid).
-        for name, pid in self.pids():
-            if _ours(pid, str(self.run_dir)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for name, pid in self.live():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def pids(self) -> list[tuple[str, int]]:
         """Every child `up` recorded, in this run dir and in its restarts (restart-N/,
         nested), oldest first."""
-        out = []
-        for d in job_dirs(self.run_dir):
-            p = d / "pids.txt"
-            if not p.exists():
-                continue
-            for line in p.read_text().splitlines():
-                name, pid = line.split()
-                out.append((name, int(pid)))
-        return out
+        return [(name, pid) for name, pid, _ in recorded(self.run_dir)]
+
+    def live(self) -> list[tuple[str, int]]:
+        """The recorded children that are still running (the same processes, not a later
+        one that reuses a pid)."""
+        return [(n, pid) for n, pid, start in recorded(self.run_dir)
+                if _ours(pid, str(self.run_dir), start)]
 
     def output(self) -> str:
         try:
@@ -221,8 +222,28 @@ def _restarts(d: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len("restart-"):]))
 
 
-def _ours(pid: int, marker: str) -> bool:
-    """True if ``pid`` is alive and belongs to this run (guards against pid reuse)."""
+def recorded(run_dir: Path) -> list[tuple[str, int, str | None]]:
+    """(name, pid, start) of every child `up` recorded in ``run_dir`` and its restarts
+    (``pids.txt``, services/actuator/local.py ``record_pid``), oldest first."""
+    out = []
+    for d in job_dirs(run_dir):
+        p = d / "pids.txt"
+        if not p.exists():
+            continue
+        for line in p.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                start = parts[2] if len(parts) > 2 and parts[2] != "-" else None
+                out.append((parts[0], int(parts[1]), start))
+    return out
+
+
+def _ours(pid: int, marker: str, start: str | None = None) -> bool:
+    """True if ``pid`` is alive and belongs to this run (guards against pid reuse): the
+    process started at ``start`` (as recorded) or, without one, a process whose command line
+    or environment names ``marker`` (a pod forked from a shared zygote names neither)."""
+    if start is not None:
+        return proc_start(pid) == start
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")

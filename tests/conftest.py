@@ -28,19 +28,18 @@ UNIT_FILES = {
 ONE_WORKER_FILES = {"test_trace_cli.py", "test_data_loader.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before the marks select (-m unit) and xdist names groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in UNIT_FILES:
-            item.add_marker(pytest.mark.unit)
-            if item.path.name in ONE_WORKER_FILES:
-                item.add_marker(pytest.mark.xdist_group(item.path.stem))
-        else:
-            # Everything that runs clusters or real faults runs on one worker, one test at a
-            # time, in order: they are bound by real timeouts and step counts (two of them at
-            # once on 2 cores made three fail in one run). The other workers take the unit
-            # tier meanwhile.
-            item.add_marker(pytest.mark.xdist_group("clusters"))
+def pytest_itemcollected(item):
+    # as each test is collected: before `-m unit` selects and xdist's loadgroup names groups
+    if item.path.name in UNIT_FILES:
+        item.add_marker(pytest.mark.unit)
+        if item.path.name in ONE_WORKER_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    else:
+        # Everything that runs clusters or real faults runs on one worker, one test at a
+        # time, in order: they are bound by real timeouts and step counts (two of them at
+        # once on 2 cores made three fail in one run). The other workers take the unit tier
+        # meanwhile.
+        item.add_marker(pytest.mark.xdist_group("clusters"))
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -49,6 +48,71 @@ def pytest_xdist_auto_num_workers(config):
     import os
 
     return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_zygote(request, tmp_path_factory):
+    """One zygote for every cluster of this run (services/actuator/zygote.py --listen): each
+    `ceaseless up` a test starts forks its pods from it (CEASELESS_ZYGOTE) instead of paying
+    ~2 s for importing torch in a zygote of its own. Not for the unit tier. At the end, what
+    it forked and is still running is killed by PID, then the zygote."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from harness import REPO
+    from ops.cluster import PRELOAD
+
+    if os.environ.get("CEASELESS_ZYGOTE") or all(
+            i.get_closest_marker("unit") for i in request.session.items):
+        yield None
+        return
+    # torch sets this in the test process the first time a test compiles; every later cluster
+    # inherits it: set it now, so that the zygote's environment is theirs
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()
+    d = tmp_path_factory.mktemp("zygote")
+    sock = d / "z.sock"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["PYTHONPATH"] = str(REPO)  # as ops/launcher.py's Cluster gives `up`
+    with open(d / "zygote.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.actuator.zygote", "--listen", str(sock),
+             "--preload", ",".join(PRELOAD)], env=env, cwd=REPO, stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if sock.exists():
+        os.environ["CEASELESS_ZYGOTE"] = str(sock)
+    try:
+        yield sock
+    finally:
+        os.environ.pop("CEASELESS_ZYGOTE", None)
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait(10)
+
+
+def _children(ppid: int) -> list[int]:
+    import os
+
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == ppid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
 
 
 @pytest.fixture

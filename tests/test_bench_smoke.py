@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from services.actuator.local import proc_start
+
 REPO = Path(__file__).resolve().parent.parent
 # Each smoke test is meant to finish in under 30 s on an idle 2-core machine; on a loaded one,
 # CEASELESS_SMOKE_SCALE=3 gives every limit three times the time.
@@ -51,11 +53,14 @@ def _cleanup(proc: subprocess.Popen, work: Path) -> None:
                     pass
     for f in [*work.rglob("pids.txt"), *work.rglob("*.pids")]:
         for line in f.read_text().splitlines():
+            parts = line.split()  # pids.txt: "name pid start"; *.pids: "... pid"
             try:
-                pid = int(line.split()[-1])
+                pid = int(parts[1] if f.name == "pids.txt" else parts[-1])
             except (ValueError, IndexError):
                 continue
-            if _alive_and_ours(pid, str(work)) or f.suffix == ".pids":
+            start = parts[2] if f.name == "pids.txt" and len(parts) > 2 else None
+            if (_alive_and_ours(pid, str(work)) or f.suffix == ".pids"
+                    or (start not in (None, "-") and proc_start(pid) == start)):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):

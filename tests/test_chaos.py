@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ops.chaos import ELASTIC_KINDS, KINDS, checkpoint_every, make_schedule, percentile
-from ops.launcher import REPO, _ours, job_dirs
+from ops.launcher import REPO, _ours, recorded
 
 CI_SEED = 1
 CI_TIMEOUT = 900  # seconds for reference + chaos on a loaded 2-core machine
@@ -69,16 +69,14 @@ def _cleanup(proc: subprocess.Popen, run_dir: Path) -> None:
             proc.wait(10)
     # every cluster's pids.txt: reference, chaos and the chaos run's restarts (restart-N/)
     for d in (run_dir.iterdir() if run_dir.exists() else []):
-        for j in (job_dirs(d) if d.is_dir() else []):
-            if not (j / "pids.txt").exists():
-                continue
-            for line in (j / "pids.txt").read_text().splitlines():
-                pid = int(line.split()[1])
-                if _ours(pid, str(run_dir)):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+        if not d.is_dir():
+            continue
+        for _, pid, start in recorded(d):
+            if _ours(pid, str(run_dir), start):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _chaos(tmp_path: Path, args: list[str], timeout: float) -> tuple[int, str, Path]:

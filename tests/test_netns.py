@@ -81,7 +81,8 @@ async def test_pods_in_namespaces_train_and_recover_across_addresses(tmp_path, n
         pid = {p: c.hb[p].pid for p in ("w0", "w1", "s0")}
         # the pid the actuator started (and would SIGKILL) is the training process in its
         # namespace: `ip netns exec` execs, it does not fork
-        recorded = dict(line.split() for line in (run_dir / "pids.txt").read_text().splitlines())
+        recorded = {p[0]: p[1] for p in (line.split() for line in
+                                          (run_dir / "pids.txt").read_text().splitlines())}
         own_net = os.readlink("/proc/self/ns/net")
         for p, ns in (("w0", a), ("w1", b), ("s0", b)):
             assert int(recorded[p]) == pid[p]

@@ -95,6 +95,9 @@ async def test_only_same_interpreter_modules_with_the_same_environment_are_forke
     assert zygote.handles(POD, env)
     # per-pod keys may differ: read by the agent, not by an import
     assert zygote.handles(POD, {**env, "CEASELESS_POD": "s3", "CUDA_VISIBLE_DEVICES": "1"})
+    # what the fork applies itself, and the same path entries written twice
+    assert zygote.handles(POD, {**env, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": ""})
+    assert zygote.handles(POD, {**env, "PYTHONPATH": os.pathsep.join([str(REPO)] * 2)})
     assert not zygote.handles(POD, {**env, "PYTHONPATH": "/elsewhere"})
     assert not zygote.handles(POD, {**env, "TORCH_LOGS": "+dynamo"})
     assert not zygote.handles(["/usr/bin/python3.9", *POD[1:]], env)
@@ -116,3 +119,31 @@ async def test_when_the_zygote_dies_its_pods_still_end_and_nothing_more_forks(zy
 async def test_a_zygote_that_cannot_start_means_exec(tmp_path, monkeypatch):
     monkeypatch.setattr(pf.sys, "executable", "/bin/false")
     assert await Prefork.start(_env(), [], tmp_path / "z.log", tmp_path) is None
+
+
+async def test_a_shared_zygote_serves_every_up_that_connects(tmp_path, monkeypatch):
+    """`zygote.py --listen` (CEASELESS_ZYGOTE): each client gets its own pods' ends, and one
+    client leaving does not stop it."""
+    monkeypatch.chdir(REPO)
+    sock = tmp_path / "z.sock"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.actuator.zygote", "--listen", str(sock),
+        "--preload", "json", env=ENV, cwd=REPO, start_new_session=True)
+    try:
+        await until(lambda: sock.exists(), 30, "the zygote's socket")
+        a, b = await Prefork.connect(str(sock)), await Prefork.connect(str(sock))
+        assert a is not None and b is not None and a.proc is None
+        assert a.env["PYTHONPATH"] == str(REPO) and a.handles(POD, _env())
+        pa = await a.spawn([*POD, "exit", "3"], _env(), tmp_path / "a.log")
+        pb = await b.spawn([*POD, "exit", "4"], _env(), tmp_path / "b.log")
+        assert await asyncio.wait_for(pa.wait(), 20) == 3
+        assert await asyncio.wait_for(pb.wait(), 20) == 4
+        await a.close()
+        pc = await b.spawn([*POD, "exit", "5"], _env(), tmp_path / "c.log")
+        assert await asyncio.wait_for(pc.wait(), 20) == 5
+        assert proc.returncode is None  # still serving
+        await b.close()
+        assert await Prefork.connect(str(tmp_path / "nothing.sock")) is None
+    finally:
+        proc.kill()
+        await proc.wait()

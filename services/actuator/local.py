@@ -316,9 +316,22 @@ class LocalActuator:
 
 
 def record_pid(run_dir: Path, name: str, pid: int) -> None:
-    """Every child's pid goes to <run_dir>/pids.txt, so a harness can clean up by PID."""
+    """Every child's pid goes to <run_dir>/pids.txt, so a harness can clean up by PID: a line
+    ``name pid start``, the start its kernel start time (``proc_start``), which tells the
+    process from a later one that reuses its pid."""
     with open(run_dir / "pids.txt", "a") as f:
-        f.write(f"{name} {pid}\n")
+        f.write(f"{name} {pid} {proc_start(pid) or '-'}\n")
+
+
+def proc_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22), or None
+    if there is no such process (or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: split after it
+    return stat.rpartition(")")[2].split()[19]
 
 
 def _signal(proc: Any, sig: int) -> None:

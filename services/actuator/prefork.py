@@ -1,15 +1,19 @@
 """Pods forked from a process that imported torch already (``zygote.py``), for `up`.
 
-``Prefork.start`` starts the zygote (its preload runs while the bus and the services come
-up); ``Prefork.spawn`` forks a pod from it and returns a ``ForkedPod``, which the local
-actuator uses as it would an ``asyncio.subprocess.Process`` (``pid``, ``wait``,
-``send_signal``). A pod is forked only when its command is ``python -m MODULE`` with this
-interpreter and its environment differs from the zygote's only in per-pod keys
-(``PER_POD_KEYS``): anything else -- another interpreter, a script, a wrapper such as
-``ip netns exec``, an environment that could change what an import does -- is started with
-``exec`` as before (``handles``). If the zygote fails to start or dies, every later pod is
-exec'd; the pods it forked keep running and are still killed by pid, but their exit codes
-are unknown (reported as -SIGKILL).
+``Prefork.start`` starts this run's own zygote (its preload runs while the bus and the
+services come up); ``Prefork.connect`` uses a shared one instead (``CEASELESS_ZYGOTE``, a
+unix socket: the test suite's, so that a cluster starts without the imports too).
+``Prefork.spawn`` forks a pod and returns a ``ForkedPod``, which the local actuator uses as it
+would an ``asyncio.subprocess.Process`` (``pid``, ``wait``, ``send_signal``).
+
+A pod is forked only when its command is ``python -m MODULE`` with this interpreter and its
+environment is the zygote's but for keys that no import reads (``handles``): per-pod keys
+(``PER_POD_KEYS``), keys the fork applies itself (``APPLIED_IN_FORK``) and a ``PYTHONPATH``
+with the same entries. Anything else -- another interpreter, a script, a wrapper such as
+``ip netns exec``, an environment that could change what an import does -- is exec'd as
+before. If the zygote fails to start or dies, every later pod is exec'd; the pods it forked
+keep running and are still killed by pid, but their exit codes are unknown (reported as
+-SIGKILL).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from plumbing import logs
 
@@ -31,6 +35,8 @@ log = logs.get("actuator")
 # time, never by an import (a GPU's visibility is read when CUDA initialises, in the pod).
 PER_POD_KEYS = ("CEASELESS_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
                 "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+# Keys the fork applies itself (zygote.py: torch.set_num_threads, unbuffered stdout/stderr).
+APPLIED_IN_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED"})
 START_TIMEOUT_S = 120.0   # the preload (import torch) on a loaded machine
 UNKNOWN_EXIT = -signal.SIGKILL
 READY = "ready"  # the zygote's first line: its preload is done
@@ -63,18 +69,22 @@ class ForkedPod:
 
 
 class Prefork:
-    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
-                 wfd: int, env: dict[str, str]) -> None:
-        self.proc = proc
-        self.env = env
+    def __init__(self, reader: asyncio.StreamReader, send: Callable[[bytes], None],
+                 env: dict[str, str], proc: asyncio.subprocess.Process | None = None,
+                 close: Callable[[], None] | None = None, where: str = "") -> None:
+        self.proc = proc      # this run's own zygote; None: a shared one
+        self.env = env        # the zygote's environment, from its greeting
+        self.where = where    # the shared zygote's socket
         self._reader = reader
-        self._wfd = wfd
+        self._send = send
+        self._close = close
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._pods: dict[int, ForkedPod] = {}
         self._early: dict[int, int] = {}  # exits reported before the fork's own reply
-        self._task = asyncio.create_task(self._read())
+        self._closing = False
         self.alive = True
+        self._task = asyncio.create_task(self._read())
 
     @classmethod
     async def start(cls, env: dict[str, str], preload: list[str], log_path: Path,
@@ -115,7 +125,26 @@ class Prefork:
             os.close(req_w)
             return None
         log.info("prefork: zygote ready", pid=proc.pid, preload=preload)
-        return cls(proc, reader, req_w, env)
+        return cls(reader, lambda b: _write_all(req_w, b), ready.get("env") or env, proc=proc,
+                   close=lambda: os.close(req_w))
+
+    @classmethod
+    async def connect(cls, path: str) -> "Prefork | None":
+        """A shared zygote (``zygote.py --listen PATH``), or None (logged) if none answers."""
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(path, limit=1 << 20), 10)
+            line = await asyncio.wait_for(reader.readline(), 10)
+            ready = json.loads(line) if line else {}
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            log.warning("prefork: no zygote at CEASELESS_ZYGOTE", path=path, error=str(e))
+            return None
+        if ready.get("event") != READY or not isinstance(ready.get("env"), dict):
+            writer.close()
+            log.warning("prefork: CEASELESS_ZYGOTE did not greet as a zygote", path=path)
+            return None
+        log.info("prefork: shared zygote", path=path, pid=ready.get("pid"))
+        return cls(reader, writer.write, ready["env"], close=writer.close, where=path)
 
     def handles(self, argv: list[str], env: dict[str, str]) -> bool:
         """Whether a pod with this command and environment can be forked (module doc)."""
@@ -123,9 +152,21 @@ class Prefork:
             return False
         if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
             return False
-        keys = set(env) | set(self.env)
-        return all(env.get(k) == self.env.get(k) for k in keys
-                   if not k.startswith(PER_POD_KEYS))
+        return not self.differs(env)
+
+    def differs(self, env: dict[str, str]) -> list[str]:
+        """The keys of ``env`` that keep a pod from forking: it and the zygote disagree on
+        them, and an import may read them."""
+        out = []
+        for k in sorted(set(env) | set(self.env)):
+            if k.startswith(PER_POD_KEYS) or k in APPLIED_IN_FORK:
+                continue
+            if k == "PYTHONPATH":
+                if _entries(env.get(k)) != _entries(self.env.get(k)):
+                    out.append(k)
+            elif env.get(k) != self.env.get(k):
+                out.append(k)
+        return out
 
     async def spawn(self, argv: list[str], env: dict[str, str], log_path: Path,
                     cwd: str | None = None) -> ForkedPod:
@@ -136,7 +177,7 @@ class Prefork:
         req = {"id": rid, "argv": argv, "env": env, "log": str(log_path),
                "cwd": cwd or os.getcwd()}
         try:
-            os.write(self._wfd, (json.dumps(req) + "\n").encode())
+            self._send((json.dumps(req) + "\n").encode())
             reply = await asyncio.wait_for(fut, 30)
         except (OSError, asyncio.TimeoutError) as e:
             self._pending.pop(rid, None)
@@ -171,31 +212,45 @@ class Prefork:
     def _lost(self) -> None:
         """The zygote is gone: nothing more forks; the exits of its pods cannot be known.
         Each still-running pod is waited for by polling its pid."""
-        if self.alive and not getattr(self, "_closing", False):
-            log.warning("prefork: the zygote exited; later pods are exec'd",
-                        exit_code=self.proc.returncode)
+        if self.alive and not self._closing:
+            log.warning("prefork: the zygote is gone; later pods are exec'd",
+                        exit_code=self.proc.returncode if self.proc else None,
+                        shared=self.where or None)
         self.alive = False
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(OSError("the zygote exited"))
+                fut.set_exception(OSError("the zygote is gone"))
         self._pending.clear()
         for pod in list(self._pods.values()):
             asyncio.create_task(_poll_exit(pod))
         self._pods.clear()
 
     async def close(self) -> None:
-        """Stop the zygote (the pods it forked are the actuator's to stop first)."""
+        """Done with the zygote (the pods it forked are the actuator's to stop first): this
+        run's own one exits; a shared one goes on serving others."""
         self._closing = True
         self.alive = False
-        try:
-            os.close(self._wfd)
-        except OSError:
-            pass
-        try:
-            await asyncio.wait_for(self.proc.wait(), 5)
-        except asyncio.TimeoutError:
-            _kill(self.proc)
+        if self._close is not None:
+            try:
+                self._close()
+            except OSError:
+                pass
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                _kill(self.proc)
         self._task.cancel()
+
+
+def _entries(path: str | None) -> list[str]:
+    """A PYTHONPATH's entries as the interpreter uses them: in order, each once."""
+    return list(dict.fromkeys(p for p in (path or "").split(os.pathsep) if p))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 async def _poll_exit(pod: ForkedPod) -> None:

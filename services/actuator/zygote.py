@@ -1,11 +1,15 @@
 """The prefork server's own process: imports torch once, then forks every pod from itself.
 
 ``python -m services.actuator.zygote --preload torch,agent.session`` imports the modules
-named, says ``ready`` and serves ``prefork.py``'s requests: JSON lines on ``--requests`` (an
-inherited fd), answers and exit reports on ``--replies``. A pod is a fork that becomes
-``python -m MODULE ARGS`` (a new session, its log as stdout and stderr, its own environment,
-working directory and ``sys.argv``); its exit status goes back as ``{"exit": pid, "code":
-c}`` with a signal's code negative, as ``subprocess`` reports it.
+named, greets with ``{"event": "ready", "env": ...}`` (its environment: which pods it may
+fork) and serves ``prefork.py``'s requests as JSON lines: from one `up` over two inherited
+pipes (``--requests``/``--replies``; it ends with that `up`), or from every `up` that
+connects to a unix socket (``--listen PATH``; `up` uses it when ``CEASELESS_ZYGOTE=PATH``,
+as the test suite does: a cluster then starts without paying for the imports either). A pod
+is a fork that becomes ``python -m MODULE ARGS`` (a new session, its log as stdout and stderr,
+its own environment, working directory and ``sys.argv``); its exit status goes back to the
+`up` that asked for it as ``{"exit": pid, "code": c}``, a signal's code negative, as
+``subprocess`` reports it.
 
 Why: a training pod pays ~2 CPU-seconds before its first line runs (``import torch``, and
 ``torch._dynamo``, which the first optimizer imports), more on a GPU node; a replacement
@@ -26,6 +30,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import sys
 import traceback
 from typing import Any
@@ -35,40 +40,100 @@ from .prefork import READY
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m services.actuator.zygote")
-    ap.add_argument("--requests", type=int, required=True, help="fd to read requests from")
-    ap.add_argument("--replies", type=int, required=True, help="fd to write replies to")
+    ap.add_argument("--requests", type=int, help="fd to read one owner's requests from")
+    ap.add_argument("--replies", type=int, help="fd to write that owner's replies to")
+    ap.add_argument("--listen", metavar="PATH",
+                    help="serve every `up` that connects to this unix socket instead "
+                         "(CEASELESS_ZYGOTE=PATH); runs until it is stopped")
     ap.add_argument("--preload", default="torch", help="modules to import, comma-separated")
     ap.add_argument("--run-dir", default="", help="the run this serves (shows in ps)")
     a = ap.parse_args(argv)
+    if (a.listen is None) == (a.requests is None or a.replies is None):
+        ap.error("either --requests and --replies, or --listen")
     for name in filter(None, a.preload.split(",")):
         try:
             importlib.import_module(name)
         except Exception as e:  # the pod imports it itself, and reports the error there
             print(f"zygote: not preloaded: {name}: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
-    Zygote(a.requests, a.replies).serve()
+    z = Zygote()
+    if a.listen:
+        z.listen(a.listen)
+    else:
+        z.add(_Client(a.requests, a.replies), owner=True)
+    z.serve()
+
+
+class _Client:
+    """One `up`: where its requests come from and its replies (and its pods' exits) go."""
+
+    def __init__(self, rfd: int, wfd: int, sock: socket.socket | None = None) -> None:
+        self.rfd, self.wfd, self.sock = rfd, wfd, sock
+        self.buf = b""
+        self.open = True
+
+    def fds(self) -> set[int]:
+        return {self.rfd, self.wfd}
 
 
 class Zygote:
-    def __init__(self, rfd: int, wfd: int) -> None:
-        self.rfd, self.wfd = rfd, wfd
+    def __init__(self) -> None:
         self.sig_r, self.sig_w = os.pipe()
         os.set_blocking(self.sig_w, False)
         os.set_blocking(self.sig_r, False)
         self.sel = selectors.DefaultSelector()
-        self.children: set[int] = set()
+        self.clients: dict[int, _Client] = {}
+        self.owner: _Client | None = None  # private mode: the zygote ends with its `up`
+        self.listener: socket.socket | None = None
+        self.children: dict[int, _Client] = {}
+        self._serving = False
 
-    def send(self, msg: dict[str, Any]) -> None:
-        os.write(self.wfd, (json.dumps(msg) + "\n").encode())
+    def listen(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+
+    def add(self, c: _Client, owner: bool = False) -> None:
+        self.clients[c.rfd] = c
+        if owner:
+            self.owner = c
+        if self._serving:
+            self.sel.register(c.rfd, selectors.EVENT_READ)
+        self.send(c, {"event": READY, "pid": os.getpid(), "env": dict(os.environ)})
+
+    def send(self, c: _Client, msg: dict[str, Any]) -> None:
+        if not c.open:
+            return
+        try:
+            os.write(c.wfd, (json.dumps(msg) + "\n").encode())
+        except OSError:  # that `up` is gone; its pods still run, their ends go unreported
+            self.drop(c)
+
+    def drop(self, c: _Client) -> None:
+        if not c.open:
+            return
+        c.open = False
+        self.clients.pop(c.rfd, None)
+        try:
+            self.sel.unregister(c.rfd)
+        except (KeyError, ValueError):
+            pass
+        if c.sock is not None:
+            c.sock.close()
+        else:
+            for fd in c.fds():
+                os.close(fd)
 
     def serve(self) -> None:
         # SIGCHLD wakes the loop through the wakeup fd; the handler itself does nothing
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.sig_w)
-        self.sel.register(self.rfd, selectors.EVENT_READ)
         self.sel.register(self.sig_r, selectors.EVENT_READ)
-        self.send({"event": READY, "pid": os.getpid()})
-        buf = b""
+        for fd in self.clients:
+            self.sel.register(fd, selectors.EVENT_READ)
+        if self.listener is not None:
+            self.sel.register(self.listener.fileno(), selectors.EVENT_READ)
+        self._serving = True
         while True:
             for key, _ in self.sel.select():
                 if key.fd == self.sig_r:
@@ -76,15 +141,28 @@ class Zygote:
                         os.read(self.sig_r, 4096)
                     except BlockingIOError:
                         pass
-                    continue
-                data = os.read(self.rfd, 65536)
-                if not data:  # `up` closed its end: it is done with us; pods keep running
-                    return
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    self.handle(line)
+                elif self.listener is not None and key.fd == self.listener.fileno():
+                    conn, _ = self.listener.accept()
+                    conn.setblocking(True)
+                    self.add(_Client(conn.fileno(), conn.fileno(), conn))
+                elif (c := self.clients.get(key.fd)) is not None:
+                    self.read(c)
+            if self.owner is not None and not self.owner.open:
+                return  # `up` closed its end: it is done with us; its pods keep running
             self.reap()
+
+    def read(self, c: _Client) -> None:
+        try:
+            data = os.read(c.rfd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self.drop(c)
+            return
+        c.buf += data
+        while b"\n" in c.buf and c.open:
+            line, c.buf = c.buf.split(b"\n", 1)
+            self.handle(c, line)
 
     def reap(self) -> None:
         while self.children:
@@ -94,10 +172,11 @@ class Zygote:
                 return
             if pid == 0:
                 return
-            self.children.discard(pid)
-            self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            c = self.children.pop(pid, None)
+            if c is not None:
+                self.send(c, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
-    def handle(self, line: bytes) -> None:
+    def handle(self, c: _Client, line: bytes) -> None:
         try:
             req = json.loads(line)
             rid = req["id"]
@@ -106,14 +185,14 @@ class Zygote:
             return
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():  # a fork would inherit it
-            self.send({"id": rid, "error": "CUDA is initialised in the zygote"})
+            self.send(c, {"id": rid, "error": "CUDA is initialised in the zygote"})
             return
         sys.stdout.flush()
         sys.stderr.flush()
         try:
             pid = os.fork()
         except OSError as e:
-            self.send({"id": rid, "error": f"fork: {e}"})
+            self.send(c, {"id": rid, "error": f"fork: {e}"})
             return
         if pid == 0:
             code = 70
@@ -124,8 +203,8 @@ class Zygote:
                 traceback.print_exc()
             finally:
                 os._exit(code)
-        self.children.add(pid)
-        self.send({"id": rid, "pid": pid})
+        self.children[pid] = c
+        self.send(c, {"id": rid, "pid": pid})
 
     def _become(self, req: dict[str, Any]) -> None:
         """In the child: what a fresh ``python`` started by ``subprocess`` would be."""
@@ -136,7 +215,11 @@ class Zygote:
             signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.sel.close()
-        for fd in (self.rfd, self.wfd, self.sig_r, self.sig_w):
+        for c in list(self.clients.values()):
+            self.drop(c)
+        if self.listener is not None:
+            self.listener.close()
+        for fd in (self.sig_r, self.sig_w):
             os.close(fd)
         out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         nul = os.open(os.devnull, os.O_RDONLY)
