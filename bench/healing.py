@@ -8,6 +8,8 @@ Three measurements, each repeated ``--repeats`` times with the example on the CP
 * **grow back**: ``--workers``, no spare, SIGKILL of rank 1: the job shrinks; seconds from
   the kill until the replacement has grown it back to ``--workers`` (includes the scaler's
   scale-up snooze, ``--snooze``).
+* **pod start**: both of the above are run twice, interleaved: with the pods forked from
+  `up`'s zygote (the default) and exec'd (``--no-prefork``), the baseline of the same run.
 * **checkpoints**: the same fault-free job with and without ``--checkpoint-every`` (rank 0,
   background, torch.distributed.checkpoint), interleaved: median step time of each and
   their ratio; then the time a resumed job takes to load the newest checkpoint.
@@ -46,10 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-doc", action="store_true", help="update docs/benchmarks.md")
 
 
-async def _refill(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
+def _pods(how: str) -> list[str]:
+    return ["--no-prefork"] if how == "exec" else []
+
+
+async def _refill(base: Path, a: argparse.Namespace, i: int, how: str = "fork"
+                  ) -> dict[str, Any]:
     from ops.launcher import Cluster
 
-    async with Cluster(base / f"refill{i}", a.workers, 1, a.steps, replace=True) as c:
+    async with Cluster(base / f"refill{i}-{how}", a.workers, 1, a.steps, replace=True,
+                       extra=_pods(how)) as c:
         await c.wait_spares(1)
         await c.wait_rank_step(1, 10)
         first = {p for p, h in c.hb.items() if h.role.value == "spare"}
@@ -62,16 +70,18 @@ async def _refill(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
         refilled = time.monotonic() - t0
         code = await c.finish()
         s = c.summary()
-    return {"promoted_s": promoted, "refilled_s": refilled, "exit": code,
+    return {"pods": how, "promoted_s": promoted, "refilled_s": refilled, "exit": code,
             "world_sizes": sorted({p.world_size for p in c.plans}),
             "lost_steps": s["lost_steps"]}
 
 
-async def _grow(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
+async def _grow(base: Path, a: argparse.Namespace, i: int, how: str = "fork"
+                ) -> dict[str, Any]:
     from ops.launcher import Cluster
 
-    async with Cluster(base / f"grow{i}", a.workers, 0, a.steps, replace=True,
-                       extra=["--scale-up-snooze", str(a.snooze), "--dtype", "float64"]) as c:
+    async with Cluster(base / f"grow{i}-{how}", a.workers, 0, a.steps, replace=True,
+                       extra=["--scale-up-snooze", str(a.snooze), "--dtype", "float64",
+                              *_pods(how)]) as c:
         await c.wait_rank_step(1, 10)
         t0 = time.monotonic()
         os.kill(c.member(1).pid, signal.SIGKILL)
@@ -81,7 +91,8 @@ async def _grow(base: Path, a: argparse.Namespace, i: int) -> dict[str, Any]:
         back = time.monotonic() - t0
         code = await c.finish()
         s = c.summary()
-    return {"shrunk_s": shrunk, "back_s": back, "exit": code, "lost_steps": s["lost_steps"],
+    return {"pods": how, "shrunk_s": shrunk, "back_s": back, "exit": code,
+            "lost_steps": s["lost_steps"],
             "consistent": s.get("param_sha256_consistent")}
 
 
@@ -133,21 +144,36 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
                            "config": config(a),
                            "refill": [], "grow": [], "ckpt": []}
     for i in range(a.repeats):
-        res["refill"].append(await _refill(base, a, i))
-        res["grow"].append(await _grow(base, a, i))
+        for how in ("fork", "exec") if i % 2 == 0 else ("exec", "fork"):  # interleaved
+            res["refill"].append(await _refill(base, a, i, how))
+            res["grow"].append(await _grow(base, a, i, how))
         res["ckpt"].append(await _ckpt_pair(base, a, i))
     return res
 
 
 def render(res: dict[str, Any]) -> str:
-    r, g, c = res["refill"], res["grow"], res["ckpt"]
-    cfg = res["config"]
+    c, cfg = res["ckpt"], res["config"]
+    r = [x for x in res["refill"] if x.get("pods", "fork") == "fork"]
+    g = [x for x in res["grow"] if x.get("pods", "fork") == "fork"]
+    rx = [x for x in res["refill"] if x.get("pods") == "exec"]
+    gx = [x for x in res["grow"] if x.get("pods") == "exec"]
     rows = [
         ("kill → spare took the rank (plan)", fmt(summary(x["promoted_s"] for x in r))),
         ("kill → replacement spare holds the state (full strength)",
          fmt(summary(x["refilled_s"] for x in r))),
         (f"no spare: kill → grown back to {cfg['workers']} (snooze {cfg['snooze']:g} s)",
          fmt(summary(x["back_s"] for x in g))),
+    ]
+    if rx and gx:  # the same, every pod exec'd (--no-prefork): the baseline of this run
+        rows += [
+            ("full strength again, pods exec'd (`--no-prefork`)",
+             fmt(summary(x["refilled_s"] for x in rx))),
+            (f"grown back to {cfg['workers']}, pods exec'd (`--no-prefork`)",
+             fmt(summary(x["back_s"] for x in gx))),
+            ("ratio full strength again (forked / exec'd)",
+             fmt(summary(f["refilled_s"] / e["refilled_s"] for f, e in zip(r, rx)), unit="")),
+        ]
+    rows += [
         ("step time, plain", fmt(summary(x["plain_step_s"] for x in c), digits=4)),
         (f"step time, checkpoint every {cfg['checkpoint_every']} steps",
          fmt(summary(x["ckpt_step_s"] for x in c), digits=4)),
@@ -157,8 +183,9 @@ def render(res: dict[str, Any]) -> str:
     lines = [SECTION, "", machine_line(res["machine"]) + f" Command: `{res['command']}`.", "",
              "| measurement | median (min–max) |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
-    ok = all(x["exit"] == 0 and x["lost_steps"] == 0 for x in r + g)
-    lines += ["", f"Runs: {len(r)} refill, {len(g)} grow-back, {len(c)} checkpoint pairs "
+    ok = all(x["exit"] == 0 and x["lost_steps"] == 0 for x in res["refill"] + res["grow"])
+    lines += ["", f"Runs: {len(r)} refill, {len(g)} grow-back (each also with exec'd pods: "
+              f"{len(rx)}, {len(gx)}), {len(c)} checkpoint pairs "
               f"(interleaved); every run finished with no lost step: {'yes' if ok else 'NO'}. "
               "The example's `tiny` model steps in milliseconds, so the checkpoint ratio is an "
               "upper bound for real models (the host copy and the write are per checkpoint, "

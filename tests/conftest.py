@@ -27,6 +27,11 @@ UNIT_FILES = {
 # a corpus): `--dist loadgroup` (pyproject) sends a group to one.
 ONE_WORKER_FILES = {"test_trace_cli.py", "test_data_loader.py"}
 
+# Full-suite files that start no cluster and wait on no fault timeout: any worker may run them
+# beside the cluster tests (the rest are the "clusters" group, one test at a time).
+BESIDE_CLUSTERS = {"test_bad_input.py", "test_compose.py", "test_state_handoff.py",
+                   "test_telemetry.py", "test_tls.py", "test_shadow.py", "test_shadow_roles.py"}
+
 
 def pytest_itemcollected(item):
     # as each test is collected: before `-m unit` selects and xdist's loadgroup names groups
@@ -34,7 +39,7 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.unit)
         if item.path.name in ONE_WORKER_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    else:
+    elif item.path.name not in BESIDE_CLUSTERS:
         # Everything that runs clusters or real faults runs on one worker, one test at a
         # time, in order: they are bound by real timeouts and step counts (two of them at
         # once on 2 cores made three fail in one run). The other workers take the unit tier

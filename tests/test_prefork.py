@@ -69,13 +69,27 @@ async def test_forked_pods_draw_their_own_random_numbers(zygote, tmp_path):
     assert a["random"] != b["random"] and a["np_random"] != b["np_random"]
 
 
-@pytest.mark.parametrize("args,code", [(["exit", "3"], 3), (["raise"], 1), (["exit", "0"], 0)])
+async def test_a_script_pod_runs_as_python_script_would(zygote, tmp_path):
+    script = REPO / "tests" / "helpers" / "prefork_pod.py"
+    log = tmp_path / "s.log"
+    assert zygote.handles([sys.executable, str(script)], _env())
+    pod = await zygote.spawn([sys.executable, str(script), "exit", "0"], _env(), log)
+    assert await asyncio.wait_for(pod.wait(), 20) == 0
+    seen = _first(log)
+    assert seen["argv"] == [str(script), "exit", "0"] and seen["main"] == "__main__"
+    assert seen["path0"] == str(script.parent)  # the script's directory, as `python x.py`
+
+
+@pytest.mark.parametrize("args,code", [(["exit", "3"], 3), (["raise"], 1), (["exit", "0"], 0),
+                                       (["hook-raise"], 1)])
 async def test_exit_codes_are_the_interpreters(zygote, tmp_path, args, code):
     log = tmp_path / "p.log"
     pod = await zygote.spawn([*POD, *args], _env(), log)
     assert await asyncio.wait_for(pod.wait(), 20) == code
     if args == ["raise"]:
         assert "RuntimeError: the script failed" in log.read_text()
+    if args == ["hook-raise"]:  # the drop-in reports a script's exception from its hook
+        assert "hook saw RuntimeError: the script failed" in log.read_text()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -96,12 +110,14 @@ async def test_only_same_interpreter_modules_with_the_same_environment_are_forke
     # per-pod keys may differ: read by the agent, not by an import
     assert zygote.handles(POD, {**env, "CEASELESS_POD": "s3", "CUDA_VISIBLE_DEVICES": "1"})
     # what the fork applies itself, and the same path entries written twice
-    assert zygote.handles(POD, {**env, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": ""})
+    assert zygote.handles(POD, {**env, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "",
+                                "PYTHONBREAKPOINT": "0"})
     assert zygote.handles(POD, {**env, "PYTHONPATH": os.pathsep.join([str(REPO)] * 2)})
     assert not zygote.handles(POD, {**env, "PYTHONPATH": "/elsewhere"})
     assert not zygote.handles(POD, {**env, "TORCH_LOGS": "+dynamo"})
     assert not zygote.handles(["/usr/bin/python3.9", *POD[1:]], env)
-    assert not zygote.handles([sys.executable, "tests/helpers/prefork_pod.py"], env)
+    assert not zygote.handles([sys.executable, "tests/helpers/no_such_script.py"], env)
+    assert not zygote.handles([sys.executable, "-c", "print(1)"], env)
     assert not zygote.handles(["ip", "netns", "exec", "a", *POD], env)
 
 

@@ -6,12 +6,12 @@ unix socket: the test suite's, so that a cluster starts without the imports too)
 ``Prefork.spawn`` forks a pod and returns a ``ForkedPod``, which the local actuator uses as it
 would an ``asyncio.subprocess.Process`` (``pid``, ``wait``, ``send_signal``).
 
-A pod is forked only when its command is ``python -m MODULE`` with this interpreter and its
-environment is the zygote's but for keys that no import reads (``handles``): per-pod keys
-(``PER_POD_KEYS``), keys the fork applies itself (``APPLIED_IN_FORK``) and a ``PYTHONPATH``
-with the same entries. Anything else -- another interpreter, a script, a wrapper such as
-``ip netns exec``, an environment that could change what an import does -- is exec'd as
-before. If the zygote fails to start or dies, every later pod is exec'd; the pods it forked
+A pod is forked only when its command is ``python -m MODULE`` or ``python SCRIPT.py`` with
+this interpreter and its environment is the zygote's but for keys that no import reads
+(``handles``): per-pod keys (``PER_POD_KEYS``), keys the fork applies itself or that are read
+when used (``APPLIED_IN_FORK``) and a ``PYTHONPATH`` with the same entries. Anything else --
+another interpreter, a command such as ``ip netns exec``, an environment that could change
+what an import does -- is exec'd as before. If the zygote fails to start or dies, every later pod is exec'd; the pods it forked
 keep running and are still killed by pid, but their exit codes are unknown (reported as
 -SIGKILL).
 """
@@ -35,8 +35,10 @@ log = logs.get("actuator")
 # time, never by an import (a GPU's visibility is read when CUDA initialises, in the pod).
 PER_POD_KEYS = ("CEASELESS_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
                 "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-# Keys the fork applies itself (zygote.py: torch.set_num_threads, unbuffered stdout/stderr).
-APPLIED_IN_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED"})
+# Keys the fork applies itself (zygote.py: torch.set_num_threads, unbuffered stdout/stderr),
+# or that are read when used, not when imported (breakpoint() reads PYTHONBREAKPOINT; Ray sets
+# it in the process that called ray.init).
+APPLIED_IN_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT"})
 START_TIMEOUT_S = 120.0   # the preload (import torch) on a loaded machine
 UNKNOWN_EXIT = -signal.SIGKILL
 READY = "ready"  # the zygote's first line: its preload is done
@@ -148,11 +150,13 @@ class Prefork:
 
     def handles(self, argv: list[str], env: dict[str, str]) -> bool:
         """Whether a pod with this command and environment can be forked (module doc)."""
-        if not self.alive or len(argv) < 3 or argv[1] != "-m":
+        if not self.alive or len(argv) < 2:
             return False
         if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
             return False
-        return not self.differs(env)
+        module = argv[1] == "-m" and len(argv) >= 3
+        script = argv[1].endswith(".py") and os.path.isfile(argv[1])
+        return (module or script) and not self.differs(env)
 
     def differs(self, env: dict[str, str]) -> list[str]:
         """The keys of ``env`` that keep a pod from forking: it and the zygote disagree on

@@ -6,7 +6,7 @@ fork) and serves ``prefork.py``'s requests as JSON lines: from one `up` over two
 pipes (``--requests``/``--replies``; it ends with that `up`), or from every `up` that
 connects to a unix socket (``--listen PATH``; `up` uses it when ``CEASELESS_ZYGOTE=PATH``,
 as the test suite does: a cluster then starts without paying for the imports either). A pod
-is a fork that becomes ``python -m MODULE ARGS`` (a new session, its log as stdout and stderr,
+is a fork that becomes ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` (a new session, its log as stdout and stderr,
 its own environment, working directory and ``sys.argv``); its exit status goes back to the
 `up` that asked for it as ``{"exit": pid, "code": c}``, a signal's code negative, as
 ``subprocess`` reports it.
@@ -183,8 +183,7 @@ class Zygote:
         except (ValueError, KeyError, TypeError) as e:
             print(f"zygote: bad request {line[:200]!r}: {e}", file=sys.stderr, flush=True)
             return
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():  # a fork would inherit it
+        if _cuda_touched():  # a fork would inherit a CUDA context it cannot use
             self.send(c, {"id": rid, "error": "CUDA is initialised in the zygote"})
             return
         sys.stdout.flush()
@@ -198,7 +197,7 @@ class Zygote:
             code = 70
             try:
                 self._become(req)
-                code = run_module(req["argv"][2], req["argv"][3:])
+                code = run(req["argv"][1:])
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -235,12 +234,28 @@ class Zygote:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(env)
-        # `python -m` puts the working directory first on the path
-        sys.path[0] = os.getcwd()
+        # `python -m` puts the working directory first on the path, `python script.py` the
+        # script's own directory
+        argv = req["argv"]
+        sys.path[0] = (os.getcwd() if argv[1] == "-m"
+                       else os.path.dirname(os.path.realpath(argv[1])))
         torch = sys.modules.get("torch")
         threads = env.get("OMP_NUM_THREADS", "")
         if torch is not None and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
+
+
+def _cuda_touched() -> bool:
+    """Whether this process initialised CUDA: torch's lazy init, or any query that loaded the
+    driver (``torch.cuda.is_available()`` does)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return False
 
 
 def _stream(fd: int, unbuffered: bool, line: bool) -> io.TextIOWrapper:
@@ -251,25 +266,30 @@ def _stream(fd: int, unbuffered: bool, line: bool) -> io.TextIOWrapper:
                             errors="backslashreplace" if line else "strict")
 
 
-def run_module(module: str, args: list[str]) -> int:
-    """``python -m module args`` in this process: its exit code, as the interpreter's."""
+def run(args: list[str]) -> int:
+    """``python ARGS`` in this process (``-m MODULE ...`` or ``SCRIPT ...``): its exit code,
+    as the interpreter's."""
     import atexit
     import runpy
     import threading
     import types
 
     sys.modules["__main__"] = types.ModuleType("__main__")  # not the zygote's globals
-    sys.argv = [module, *args]  # runpy replaces argv[0] with the module's file
     code = 0
     try:
-        runpy._run_module_as_main(module, alter_argv=True)  # what `python -m` calls
+        if args[0] == "-m":
+            sys.argv = args[1:]  # runpy replaces argv[0] with the module's file
+            runpy._run_module_as_main(args[1], alter_argv=True)  # what `python -m` calls
+        else:
+            sys.argv = list(args)
+            runpy.run_path(args[0], run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e.code)
     except KeyboardInterrupt:
-        traceback.print_exc()
+        _excepthook()
         code = -signal.SIGINT  # the interpreter ends by the signal itself
     except BaseException:
-        traceback.print_exc()
+        _excepthook()
         code = 1
     # what the interpreter does on its way out: wait for non-daemon threads, atexit, flush
     try:
@@ -286,6 +306,15 @@ def run_module(module: str, args: list[str]) -> int:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def _excepthook() -> None:
+    """Through sys.excepthook, as the interpreter does: a script's (or the drop-in's) hook
+    reports the exception before the process ends."""
+    try:
+        sys.excepthook(*sys.exc_info())
+    except BaseException:
+        traceback.print_exc()
 
 
 def _exit_code(c: object) -> int:

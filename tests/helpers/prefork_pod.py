@@ -27,6 +27,9 @@ elif how == "exit":
     sys.exit(int(sys.argv[2]))
 elif how == "raise":
     raise RuntimeError("the script failed")
+elif how == "hook-raise":  # an uncaught exception goes through sys.excepthook
+    sys.excepthook = lambda t, v, tb: print(f"hook saw {t.__name__}: {v}")
+    raise RuntimeError("the script failed")
 elif how == "sleep":
     print("sleeping")  # unflushed: PYTHONUNBUFFERED must hold in a fork too
     time.sleep(60)
