@@ -32,7 +32,8 @@ def _env(**kw: str) -> dict[str, str]:
 @pytest.fixture
 async def zygote(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    z = await Prefork.start(_env(), ["json", "numpy"], tmp_path / "zygote.log", tmp_path)
+    z = await Prefork.start(_env(), ["json", "numpy", "tests.helpers.sets_env"],
+                            tmp_path / "zygote.log", tmp_path)
     assert z is not None, (tmp_path / "zygote.log").read_text()
     try:
         yield z
@@ -45,6 +46,10 @@ def _first(log: Path) -> dict:
 
 
 async def test_a_forked_pod_is_what_exec_would_start(zygote, tmp_path):
+    # what the preload set in the zygote's environment does not keep pods from forking (torch
+    # sets TORCHINDUCTOR_CACHE_DIR when imported: every `up` exec'd its pods), and each pod
+    # has it, as its own import would have set it
+    assert zygote.handles(POD, _env()) and "SET_BY_IMPORT" not in zygote.env
     log = tmp_path / "w0.log"
     pod = await zygote.spawn([*POD, "late-thread"], _env(CEASELESS_POD="w0"), log)
     assert await asyncio.wait_for(pod.wait(), 20) == 0 and pod.returncode == 0
@@ -52,7 +57,7 @@ async def test_a_forked_pod_is_what_exec_would_start(zygote, tmp_path):
     assert seen["argv"][0].endswith("prefork_pod.py") and seen["argv"][1:] == ["late-thread"]
     assert seen["pid"] == pod.pid and seen["sid"] == pod.pid  # its own session, as exec'd
     assert seen["cwd"] == str(REPO) and seen["path0"] == str(REPO)
-    assert seen["pod"] == "w0" and seen["main"] == "__main__"
+    assert seen["pod"] == "w0" and seen["main"] == "__main__" and seen["set_by_import"] == "1"
     assert not seen["zygote_globals"]  # a fresh __main__, not the zygote's
     rest = log.read_text().splitlines()[1:]
     # the interpreter's way out: non-daemon threads first, then atexit

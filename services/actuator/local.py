@@ -65,6 +65,7 @@ class LocalActuator:
         self.procs: dict[str, Any] = {}  # asyncio.subprocess.Process or prefork.ForkedPod
         # pods forked from a zygote that imported torch (prefork.py), set by `up`; None: exec
         self.prefork: Prefork | None = None
+        self._said_exec = False
         self.roles: dict[str, Role] = {}
         self.exits: dict[str, int] = {}
         self._counters = {Role.worker: itertools.count(), Role.spare: itertools.count()}
@@ -182,6 +183,11 @@ class LocalActuator:
                 proc = await self.prefork.spawn(spec.argv, env, self.log_path(spec.pod))
             except OSError as e:
                 log.warning("prefork failed; the pod is exec'd", pod=spec.pod, error=str(e))
+        elif self.prefork is not None and not self._said_exec:
+            self._said_exec = True  # once: why pods do not fork (the command, or the env)
+            log.info("pods are exec'd, not forked from the zygote", pod=spec.pod,
+                     command=spec.argv[:3], differs=self.prefork.differs(env)[:10],
+                     zygote_alive=self.prefork.alive)
         out = open(self.log_dir / f"{spec.pod}.log", "ab")
         try:
             if proc is None:

@@ -50,13 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if (a.listen is None) == (a.requests is None or a.replies is None):
         ap.error("either --requests and --replies, or --listen")
+    started_with = dict(os.environ)
     for name in filter(None, a.preload.split(",")):
         try:
             importlib.import_module(name)
         except Exception as e:  # the pod imports it itself, and reports the error there
             print(f"zygote: not preloaded: {name}: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
-    z = Zygote()
+    z = Zygote(started_with)
     if a.listen:
         z.listen(a.listen)
     else:
@@ -77,7 +78,12 @@ class _Client:
 
 
 class Zygote:
-    def __init__(self) -> None:
+    def __init__(self, started_with: dict[str, str] | None = None) -> None:
+        # The environment the pods must match is the one this process started with; what the
+        # preload's imports set in it (torch sets TORCHINDUCTOR_CACHE_DIR) each pod gets too,
+        # as its own imports would have set it.
+        self.env = dict(os.environ) if started_with is None else started_with
+        self.set_by_imports = {k: v for k, v in os.environ.items() if self.env.get(k) != v}
         self.sig_r, self.sig_w = os.pipe()
         os.set_blocking(self.sig_w, False)
         os.set_blocking(self.sig_r, False)
@@ -99,7 +105,7 @@ class Zygote:
             self.owner = c
         if self._serving:
             self.sel.register(c.rfd, selectors.EVENT_READ)
-        self.send(c, {"event": READY, "pid": os.getpid(), "env": dict(os.environ)})
+        self.send(c, {"event": READY, "pid": os.getpid(), "env": self.env})
 
     def send(self, c: _Client, msg: dict[str, Any]) -> None:
         if not c.open:
@@ -234,6 +240,8 @@ class Zygote:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(env)
+        for k, v in self.set_by_imports.items():
+            os.environ.setdefault(k, v)
         # `python -m` puts the working directory first on the path, `python script.py` the
         # script's own directory
         argv = req["argv"]

@@ -13,6 +13,7 @@ import time
 how = sys.argv[1]
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(),
                   "sid": os.getsid(0), "pod": os.environ.get("CEASELESS_POD"),
+                  "set_by_import": os.environ.get("SET_BY_IMPORT"),
                   "main": __name__, "path0": sys.path[0],
                   "zygote_globals": "Zygote" in globals(),
                   # a fresh process draws fresh random numbers: so must a fork (random and numpy reseed
