@@ -54,8 +54,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
                      fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
-                     replace=not args.no_replace, prefork=not args.no_prefork and os.environ.get("CEASELESS_PREFORK", "1") != "0",
-                     max_replacements=args.max_replacements,
+                     replace=not args.no_replace, max_replacements=args.max_replacements,
+                     # CEASELESS_PREFORK=0: --no-prefork for every `up` (a test suite's A/B)
+                     prefork=not args.no_prefork and os.environ.get("CEASELESS_PREFORK") != "0",
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      checkpoint_keep=args.checkpoint_keep, resume=args.resume,
                      auto_resume=args.auto_resume, checkpoint_minutes=args.checkpoint_minutes,

@@ -240,9 +240,8 @@ async def _zygote(env: dict[str, str], cmd: list[str], log_dir: Path,
         if z is not None and z.handles(cmd, env):
             return z
         if z is not None:
-            logs.get("up").info("prefork: the shared zygote's environment is not the pods'; "
-                                "starting this run's own", path=shared,
-                                differs=z.differs(env)[:10])
+            log.info("prefork: the shared zygote's environment is not the pods'; starting "
+                     "this run's own", path=shared, differs=z.differs(env)[:10])
             await z.close()
     return await Prefork.start(env, PRELOAD, log_dir / "zygote.log", run_dir)
 

@@ -13,22 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from services.actuator.local import proc_start
+from ops.launcher import _ours
 
 REPO = Path(__file__).resolve().parent.parent
 # Each smoke test is meant to finish in under 30 s on an idle 2-core machine; on a loaded one,
 # CEASELESS_SMOKE_SCALE=3 gives every limit three times the time.
 SCALE = float(os.environ.get("CEASELESS_SMOKE_SCALE", "1"))
 LIMIT = 30 * SCALE
-
-
-def _alive_and_ours(pid: int, marker: str) -> bool:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return marker in cmd or marker in env
 
 
 def _cleanup(proc: subprocess.Popen, work: Path) -> None:
@@ -46,7 +37,7 @@ def _cleanup(proc: subprocess.Popen, work: Path) -> None:
             pass
     for f in work.rglob("commits/*.txt"):  # torchrun's workers: their own sessions
         for line in f.read_text().splitlines()[:1]:
-            if line.startswith("# pid ") and _alive_and_ours(int(line.split()[2]), str(work)):
+            if line.startswith("# pid ") and _ours(int(line.split()[2]), str(work)):
                 try:
                     os.kill(int(line.split()[2]), signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -59,8 +50,7 @@ def _cleanup(proc: subprocess.Popen, work: Path) -> None:
             except (ValueError, IndexError):
                 continue
             start = parts[2] if f.name == "pids.txt" and len(parts) > 2 else None
-            if (_alive_and_ours(pid, str(work)) or f.suffix == ".pids"
-                    or (start not in (None, "-") and proc_start(pid) == start)):
+            if f.suffix == ".pids" or _ours(pid, str(work), None if start == "-" else start):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):

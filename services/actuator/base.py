@@ -14,6 +14,17 @@ class PodSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class PodProcess(Protocol):
+    """A running pod as an actuator holds it: ``asyncio.subprocess.Process`` (exec'd) or
+    ``prefork.ForkedPod`` (forked from the zygote)."""
+
+    pid: int
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
 class Actuator(Protocol):
     async def start(self, role: Role, count: int = 1) -> list[str]:
         """Start ``count`` pods of ``role``; returns their new pod ids."""

@@ -28,7 +28,7 @@ from plumbing import logs
 from plumbing.bus import Bus, Envelope
 
 from . import podlog
-from .base import PodSpec
+from .base import PodProcess, PodSpec
 from .prefork import Prefork
 from .replace import ReplacementBudget, is_failure
 
@@ -62,7 +62,7 @@ class LocalActuator:
         self.shutting_down = False
         self.stopped: set[str] = set()  # pods this actuator asked to stop: not replaced
         self.replacements: list[tuple[str, str]] = []  # (failed pod, its replacement)
-        self.procs: dict[str, Any] = {}  # asyncio.subprocess.Process or prefork.ForkedPod
+        self.procs: dict[str, PodProcess] = {}
         # pods forked from a zygote that imported torch (prefork.py), set by `up`; None: exec
         self.prefork: Prefork | None = None
         self._said_exec = False
@@ -220,7 +220,7 @@ class LocalActuator:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _watch(self, pod: str, proc: Any) -> None:
+    async def _watch(self, pod: str, proc: PodProcess) -> None:
         code = await proc.wait()
         self.procs.pop(pod, None)
         if self.gpus is not None:
@@ -340,7 +340,7 @@ def proc_start(pid: int) -> str | None:
     return stat.rpartition(")")[2].split()[19]
 
 
-def _signal(proc: Any, sig: int) -> None:
+def _signal(proc: PodProcess, sig: int) -> None:
     try:
         proc.send_signal(sig)  # SIGKILL also ends a stopped (SIGSTOP) process
     except ProcessLookupError:

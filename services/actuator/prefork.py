@@ -66,9 +66,6 @@ class ForkedPod:
             raise ProcessLookupError(self.pid)
         os.kill(self.pid, sig)
 
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class Prefork:
     def __init__(self, reader: asyncio.StreamReader, send: Callable[[bytes], None],
@@ -83,7 +80,8 @@ class Prefork:
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._pods: dict[int, ForkedPod] = {}
-        self._early: dict[int, int] = {}  # exits reported before the fork's own reply
+        # exits read before `spawn` resumed with its reply (both can come in one read)
+        self._early: dict[int, int] = {}
         self._closing = False
         self.alive = True
         self._task = asyncio.create_task(self._read())
@@ -113,8 +111,8 @@ class Prefork:
         os.close(rep_w)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                     os.fdopen(rep_r, "rb", 0))
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(rep_r, "rb", 0))
         try:
             line = await asyncio.wait_for(reader.readline(), START_TIMEOUT_S)
             ready = json.loads(line) if line else {}
@@ -124,6 +122,7 @@ class Prefork:
             log.warning("prefork: zygote did not start; pods are exec'd",
                         log=str(log_path), exit_code=proc.returncode)
             _kill(proc)
+            transport.close()
             os.close(req_w)
             return None
         log.info("prefork: zygote ready", pid=proc.pid, preload=preload)
