@@ -204,6 +204,8 @@ class Chaos:
         self.killed_gen: int | None = None      # the generation a kill_all killed
         self.trained_plans: list[Any] = []      # plans of the jobs before the attached one
         self.nan_steps: list[int] = []          # steps made non-finite (the guards' `nan`)
+        # each with how many total-loss restarts came before it (a later one may undo it)
+        self.nan_events: list[tuple[int, int]] = []
 
     def say(self, text: str) -> None:
         line = f"[{time.time() - self.t_start:7.2f}s] {text}"
@@ -762,7 +764,10 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
         # step -1, the state declared lost, nothing trained)
         plans = ch.trained_plans + list(c.plans)
     if ref is None:
-        ref, ref_s = await _timed_reference(base, opts, steps, run_timeout, ch.nan_steps)
+        # the final trajectory's skips: a NaN step a total loss undid was computed again clean
+        final_skips, _ = chaos_guards.nan_outcome(ch.nan_events, ch.restarts,
+                                                  s.get("skipped_steps") or [])
+        ref, ref_s = await _timed_reference(base, opts, steps, run_timeout, final_skips)
     return _verdict(base, opts, steps, schedule, outcomes, failures, ref, s, plans, code,
                     ref_s, chaos_s, ch)
 
@@ -770,7 +775,7 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
 def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
              outcomes: list[Outcome], failures: list[str], ref: dict, s: dict, plans: list,
              code: int, ref_s: float, chaos_s: float, ch: Chaos) -> int:
-    failures = list(failures) + chaos_guards.verdict(s, ref, ch.nan_steps)
+    failures = list(failures) + chaos_guards.verdict(s, ref, ch)
     if code != 0:
         failures.append(f"the chaos run exited {code}: {s.get('reason')}")
     if s.get("final_step") != steps - 1:
@@ -838,6 +843,8 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
         "recover_p50": percentile(rec, 50), "recover_p99": percentile(rec, 99),
         "lost_steps": lost, "recomputed_steps": recomputed,
         "nan_steps": sorted(set(ch.nan_steps)), "skipped_steps": s.get("skipped_steps", []),
+        # injected, then undone by a total loss: computed again clean after the restart
+        "nan_undone": sorted(set(ch.nan_steps) - set(s.get("skipped_steps") or [])),
         "goodput": s.get("goodput"),
         "restarts": [{**r, "outcome": o.index} for r, o in zip(ch.restarts, kill_alls)],
         "check": check, "world_sizes": world_sizes,

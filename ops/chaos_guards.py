@@ -46,6 +46,7 @@ async def inject(ch: Any, ev: Any, out: Any) -> None:
         await bus.publish(bus.subjects.inject, Inject(action=InjectAction.nan, pod=h.pod,
                                                       at_step=k))
         ch.nan_steps.append(k)
+        ch.nan_events.append((k, len(ch.restarts)))
         out.injected, out.target = True, f"{out.target} at step {k}"
         ch.say(f"#{ev.index} nan: {out.target} (g{gen})")
         await ch._progress(out, k, t0, steps=2)
@@ -81,13 +82,34 @@ async def inject_reference(c: Any, nan_steps: list[int]) -> None:
                             Inject(action=InjectAction.nan, rank=0, at_step=k))
 
 
-def verdict(s: dict, ref: dict, nan_steps: list[int]) -> list[str]:
-    """The failures of the guards' events: every injected non-finite step skipped, in the
-    chaos run and in the reference alike."""
-    out = []
-    want = sorted(set(nan_steps))
-    if want and sorted(s.get("skipped_steps") or []) != want:
-        out.append(f"skipped steps {s.get('skipped_steps')}, non-finite steps injected {want}")
+def nan_outcome(injected: list[tuple[int, int]], restarts: list[dict],
+                skipped: list[int]) -> tuple[list[int], list[str]]:
+    """What the final trajectory must skip, and the failures of the ``nan`` events.
+
+    ``injected``: each non-finite step with the number of total-loss restarts before its
+    injection; ``restarts``: ``Chaos.restarts`` (``from_step``: the checkpoint resumed);
+    ``skipped``: the final run's ``skipped_steps``. A step after the checkpoint of a later
+    restart was undone by that total loss: the restarted job computed it again, clean (the
+    injection died with the pods), which is right; every other injected step must be in the
+    final skips, and nothing else may be. The reference then skips exactly the final skips,
+    so the verdict stays bit for bit whatever the total losses undid."""
+    final = sorted(set(skipped))
+    failures = []
+    for k, before in sorted(set(injected)):
+        undone = any(k > (r.get("from_step") if r.get("from_step") is not None else -1)
+                     for r in restarts[before:])
+        if k not in final and not undone:
+            failures.append(f"non-finite step {k} was not skipped (skipped steps {final})")
+    extra = sorted(set(final) - {k for k, _ in injected})
+    if extra:
+        failures.append(f"steps {extra} skipped with no non-finite loss injected there")
+    return final, failures
+
+
+def verdict(s: dict, ref: dict, ch: Any) -> list[str]:
+    """The failures of the guards' events: every injected non-finite step skipped unless a
+    total loss undid it (``nan_outcome``), and the reference skipping the same."""
+    want, out = nan_outcome(ch.nan_events, ch.restarts, s.get("skipped_steps") or [])
     if want and sorted(ref.get("skipped_steps") or []) != want:
         out.append(f"the reference skipped {ref.get('skipped_steps')}, not {want} (it passed "
                    "a step before its injection arrived): not comparable")

@@ -51,6 +51,27 @@ def test_kill_all_checkpoints_often_enough_to_recompute_a_little():
     assert checkpoint_every(144) == 10 and checkpoint_every(810) == 32
 
 
+def test_nan_steps_undone_by_a_total_loss_are_not_expected_skipped():
+    """Issue 41 item 10(b): a NaN step committed (skipped) after the checkpoint a later total
+    loss restarted from is computed again clean; the reference must skip only what the final
+    trajectory skipped, and nothing is excused that no restart undid."""
+    from ops.chaos_guards import nan_outcome
+
+    restarts = [{"from_step": 100}, {"from_step": 300}]
+    # 90: before restart 0's checkpoint (kept); 120: after it (undone); 250: injected after
+    # restart 0, after restart 1's checkpoint? no (250 < 300): kept; 320: undone by restart 1
+    injected = [(90, 0), (120, 0), (250, 1), (320, 1), (400, 2)]
+    final, failures = nan_outcome(injected, restarts, [90, 250, 400])
+    assert final == [90, 250, 400] and failures == []
+    # a kept step missing from the final skips is a failure, so is a skip never injected
+    final, failures = nan_outcome(injected, restarts, [90, 400, 401])
+    assert final == [90, 400, 401]
+    assert any("250 was not skipped" in f for f in failures)
+    assert any("[401]" in f for f in failures)
+    # no restart: every injection must be skipped
+    assert nan_outcome([(5, 0)], [], [])[1]
+
+
 def test_percentile():
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
