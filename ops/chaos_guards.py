@@ -2,9 +2,10 @@
 job's own guard, not around it.
 
 * ``nan``: a non-finite loss on one member at a step a few ahead (``inject nan``): survived
-  when every member trained past it; the step must be in the run's ``skipped_steps``. The
-  fault-free reference then runs *after* the chaos run, with the same steps made non-finite
-  (skipping a step changes the trajectory: the reference must skip it too), so the result
+  when every member trained past it; the step must be in the run's ``skipped_steps`` unless
+  a later total loss undid it (the restarted job computed it again, clean, from an earlier
+  checkpoint: ``nan_outcome``). The fault-free reference then runs *after* the chaos run,
+  with the steps the final trajectory skipped made non-finite (skipping a step changes the trajectory: the reference must skip it too), so the result
   is still compared bit for bit.
 * ``slow``: one member's compute slowed ``SLOW_FACTOR`` times (``inject slow``): survived
   when the health monitor found the straggler (over ``STRAGGLER_WINDOW`` s) and a spare took
