@@ -506,12 +506,15 @@ async def test_a_stale_exception_report_is_judged_by_the_failure_it_describes(en
     assert [f.pod for f in env.faults] == ["w1"] and len(m.incidents) == 1
 
 
-async def test_an_error_in_set_up_on_two_members_fails_the_job(env, bus):
+@pytest.mark.parametrize("plan_read", [True, False])
+async def test_an_error_in_set_up_on_two_members_fails_the_job(env, bus, plan_read):
     """The drop-in's set-up after init_process_group: members of plan g1 that never entered
     it (their heartbeats say generation 0) raise the same error before the first step: the
-    job fails with it (the reports used to be stale, the exits crashes: pods cycled)."""
+    job fails with it (the reports used to be stale, the exits crashes: pods cycled). Also
+    when the monitor has not read the plan yet (the first report was declared at once, and
+    a spare promoted into the same error)."""
     verdicts = await _verdicts(bus)
-    m = await env.monitor(make_plan(["w0", "w1"]))
+    m = await env.monitor(make_plan(["w0", "w1"]) if plan_read else None)
     await _at_step(env, m, ["w0", "w1"], -1, generation=0)
     err = TRACE.replace("ValueError: the batch of step 12 has the wrong shape",
                         "FileNotFoundError: the data set's index is missing")

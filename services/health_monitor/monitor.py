@@ -375,15 +375,14 @@ class HealthMonitor(Service):
         return self.suspect_timeout + (times[len(times) // 2] if times else 0.0)
 
     def _may_repeat(self, r: Report, now: float) -> bool:
-        """Could another member still raise what ``r`` reports: one that is alive, not done,
-        and has not committed past the reported step?"""
-        plan = self.plan
-        if plan is None:
-            return False
-        for m in plan.members:
-            v = self.pods.get(m.pod)
-            if (m.pod == r.pod or v is None or m.pod in self.faulted or m.pod in self.held
-                    or v.state in GONE_STATES or now - v.last_hb > self.fault_timeout):
+        """Could another pod still raise what ``r`` reports: one that is alive, not done,
+        and has not committed past the reported step? Any watched pod, not only the plan's
+        members: the plan this monitor holds may be older than the pods' (a set-up error
+        right after the first plan), and a spare may run the same set-up."""
+        for v in self.pods.values():
+            if (v.pod == r.pod or not v.heartbeated or v.pod in self.faulted
+                    or v.pod in self.held or v.state in GONE_STATES
+                    or now - v.last_hb > self.fault_timeout):
                 continue
             if v.step <= r.step:
                 return True
