@@ -260,8 +260,11 @@ class HealthMonitor(Service):
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
         if ev.event != LifecycleEvent.exited:
             return
-        if ev.pod in self.faulted or ev.pod in self.held:
+        if ev.pod in self.faulted:
             self._ignore(env.subject, "pod already faulted", pod=ev.pod)
+            return
+        if ev.pod in self.held:  # its exception report decides, not its exit code
+            self._ignore(env.subject, "exit of a pod whose exception report is held", pod=ev.pod)
             return
         if ev.exit_code == 0:
             self.pods.pop(ev.pod, None)
@@ -643,11 +646,10 @@ class HealthMonitor(Service):
         if incident in self.incidents or pod in self.faulted:
             return False
         if self.job_failed is not None:  # the job stops: a replacement meets the same bug
-            if pod not in self.faulted:
-                self.faulted.add(pod)
-                self.pods.pop(pod, None)
-                self.log.info("not declared: the job failed (the script's bug)", pod=pod,
-                              kind=kind.value, reason=reason[:200])
+            self.faulted.add(pod)
+            self.pods.pop(pod, None)
+            self.log.info("not declared: the job failed (the script's bug)", pod=pod,
+                          kind=kind.value, reason=reason[:200])
             return False
         self.incidents.add(incident)
         if keep:
