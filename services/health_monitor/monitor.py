@@ -144,7 +144,7 @@ class HealthMonitor(Service):
         # the same failure at the same step on a second pod: the script's (repeats.py)
         self.repeats = RepeatDetector()
         self.job_failed: JobFailed | None = None
-        self.held: dict[str, Held] = {}  # exception reports not declared yet (members only)
+        self.held: dict[str, Held] = {}  # exception reports not declared yet (watched pods)
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = (ViewPublisher(bus, self.log, self._heard, view_interval)
                      if view_interval else None)
@@ -358,13 +358,14 @@ class HealthMonitor(Service):
         # a pod already declared (its exit read before its report) still counts for the verdict
         if r.pod not in self.faulted and not self._reporter_watched(r, env):
             return
-        if await self._repeated(Failure(r.pod, "exception", r.generation, r.step, r.error)):
+        f = Failure(r.pod, "exception", r.generation, r.step, r.error)
+        if await self._repeated(f):
             self.held.clear()  # the job stops: no fault, no replacement into the same bug
             return
         if r.pod in self.faulted or r.pod in self.held:
             return
         until = time.monotonic()
-        if not injected(Failure(r.pod, "exception", r.generation, r.step, r.error)):
+        if not injected(f):  # an injected one simulates the machines: never a repeat
             until += self._repeat_wait()
         self.held[r.pod] = Held(r, until)
         await self._release_held(time.monotonic())
