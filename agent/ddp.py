@@ -98,10 +98,7 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
 
     rank, world = got
     export_ranks(rank, world)
-    _dropin = DropIn(s, rank, world)
-    import atexit
-
-    atexit.register(_dropin.close)
+    _dropin = DropIn(s, rank, world)  # closed at exit (agent/closing.py)
 
 
 def destroy_process_group(group: Any = None) -> None:

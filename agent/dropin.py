@@ -21,6 +21,7 @@ import torch
 
 from plumbing import logs
 
+from .closing import ExitCloser
 from .seeding import seed_all
 from .vocab import DISCARDED
 
@@ -33,7 +34,6 @@ class DropIn:
         self.s, self.rank, self.world_size = s, rank, world_size
         self.extra: dict[str, Any] = {}       # agent.ddp.register(...)
         self.module: torch.nn.Module | None = None
-        self.failed: tuple | None = None      # the script's uncaught exception (reported)
         self.closed = False
         # per step
         self.step: int | None = None          # what iteration() returned, until committed
@@ -55,13 +55,9 @@ class DropIn:
         self._opts: list[torch.optim.Optimizer] = []
         self._saved: Any = None               # small state put back after a discard
         self._hook: Any = None
-        prev = sys.excepthook
-
-        def hook(tp: Any, v: Any, tb: Any) -> None:
-            self.failed = (tp, v, tb)  # close(), at exit, reports it (no "done" then)
-            prev(tp, v, tb)
-
-        sys.excepthook = hook
+        # closed by destroy_process_group, else at exit; the script's uncaught exception
+        # reported at once (no "done" then), as `with Session` reports it
+        self._exit = ExitCloser(self._close)
 
     # ------------------------------------------------------------------ set-up
     def attach(self, module: torch.nn.Module) -> None:
@@ -335,14 +331,17 @@ class DropIn:
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
-        """``destroy_process_group`` or exit: the last step committed and the job done
-        (not when the script failed); the session closed."""
-        if self.closed:
+        """``destroy_process_group``: the last step committed and the job done; the session
+        closed (at exit, or with the script's uncaught exception, ``_close`` is called)."""
+        self._exit.close_now()
+
+    def _close(self, *exc: Any) -> None:
+        if self.closed:  # left (released, or the job ended before this pod was needed)
             return
         self.closed = True
-        s = self.s
+        s, failed = self.s, exc[1] is not None
         try:
-            if self.step is not None and not self.failed:
+            if self.step is not None and not failed:
                 if self.synced:
                     t = self.step
                     self.step = None
@@ -351,7 +350,7 @@ class DropIn:
                     log.error("the last step was discarded after the script left its loop: "
                               "call dist.iteration() in the loop's condition", step=self.step)
             s.runtime.end_step()
-            if self.module is not None and s.m.is_member and not self.failed:
+            if self.module is not None and s.m.is_member and not failed:
                 s.m.finish()
                 s._ckpt.final(s.rank, s.state)
                 s.m.announce_done()
@@ -359,7 +358,7 @@ class DropIn:
         finally:
             if self._hook is not None:
                 self._hook.remove()
-            s.__exit__(*(self.failed or (None, None, None)))
+            s.__exit__(*exc)
 
 
 def discover(module: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import torch
 
 from schemas.messages import AgentState
 
+from .closing import ExitCloser
 from .config import AgentConfig, refuse_foreign_launcher
 from .feed import BatchFeed
 from .incident import Timeline
@@ -38,12 +39,11 @@ __all__ = ["InjectedFault", "JobStateLost", "Session", "init"]
 def init(global_batch_size: int, seed: int = 0, **overrides: Any) -> "Session":
     """A started Session without a ``with`` block (no re-indented script): closed when the
     interpreter exits. ``s = agent.init(global_batch_size=64)`` is
-    ``with agent.Session.from_env(64) as s:`` around the rest of the script."""
-    import atexit
-
+    ``with agent.Session.from_env(64) as s:`` around the rest of the script: an uncaught
+    exception is reported as the ``with`` block reports it (agent/closing.py)."""
     s = Session.from_env(global_batch_size, seed=seed, **overrides)
     s.__enter__()
-    atexit.register(s.__exit__, None, None, None)
+    ExitCloser(s.__exit__)
     return s
 
 

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from schemas import PLAN_KEY, Plan
-from schemas.messages import (AgentState, Fault, Heartbeat, Lifecycle, Member, Report, Role)
+from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Lifecycle, Member,
+                              Report, Role)
 from plumbing.bus import Bus
 from services.health_monitor import HealthMonitor
 from harness import until
@@ -175,8 +176,9 @@ async def test_exception_report(env, bus):
     env.beat("w0", rank=0)
     env.beat("w1", rank=1)
     await until(lambda: len(m.pods) == 2, what="pods watched")
-    # a report of an old generation is stale: ignored
-    await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="exception",
+    # a recovery's report of an old generation is stale: ignored (an exception is not:
+    # test_a_stale_exception_report_is_judged_by_the_failure_it_describes)
+    await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="recovery_failed",
                                                         generation=0, error="old"))
     await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="digest_mismatch",
                                                         generation=1, error="abc != def"))
@@ -433,3 +435,104 @@ async def test_status_shows_who_waits_in_the_collective(env, bus):
     from ops.cli import _render_status
     text = _render_status({"job": "test", "services": {"health_monitor": st}})
     assert "waiting in the all-reduce: w0" in text
+
+
+# ---------------------------------------------------------------- the script's exceptions
+# (issue 41) judged by the failure they describe: a repeat on a second pod is the job's end
+
+TRACE = ('ValueError: the batch of step 12 has the wrong shape\nTraceback (most recent call '
+         'last):\n  File "train.py", line 27, in check_batch\nValueError: the batch of step '
+         '12 has the wrong shape')
+
+
+async def _verdicts(bus) -> list[JobFailed]:
+    got: list[JobFailed] = []
+
+    async def on(m, _e):
+        got.append(m)
+    await bus.subscribe(bus.subjects.job_failed, JobFailed, on)
+    return got
+
+
+async def _raise(bus, pod, generation, step, error=TRACE, exit_code=1):
+    """What an agent does with the script's uncaught exception: the report, then its exit."""
+    await bus.publish(bus.subjects.report(pod), Report(
+        pod=pod, report="exception", generation=generation, step=step, error=error))
+    await bus.publish(bus.subjects.lifecycle(pod), Lifecycle(pod=pod, event="exited",
+                                                             exit_code=exit_code))
+
+
+async def _at_step(env, m, pods, step, generation=1):
+    for i, p in enumerate(pods):
+        env.beat(p, rank=i, generation=generation, advance=False).step = step
+    await until(lambda: all(p in m.pods and m.pods[p].step == step for p in pods),
+                what="pods watched at their step")
+
+
+async def test_every_rank_raising_the_same_error_fails_the_job_before_any_fault(env, bus):
+    """w0 and w1 raise the same error at step 12 (committed 11), one after the other: the
+    verdict comes and neither is declared (a fault would promote a spare into the same
+    bug), not even when they exit with code 1."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await _at_step(env, m, ["w0", "w1"], 11)
+    await _raise(bus, "w0", 1, 11)
+    await _raise(bus, "w1", 1, 11)
+    await until(lambda: verdicts, what="job_failed")
+    assert verdicts[0].kind.value == "script_error" and verdicts[0].pods == ["w0", "w1"]
+    assert verdicts[0].step == 11 and "check_batch" in verdicts[0].error
+    await until(lambda: {"w0", "w1"} <= set(m.faulted), what="both exits read")
+    assert not m.incidents and not m.faults, m.faults
+
+
+async def test_a_stale_exception_report_is_judged_by_the_failure_it_describes(env, bus):
+    """w1 raises first and alone long enough to be declared and replaced (plan g2); w0's
+    report of the same error, sent in generation 1, arrives after: it used to be dropped as
+    "stale generation 1 < 2" and w0's exit declared a crash. It is the same bug: the job
+    fails, and w0 is not declared."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await _at_step(env, m, ["w0", "w1"], 11)
+    await _raise(bus, "w1", 1, 11)
+    await until(lambda: env.faults, what="w1 declared")
+    assert (env.faults[0].pod, env.faults[0].kind.value) == ("w1", "exception")
+    p2 = make_plan(["w0", "s0"], generation=2)
+    await (await bus.kv()).put(PLAN_KEY, p2.model_dump_json().encode())
+    await until(lambda: m.generation == 2, what="plan g2 adopted")
+    await _raise(bus, "w0", 1, 11)
+    await until(lambda: verdicts, what="job_failed")
+    assert verdicts[0].pods == ["w1", "w0"] and verdicts[0].generation == 2
+    await until(lambda: "w0" in m.faulted, what="w0's exit read")
+    assert [f.pod for f in env.faults] == ["w1"] and len(m.incidents) == 1
+
+
+@pytest.mark.parametrize("plan_read", [True, False])
+async def test_an_error_in_set_up_on_two_members_fails_the_job(env, bus, plan_read):
+    """The drop-in's set-up after init_process_group: members of plan g1 that never entered
+    it (their heartbeats say generation 0) raise the same error before the first step: the
+    job fails with it (the reports used to be stale, the exits crashes: pods cycled). Also
+    when the monitor has not read the plan yet (the first report was declared at once, and
+    a spare promoted into the same error)."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]) if plan_read else None)
+    await _at_step(env, m, ["w0", "w1"], -1, generation=0)
+    err = TRACE.replace("ValueError: the batch of step 12 has the wrong shape",
+                        "FileNotFoundError: the data set's index is missing")
+    await _raise(bus, "w1", 0, -1, err)
+    await _raise(bus, "w0", 0, -1, err)
+    await until(lambda: verdicts, what="job_failed")
+    assert verdicts[0].step == -1 and verdicts[0].error.startswith("FileNotFoundError")
+    assert not m.incidents
+
+
+async def test_a_lone_exception_is_declared_once_nobody_can_repeat_it(env, bus):
+    """One member raises, the other waits at the same step: held for a moment, then declared
+    an exception (its exit, read meanwhile, is not a crash); no verdict."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await _at_step(env, m, ["w0", "w1"], 11)
+    await _raise(bus, "w1", 1, 11)
+    await until(lambda: env.faults, what="w1 declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "exception")]
+    assert "ValueError: the batch of step 12" in env.faults[0].reason
+    assert not verdicts and not m.held

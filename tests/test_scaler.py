@@ -231,6 +231,27 @@ async def test_fault_replaced_by_spare(env, bus):
     assert st["lease_holder"] and st["plan"]["generation"] == 2 and w0.generation == 2
 
 
+async def test_no_plan_after_the_job_failed(env, bus):
+    """Issue 41: once the monitor says the failure is the script's (job_failed), a fault
+    (the failing pods' exits) plans no replacement: a promoted spare would raise the same
+    error while the launcher stops the job."""
+    from schemas.messages import JobFailed
+
+    sc = await env.scaler(workers=2)
+    w0, w1 = await env.agent("w0"), await env.agent("w1")
+    await env.agent("s0", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    await until(lambda: "s0" in sc.alive_spares(sc.plans.plan), what="spare alive")
+    await bus.publish(bus.subjects.job_failed, JobFailed(
+        kind="script_error", step=11, generation=1, pods=["w0", "w1"],
+        error="ValueError: bad batch", hint="w0 and w1 raised the same error at step 12"))
+    await until(lambda: sc.job_failed is not None, what="verdict read")
+    w1.kill()
+    await env.fault("w1", 1, FaultKind.exception)
+    await until(lambda: "job failed" in (sc.waiting or ""), what="the scaler declines")
+    assert gens(env.plans) == [1] and gens(await kv_plans(bus)) == [1]
+
+
 async def test_a_member_known_dead_is_faulted_again(env, bus):
     """A spare's fault that arrives while the plan promoting it is being written finds it
     a spare and only drops it from the pool (the scaler's ``dead``); the monitor declares a

@@ -15,8 +15,8 @@ from harness import Cluster
 pytestmark = [pytest.mark.timeout(240)]
 
 
-def _cmd(total: int, bad: int, how: str) -> list[str]:
-    return [sys.executable, "-m", "tests.helpers.buggy_script", str(total), str(bad), how]
+def _cmd(total: int, bad: int, how: str, api: str = "session") -> list[str]:
+    return [sys.executable, "-m", "tests.helpers.buggy_script", str(total), str(bad), how, api]
 
 
 async def test_a_script_raising_on_every_rank_stops_the_job_with_its_error(tmp_path):
@@ -41,6 +41,39 @@ async def test_a_script_raising_on_every_rank_stops_the_job_with_its_error(tmp_p
     assert s["job_failed"]["kind"] == "script_error" and s["job_failed"]["step"] == 5, s
     assert len(set(s["job_failed"]["pods"])) == 2
     assert not (tmp_path / "raise" / "restart-1").exists()
+
+
+@pytest.mark.parametrize("api,how,forked", [
+    ("init", "raise", True), ("init", "raise", False), ("dropin", "raise", False),
+    ("dropin", "setup", True), ("session", "setup", False)])
+async def test_the_same_error_on_every_rank_stops_the_job_whatever_the_api(
+        tmp_path, api, how, forked):
+    """Issue 41: under ``agent.init`` (no ``with`` block: its exception was never reported,
+    every pod a crash, "training state lost"), the drop-in and ``with Session``, pods forked
+    from the zygote or exec'd, every rank raising the same error at step 12 (``raise``) or
+    in its set-up once a member, before the first step (``setup``: the reports were dropped
+    as stale, pods cycled and the job shrank) stops the job: exit 1 within 2 minutes, the
+    error and its traceback in `up`'s output, and no spare raises it (none was promoted)."""
+    run = tmp_path / f"{api}-{how}"
+    t0 = time.monotonic()
+    async with Cluster(run, 2, 1, 30, replace=True,
+                       extra=[*([] if forked else ["--no-prefork"]),
+                              "--", *_cmd(30, 12, how, api)]) as c:
+        code = await c.finish(timeout=120)
+        out = c.output()
+    took = time.monotonic() - t0
+    error, where = (("ValueError: the batch of step 12 has the wrong shape", "check_batch")
+                    if how == "raise" else
+                    ("FileNotFoundError: the data set's index is missing", "load_index"))
+    assert code == 1, out
+    assert took < 120, took
+    assert error in out and "buggy_script.py" in out and where in out, out  # its traceback
+    assert ("zygote.py" in out) == forked, out  # the pods were forked (or exec'd) indeed
+    s = json.loads((run / "summary.json").read_text())
+    assert s["job_failed"]["kind"] == "script_error", s
+    assert s["job_failed"]["step"] == (11 if how == "raise" else -1), s
+    spares = [p for p in (run / "logs").glob("s*.log") if error in p.read_text()]
+    assert not spares, f"spares promoted into the error: {spares}"
 
 
 async def test_a_repeated_hang_at_the_same_step_stops_the_job_with_the_solo_hint(

@@ -317,10 +317,13 @@ def run(args: list[str]) -> int:
 
 
 def _excepthook() -> None:
-    """Through sys.excepthook, as the interpreter does: a script's (or the drop-in's) hook
-    reports the exception before the process ends."""
+    """Through sys.excepthook, as the interpreter does: a script's (or the agent's) hook
+    reports the exception before the process ends. ``sys.last_*`` first, as the
+    interpreter sets them (the agent reads them at exit when a later hook did not chain)."""
+    tp, v, tb = sys.exc_info()
+    sys.last_type, sys.last_value, sys.last_traceback = tp, v, tb
     try:
-        sys.excepthook(*sys.exc_info())
+        sys.excepthook(tp, v, tb)
     except BaseException:
         traceback.print_exc()
 

@@ -8,7 +8,13 @@ Rules (docs/architecture.md, recovery step 1):
 * no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving);
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
-* a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; of kind
+* a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; an
+  ``exception`` (the script's own, the pod ends with it) is judged by the failure it
+  describes whatever the generation when it arrives (a pod that never entered the first
+  plan's generation reports generation 0), and held a moment while another member at the
+  same step could still raise the same (every rank raising at once is the common case: the
+  verdict ``job_failed`` then comes before any fault, so no spare is promoted into the bug);
+  after ``job_failed`` no fault is declared (the launcher stops the job); of kind
   ``stalled`` (the member's own watchdog: no step boundary and no collective for its stall
   timeout, e.g. a training thread stuck in user code while heartbeats go on) -> ``hang``;
 * a ``peer_error`` report makes every member of the current generation whose heartbeat is
@@ -51,7 +57,7 @@ from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
 from services.common.plans import PlanFollower
 from services.common.service import Service
 
-from .repeats import Failure, RepeatDetector
+from .repeats import Failure, RepeatDetector, injected
 
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
@@ -82,6 +88,13 @@ class PodView:
     solo_ended: float | None = None  # monotonic: when its heartbeat said the solo ended
     compute_time: float | None = None  # its own compute of a step (median of its recent)
     slow_since: float | None = None  # monotonic: a straggler's compute time since then
+
+
+@dataclass
+class Held:
+    """An exception report whose fault waits: another member may raise the same."""
+    report: Report
+    until: float                  # monotonic: declared then at the latest
 
 
 @dataclass
@@ -131,6 +144,7 @@ class HealthMonitor(Service):
         # the same failure at the same step on a second pod: the script's (repeats.py)
         self.repeats = RepeatDetector()
         self.job_failed: JobFailed | None = None
+        self.held: dict[str, Held] = {}  # exception reports not declared yet (watched pods)
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = (ViewPublisher(bus, self.log, self._heard, view_interval)
                      if view_interval else None)
@@ -249,6 +263,9 @@ class HealthMonitor(Service):
         if ev.pod in self.faulted:
             self._ignore(env.subject, "pod already faulted", pod=ev.pod)
             return
+        if ev.pod in self.held:  # its exception report decides, not its exit code
+            self._ignore(env.subject, "exit of a pod whose exception report is held", pod=ev.pod)
+            return
         if ev.exit_code == 0:
             self.pods.pop(ev.pod, None)
             self.gone.add(ev.pod)
@@ -273,32 +290,21 @@ class HealthMonitor(Service):
                             role=ev.role if v is None else None)
 
     async def _on_report(self, r: Report, env: Envelope) -> None:
+        if r.report == ReportKind.exception:
+            await self._on_exception(r, env)
+            return
         if r.generation < self.generation:
             self._ignore(env.subject, f"stale generation {r.generation} < {self.generation}",
                          pod=r.pod, report=r.report.value)
             return
-        if r.report in EXCEPTION_REPORTS:
-            if r.pod in self.faulted:
-                self._ignore(env.subject, "pod already faulted", pod=r.pod)
-                return
-            if r.pod not in self.pods and not self._is_member(r.pod):
-                self._ignore(env.subject, "report from a pod that is not watched", pod=r.pod,
-                             report=r.report.value)
+        if r.report in EXCEPTION_REPORTS:  # digest_mismatch, recovery_failed: this generation's
+            if not self._reporter_watched(r, env):
                 return
             v = self.pods.get(r.pod)
-            if v is not None and v.heartbeated and v.state == AgentState.done:
-                self._ignore(env.subject, "exception after the pod was done: not a fault",
-                             level="warning", pod=r.pod, error=r.error[:200])
-                return
-            # the fault names the error; its traceback (the agent sends one) goes with a
-            # job_failed verdict, if any, and stays in the pod's log
             error = (r.error.strip().splitlines() or [""])[0]
-            if await self._declare(r.pod, FaultKind.exception,
-                                   last_seen=v.last_seen if v else r.ts, since=r.ts,
-                                   reason=f"{r.report.value}: {error}"[:2000]) \
-                    and r.report == ReportKind.exception:
-                await self._repeated(Failure(r.pod, "exception", self.generation, r.step,
-                                             r.error))
+            await self._declare(r.pod, FaultKind.exception,
+                                last_seen=v.last_seen if v else r.ts, since=r.ts,
+                                reason=f"{r.report.value}: {error}"[:2000])
         elif r.report == ReportKind.stalled:
             if r.pod in self.faulted or not self._is_member(r.pod):
                 self._ignore(env.subject, "stall report of a pod that is not a watched member",
@@ -322,6 +328,79 @@ class HealthMonitor(Service):
         else:
             self.log.info("report", subject=env.subject, pod=r.pod, report=r.report.value,
                           error=r.error[:200])
+
+    def _reporter_watched(self, r: Report, env: Envelope) -> bool:
+        if r.pod in self.faulted:
+            self._ignore(env.subject, "pod already faulted", pod=r.pod)
+            return False
+        if r.pod not in self.pods and not self._is_member(r.pod):
+            self._ignore(env.subject, "report from a pod that is not watched", pod=r.pod,
+                         report=r.report.value)
+            return False
+        v = self.pods.get(r.pod)
+        if v is not None and v.heartbeated and v.state == AgentState.done:
+            self._ignore(env.subject, "exception after the pod was done: not a fault",
+                         level="warning", pod=r.pod, error=r.error[:200])
+            return False
+        return True
+
+    async def _on_exception(self, r: Report, env: Envelope) -> None:
+        """The script's exception (the pod ends with it), judged by what it describes: its
+        generation may be older than the plan's (the plan moved on while it was sent, or the
+        pod never entered the first generation: set-up after ``init_process_group``). A
+        repeat of another pod's stops the job; otherwise its fault is held while another
+        member may still raise the same (``_release_held``)."""
+        known = r.pod in self.faulted or r.pod in self.pods or self._is_member(r.pod)
+        if not known:
+            self._ignore(env.subject, "report from a pod that is not watched", pod=r.pod,
+                         report=r.report.value)
+            return
+        # a pod already declared (its exit read before its report) still counts for the verdict
+        if r.pod not in self.faulted and not self._reporter_watched(r, env):
+            return
+        f = Failure(r.pod, "exception", r.generation, r.step, r.error)
+        if await self._repeated(f):
+            self.held.clear()  # the job stops: no fault, no replacement into the same bug
+            return
+        if r.pod in self.faulted or r.pod in self.held:
+            return
+        until = time.monotonic()
+        if not injected(f):  # an injected one simulates the machines: never a repeat
+            until += self._repeat_wait()
+        self.held[r.pod] = Held(r, until)
+        await self._release_held(time.monotonic())
+
+    def _repeat_wait(self) -> float:
+        """How long a member at the same step may take to raise the same error and report
+        it: a step (the members' median step time: ranks work in lockstep) and the time a
+        message may take to arrive (the suspect timeout)."""
+        times = sorted(v.hb.step_time for v in self.pods.values()
+                       if v.hb is not None and v.hb.step_time is not None)
+        return self.suspect_timeout + (times[len(times) // 2] if times else 0.0)
+
+    def _may_repeat(self, r: Report, now: float) -> bool:
+        """Could another pod still raise what ``r`` reports: one that is alive, not done,
+        and has not committed past the reported step? Any watched pod, not only the plan's
+        members: the plan this monitor holds may be older than the pods' (a set-up error
+        right after the first plan), and a spare may run the same set-up."""
+        for v in self.pods.values():
+            if (v.pod == r.pod or not v.heartbeated or v.pod in self.faulted
+                    or v.pod in self.held or v.state in GONE_STATES
+                    or now - v.last_hb > self.fault_timeout):
+                continue
+            if v.step <= r.step:
+                return True
+        return False
+
+    async def _release_held(self, now: float) -> None:
+        for pod, h in list(self.held.items()):
+            if now < h.until and self._may_repeat(h.report, now):
+                continue
+            del self.held[pod]
+            r, v = h.report, self.pods.get(pod)
+            error = (r.error.strip().splitlines() or [""])[0]
+            await self._declare(pod, FaultKind.exception, last_seen=v.last_seen if v else r.ts,
+                                since=r.ts, reason=f"{r.report.value}: {error}"[:2000])
 
     async def _suspect(self, r: Report, env: Envelope) -> None:
         plan = self.plan
@@ -392,8 +471,11 @@ class HealthMonitor(Service):
 
     async def check(self) -> None:
         now = time.monotonic()
+        if self.held:
+            await self._release_held(now)
         plan = self.plan
         overdue = [v for v in self.pods.values() if v.pod not in self.faulted
+                   and v.pod not in self.held
                    and v.state not in GONE_STATES
                    and now - v.last_hb > self.fault_timeout + v.deadline_extra]
         if overdue and not await self._link_ok():
@@ -532,12 +614,13 @@ class HealthMonitor(Service):
         return False
 
     # ------------------------------------------------------------------ faults
-    async def _repeated(self, f: Failure) -> None:
+    async def _repeated(self, f: Failure) -> bool:
         """A second pod failing as another did at the same step: the script's bug. Said
-        once per job on ``job_failed``; the launcher stops the job (no more pods burnt)."""
+        once per job on ``job_failed`` (True when said now); the launcher stops the job (no
+        more pods burnt)."""
         first = self.repeats.observe(f)
         if first is None or self.job_failed is not None:
-            return
+            return False
         hang = f.kind == "hang"
         kind = JobFailedKind.repeated_hang if hang else JobFailedKind.script_error
         hint = (f"step {f.step + 1} stood still on {first.pod} and again on {f.pod}: work on "
@@ -552,6 +635,7 @@ class HealthMonitor(Service):
                        step=f.step, pods=[first.pod, f.pod], error=f.error[:300])
         await self.bus.publish(self.bus.subjects.job_failed, msg,
                                msg_id=f"job-failed-{kind.value}-{f.step}")
+        return True
 
     async def _declare(self, pod: str, kind: FaultKind, *, last_seen: float, since: float,
                        reason: str, role: Role | None = None, keep: bool = False,
@@ -561,6 +645,12 @@ class HealthMonitor(Service):
         gen = self.generation
         incident = f"inc-{pod}-g{gen}"
         if incident in self.incidents or pod in self.faulted:
+            return False
+        if self.job_failed is not None:  # the job stops: a replacement meets the same bug
+            self.faulted.add(pod)
+            self.pods.pop(pod, None)
+            self.log.info("not declared: the job failed (the script's bug)", pod=pod,
+                          kind=kind.value, reason=reason[:200])
             return False
         self.incidents.add(incident)
         if keep:

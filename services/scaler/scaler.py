@@ -38,7 +38,7 @@ from schemas.policy import (DEPARTURES_KEY, SCALE_KEY, SCRIPT_KEY, Departure, De
                             ScriptInfo)
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
                               Capacity, CapacityChange, Decision, Fault, FaultKind, Heartbeat,
-                              Lifecycle, LifecycleEvent, Plan, Priority, Report, ReportKind,
+                              JobFailed, Lifecycle, LifecycleEvent, Plan, Priority, Report, ReportKind,
                               Role)
 from plumbing import telemetry
 from plumbing.bounded import BoundedSet
@@ -124,6 +124,9 @@ class Scaler(Service):
         self.log = self.log.bind(scaler_id=self.scaler_id)
         self.plans = PlanFollower(bus, self.log, poll_interval=1.0)
         self.kv: Any = None
+        # the monitor's verdict that the failure is the script's: no plan after it (a
+        # promoted spare would meet the same bug while the launcher stops the job)
+        self.job_failed: JobFailed | None = None
         self.t0 = time.monotonic()
         # lease
         self.holder = False
@@ -174,7 +177,14 @@ class Scaler(Service):
         return [(s.lifecycle(), Lifecycle, self._on_lifecycle), (s.fault, Fault, self._on_fault),
                 (s.report(), Report, self._on_report),
                 (s.capacity, Capacity, self._on_capacity),
-                (s.priority, Priority, self._on_priority)]
+                (s.priority, Priority, self._on_priority),
+                (s.job_failed, JobFailed, self._on_job_failed)]
+
+    async def _on_job_failed(self, m: JobFailed, env: Envelope) -> None:
+        if self.job_failed is None:
+            self.job_failed = m
+            self.log.warning("the job failed (the script's bug): no more plans",
+                             kind=m.kind.value, step=m.step, pods=m.pods)
 
     async def on_start(self) -> None:
         self.t0 = time.monotonic()
@@ -1009,6 +1019,9 @@ class Scaler(Service):
                                           since=now)
 
     async def _commit(self, new: Plan, revision: int | None, pend: list[Pending]) -> bool:
+        if self.job_failed is not None:
+            self._note_wait("the job failed (the script's bug): no more plans")
+            return False
         new = new.model_copy(update={"ts": time.time()})
         parent = pend[0].ctx if pend and pend[0].ctx is not None else None
         links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())

@@ -1,11 +1,19 @@
-"""A script with a bug (issue 33), for ``tests/test_script_bugs_e2e.py``.
+"""A script with a bug (issues 33 and 41), for ``tests/test_script_bugs_e2e.py``.
 
-argv: total steps, the step at which it fails, and how: ``raise`` (every rank raises the
-same error there) or ``hang`` (rank 0 works longer than the collective timeout there, at the
-top of the step, outside ``s.solo``, as nanoGPT's evaluation does)."""
+argv: total steps, the step at which it fails, how, and (optional) the API it uses.
+
+how: ``raise`` (every rank raises the same error at that step), ``setup`` (every pod raises
+the same error in its set-up, once it is a member: after ``s.join()`` or
+``init_process_group``, before the first step; a spare raises it when promoted) or ``hang``
+(rank 0 works longer than the collective timeout at the top of that step, outside
+``s.solo``, as nanoGPT's evaluation does).
+
+api: ``session`` (``with agent.Session``, the default), ``init`` (``s = agent.init(...)``, no
+``with`` block) or ``dropin`` (``agent.ddp``: a torchrun + DDP script's loop)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,13 +27,23 @@ def check_batch(step: int, bad: int) -> None:
         raise ValueError(f"the batch of step {step} has the wrong shape")
 
 
+def load_index() -> None:
+    raise FileNotFoundError("the data set's index is missing")
+
+
 total, bad, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+api = sys.argv[4] if len(sys.argv) > 4 else "session"
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-with agent.Session.from_env(global_batch_size=8, seed=0) as s:
+
+
+def session_loop(s) -> None:
     s.register(model=model, optimizer=opt)
+    if how == "setup":
+        s.join()
+        load_index()
     for step in s.steps(total=total):
         if how == "hang" and step == bad and s.rank == 0:
             time.sleep(600)  # an evaluation without s.solo
@@ -35,3 +53,31 @@ with agent.Session.from_env(global_batch_size=8, seed=0) as s:
             s.backward(torch.nn.functional.mse_loss(model(x), y))
         s.step()
         time.sleep(0.02)
+
+
+if api == "session":
+    with agent.Session.from_env(global_batch_size=8, seed=0) as s:
+        session_loop(s)
+elif api == "init":
+    session_loop(agent.init(global_batch_size=8, seed=0))
+else:
+    import agent.ddp as dist
+    from agent.ddp import DistributedDataParallel as DDP
+
+    dist.init_process_group(backend="gloo")
+    if how == "setup":
+        load_index()
+    rank = int(os.environ["RANK"])
+    model = DDP(model)
+    i = 0
+    while (i := dist.iteration(i)) < total:
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+        if how == "raise":
+            check_batch(i, bad)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        i += 1
+        time.sleep(0.02)
+    dist.destroy_process_group()
