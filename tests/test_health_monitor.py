@@ -28,6 +28,7 @@ class Beater:
         self.state, self.advance, self.interval = state, advance, interval
         self.step, self.alive = -1, True
         self.solo_until: float | None = None
+        self.compute_time: float | None = None
         self.task = asyncio.create_task(self._run())
 
     async def _run(self):
@@ -39,7 +40,7 @@ class Beater:
                     await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
                         pod=self.pod, role=self.role, generation=self.generation,
                         rank=self.rank, step=self.step, state=self.state,
-                        solo_until=self.solo_until))
+                        solo_until=self.solo_until, compute_time=self.compute_time))
                 except Exception:
                     pass
             await asyncio.sleep(self.interval)
@@ -433,3 +434,20 @@ async def test_status_shows_who_waits_in_the_collective(env, bus):
     from ops.cli import _render_status
     text = _render_status({"job": "test", "services": {"health_monitor": st}})
     assert "waiting in the all-reduce: w0" in text
+
+
+async def test_a_straggler_among_two_members_is_declared(env, bus):
+    """Issue 41: among two members the median of both is the slower one, so a member x5
+    slower than the other was never declared. Judged against the other member (and its own
+    steady pace), it is: one ``straggler`` fault for it, none for the other."""
+    window = 1.0
+    m = await env.monitor(make_plan(["w0", "w1"]), straggler_window=window)
+    w0, w1 = env.beat("w0", rank=0), env.beat("w1", rank=1)
+    env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)
+    w0.compute_time = w1.compute_time = 0.1
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    await until(lambda: m.paces.base("w1", 1) is not None, what="w1's steady pace")
+    w1.compute_time = 0.5
+    f = await until(lambda: env.faults, timeout=20 * window, what="straggler fault")
+    assert [(x.pod, x.kind.value) for x in f] == [("w1", "straggler")], f
+    assert f[0].slowness == pytest.approx(5.0) and "w1" in m.pods  # still watched
