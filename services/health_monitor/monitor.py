@@ -5,7 +5,11 @@ Rules (docs/architecture.md, recovery step 1):
 
 * lifecycle ``exited`` with a non-zero code -> ``crash`` (exit 0, or any code after the pod's
   last heartbeat said ``done``: the pod is done, forgotten);
-* no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving);
+* no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving;
+  a pod whose heartbeat still says ``starting``, not a member, has ``stall_timeout``: its
+  imports and set-up hold the interpreter, on a loaded machine for seconds; a member never
+  heard from has a grace from the plan or from its lifecycle ``started``, whichever is
+  later; a pod that dies before it heartbeats is the actuator's ``exited``);
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
 * a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; of kind
@@ -251,6 +255,11 @@ class HealthMonitor(Service):
         return [(v.hb, v.last_hb) for v in views if v is not None and v.hb is not None]
 
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
+        if ev.event == LifecycleEvent.started:
+            v = self.pods.get(ev.pod)
+            if v is not None and not v.heartbeated:  # a member seeded from the plan: its
+                v.last_hb, v.last_seen = time.monotonic(), time.time()  # grace runs from now
+            return
         if ev.event != LifecycleEvent.exited:
             return
         if ev.pod in self.faulted:
@@ -363,6 +372,15 @@ class HealthMonitor(Service):
                                        f"{now - v.last_hb:.3f}s")
 
     # ------------------------------------------------------------------ checks
+    def _silence(self, v: PodView) -> float:
+        """How long ``v`` may be silent before it is ``lost``. A pod still starting (its
+        heartbeat says so: it imports and sets up, which holds the interpreter, for seconds on a
+        loaded machine) and not a member yet (nothing waits for it) has the stall timeout; a
+        member seeded from the plan, the grace it was given."""
+        if v.heartbeated and v.state == AgentState.starting and not self._is_member(v.pod):
+            return max(self.fault_timeout, self.stall_timeout)
+        return self.fault_timeout + v.deadline_extra
+
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval)
@@ -401,8 +419,7 @@ class HealthMonitor(Service):
         now = time.monotonic()
         plan = self.plan
         overdue = [v for v in self.pods.values() if v.pod not in self.faulted
-                   and v.state not in GONE_STATES
-                   and now - v.last_hb > self.fault_timeout + v.deadline_extra]
+                   and v.state not in GONE_STATES and now - v.last_hb > self._silence(v)]
         if overdue and not await self._link_ok():
             overdue = []
         now = time.monotonic()
@@ -410,7 +427,7 @@ class HealthMonitor(Service):
             if v.pod in self.faulted:
                 continue
             silent = now - v.last_hb
-            if silent > self.fault_timeout + v.deadline_extra:
+            if silent > self._silence(v):
                 what = "no heartbeat" if v.heartbeated else "never heartbeated"
                 await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen,
                                     since=v.last_seen, reason=f"{what} for {silent:.3f}s")
