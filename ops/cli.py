@@ -85,6 +85,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         check_guards(opts.on_nonfinite, opts.verify_every, opts.loss_spike)
+        if opts.straggler_factor or opts.straggler_window is not None:
+            from services.health_monitor.stragglers import FACTOR, Rule
+
+            # the monitor's own check, before anything starts (a factor of 0: the rule off)
+            Rule(factor=opts.straggler_factor or FACTOR,
+                 **({} if opts.straggler_window is None else {"window": opts.straggler_window}))
     except ValueError as e:
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2

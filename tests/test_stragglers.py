@@ -166,3 +166,12 @@ def test_a_new_generation_starts_a_new_history():
     assert tr.base("w0", 2) is None and not tr.due("w0", 8.0)
     tr.unmark("w0")
     assert not tr.due("w0", 4.0)
+
+
+def test_up_refuses_a_rule_that_cannot_work_before_it_starts_anything(tmp_path, capsys):
+    from ops.cli import main
+
+    for flags in (["--straggler-factor", "0.5"], ["--straggler-window", "0"]):
+        assert main(["up", "--run-dir", str(tmp_path / "r"), *flags]) == 2
+        assert "straggler rule" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
