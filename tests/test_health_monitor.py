@@ -446,7 +446,7 @@ async def test_a_straggler_among_two_members_is_declared(env, bus):
     env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)
     w0.compute_time = w1.compute_time = 0.1
     await until(lambda: len(m.pods) == 3, what="pods watched")
-    await until(lambda: m.paces.base("w1", 1) is not None, what="w1's steady pace")
+    await until(lambda: m.paces.base("w1", 1, time.monotonic()) is not None, what="w1's steady pace")
     w1.compute_time = 0.5
     f = await until(lambda: env.faults, timeout=20 * window, what="straggler fault")
     assert [(x.pod, x.kind.value) for x in f] == [("w1", "straggler")], f

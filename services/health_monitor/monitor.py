@@ -484,7 +484,7 @@ class HealthMonitor(Service):
         if len(views) < 2 or not (spare or plan.shard_size == 1):
             return
         gen = plan.generation
-        paces = [stragglers.Pace(v.compute_time or 0.0, self.paces.base(v.pod, gen))
+        paces = [stragglers.Pace(v.compute_time or 0.0, self.paces.base(v.pod, gen, now))
                  for v in views]
         for i, v in enumerate(views):
             if not spare and plan.shares.get(v.rank if v.rank is not None else -1, 0) <= 1:

@@ -23,7 +23,7 @@ one judgment per ``window / MARKS_PER_WINDOW`` s over one.
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Sequence
@@ -82,13 +82,52 @@ def judge(me: Pace, others: Sequence[Pace], rule: Rule) -> Verdict:
     return Verdict(False, max(1.0, ratio), f"the others' median {ref:.3f}s")
 
 
+class _Ring:
+    """One value per time slot (``n`` slots of ``dt`` s), 0 for none: a fixed size however
+    long it runs (thousands of members: a few hundred bytes each, no object per sample)."""
+
+    def __init__(self, n: int, dt: float, typecode: str) -> None:
+        self.n, self.dt = n, dt
+        self.vals = array(typecode, [0]) * n
+        self.last: int | None = None  # the newest slot written (absolute index)
+
+    def slot(self, t: float) -> int:
+        return int(t // self.dt)
+
+    def put(self, t: float, v: float) -> None:
+        k = self.slot(t)
+        if self.last is not None:
+            k = max(k, self.last)  # monotonic time; never behind the newest
+            for j in range(self.last + 1, min(k, self.last + self.n) + 1):
+                self.vals[j % self.n] = 0  # slots nothing was written in: empty
+        self.vals[k % self.n] = v
+        self.last = k
+
+    def clear(self) -> None:
+        for j in range(self.n):
+            self.vals[j] = 0
+        self.last = None
+
+    def span(self, now: float) -> range:
+        """The slots of the last ``n * dt`` s up to ``now`` that were written."""
+        if self.last is None:
+            return range(0)
+        return range(max(self.last, self.slot(now)) - self.n + 1, self.last + 1)
+
+    def values(self, now: float) -> list[float]:
+        return [v for j in self.span(now) if (v := self.vals[j % self.n])]
+
+
+_FAST, _SLOW = 1, 2  # a judgment's slot (0: none)
+
+
 @dataclass
 class _History:
     generation: int
+    calm: _Ring       # its paces while not judged slow, over HORIZON windows
+    marks: _Ring      # its judgments over one window
     latest: float | None = None  # its compute now (the last heartbeat's)
-    calm: deque[tuple[float, float]] = field(default_factory=deque)  # (t, compute) not slow
-    marks: deque[tuple[float, bool]] = field(default_factory=deque)  # (t, slow)
-    since: float | None = None  # the first judgment of the current run of them
+    since: float | None = None   # the first judgment of the current run of them
 
 
 class Tracker:
@@ -113,49 +152,36 @@ class Tracker:
     def _history(self, pod: str, generation: int) -> _History:
         h = self._h.get(pod)
         if h is None or h.generation != generation:  # a new plan: a new share of the work
-            h = self._h[pod] = _History(generation)
+            w = self.rule.window
+            h = self._h[pod] = _History(
+                generation, _Ring(HORIZON * SAMPLES_PER_WINDOW, w / SAMPLES_PER_WINDOW, "d"),
+                _Ring(MARKS_PER_WINDOW, w / MARKS_PER_WINDOW, "b"))
         return h
 
     def observe(self, pod: str, generation: int, compute: float) -> None:
         """A heartbeat's compute time."""
         self._history(pod, generation).latest = compute
 
-    def base(self, pod: str, generation: int) -> float | None:
+    def base(self, pod: str, generation: int, now: float) -> float | None:
         """Its own steady pace: the median of its paces while it was not judged slow (over
         the last HORIZON windows), or None before it has MIN_CALM of them."""
         h = self._h.get(pod)
-        if h is None or h.generation != generation or len(h.calm) < MIN_CALM:
+        if h is None or h.generation != generation:
             return None
-        return median(c for _, c in h.calm)
-
-    def _calm(self, h: _History, now: float) -> None:
-        w = self.rule.window
-        if h.latest is None:
-            return
-        if h.calm and now - h.calm[-1][0] < w / SAMPLES_PER_WINDOW:
-            h.calm[-1] = (h.calm[-1][0], h.latest)  # one per slot: the latest
-        else:
-            h.calm.append((now, h.latest))
-        while h.calm and (h.calm[0][0] < now - HORIZON * w
-                          or len(h.calm) > HORIZON * SAMPLES_PER_WINDOW):
-            h.calm.popleft()
+        calm = h.calm.values(now)
+        return median(calm) if len(calm) >= MIN_CALM else None
 
     def mark(self, pod: str, generation: int, now: float, slow: bool) -> bool:
         """Record a judgment; True when it is the first slow one of the window."""
         h = self._history(pod, generation)
-        w = self.rule.window
-        if not slow:  # its steady pace: what a slowdown is measured against
-            self._calm(h, now)
-        if h.since is None or (h.marks and now - h.marks[-1][0] > w):
-            h.marks.clear()  # not judged for a whole window: start again
+        if not slow and h.latest:  # its steady pace: what a slowdown is measured against
+            h.calm.put(now, h.latest)
+        m = h.marks
+        if h.since is None or (m.last is not None and m.slot(now) - m.last > m.n):
+            m.clear()  # not judged for a whole window: start again
             h.since = now
-        first = slow and not any(s for _, s in h.marks)
-        if h.marks and now - h.marks[-1][0] < w / MARKS_PER_WINDOW:
-            h.marks[-1] = (h.marks[-1][0], slow)  # one per slot: the latest
-        else:
-            h.marks.append((now, slow))
-        while h.marks and h.marks[0][0] < now - w:
-            h.marks.popleft()
+        first = slow and _SLOW not in m.values(now)
+        m.put(now, _SLOW if slow else _FAST)
         return first
 
     def unmark(self, pod: str) -> None:
@@ -169,14 +195,19 @@ class Tracker:
         """Judged for a whole window, the latest judgment slow, and slow ones fill
         ``fraction`` of the window."""
         h = self._h.get(pod)
-        if h is None or h.since is None or not h.marks or not h.marks[-1][1]:
+        if h is None or h.since is None or h.marks.last is None:
             return False
-        if now - h.since < self.rule.window:
+        m = h.marks
+        if now - h.since < self.rule.window or m.vals[m.last % m.n] != _SLOW:
             return False
-        return sum(1 for _, s in h.marks if s) >= self.rule.fraction * len(h.marks)
+        marks = m.values(now)
+        return sum(1 for v in marks if v == _SLOW) >= self.rule.fraction * len(marks)
 
     def slow_for(self, pod: str, now: float) -> float:
         """Seconds since the window's first slow judgment (for the fault's reason)."""
         h = self._h.get(pod)
-        first = next((t for t, s in h.marks if s), now) if h is not None else now
-        return now - first
+        if h is None:
+            return 0.0
+        m = h.marks
+        first = next((j for j in m.span(now) if m.vals[j % m.n] == _SLOW), None)
+        return 0.0 if first is None else max(0.0, now - first * m.dt)
