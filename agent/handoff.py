@@ -165,7 +165,7 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
     sent). Nothing is copied whole: a source sends its live tensors, a recipient receives
     into its own (``agent/transfer.py``)."""
     from .collectives import Aborted
-    from .transfer import recv_state, send_state
+    from .transfer import send_state
 
     rt, cfg, state, g = m.rt, m.cfg, m.state, plan.generation
     got = rt.wait_transfer(g, cfg.recovery_timeout)
@@ -178,11 +178,7 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
     transfer = got.transfer
     received = sent = 0
     if rank in transfer.sources:
-        # received into its own tensors: until verified whole, it holds no step at all (a
-        # failed transfer leaves them half written; a retry must not report them)
-        state.forget()
-        st = recv_state(m.group, rank, transfer.sources[rank], rt.abort,
-                        into=state.destinations)
+        st = receive(state, m.group, rank, transfer.sources[rank], rt.abort)
         state.restore(st, transfer.restore_step)
         received = st.nbytes
         if state.last_committed != transfer.restore_step:
@@ -199,6 +195,19 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
         state.zero_grad()
     m.restored(plan, transfer.restore_step)
     return transfer.restore_step, received, sent
+
+
+def receive(state: Any, group: Any, rank: int, sources: list[int], abort: Any,
+            timeout_s: float | None = None) -> Any:
+    """Receive the state into ``state``'s own tensors (``TrainState``; no second copy). It
+    keeps its committed step until the first piece lands in them: a transfer that fails
+    before (a source lost while connecting, an abort) leaves its older step usable, which
+    it reports in the next incident (the broker may then roll back to it). From that piece
+    on, until verified whole, it holds none: half written, a retry must not report them."""
+    from .transfer import recv_state
+
+    return recv_state(group, rank, sources, abort, timeout_s=timeout_s,
+                      into=state.destinations, on_write=state.forget)
 
 
 def _start_streaming(m: Entrant, plan: Plan, rank: int) -> None:

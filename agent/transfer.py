@@ -222,10 +222,12 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
                abort: threading.Event | None, timeout_s: float | None = None,
                tamper: Callable[[list[Tensor]], None] | None = None,
                into: Callable[[dict[str, Any]], tuple[list[Tensor], frozenset[int]]] | None
-               = None) -> TensorState:
+               = None, on_write: Callable[[], None] | None = None) -> TensorState:
     """Receive a state striped over ``sources`` (the first one also sends the skeleton) and
     verify every piece. ``into(skeleton) -> (tensors, in_place)`` says where each tensor goes
-    (``state.destinations``: the objects' own tensors); without it, new tensors. ``.stats``
+    (``state.destinations``: the objects' own tensors); without it, new tensors. ``on_write()``
+    is called once, just before the first byte lands in one of those own tensors: until then
+    they hold what they held (a transfer that fails before leaves them usable). ``.stats``
     holds bytes, seconds and bytes per source. ``tamper`` (tests only) may modify the
     received tensors before verification. Raises StateMismatch (layout or checksum),
     Aborted / PeerError (transport)."""
@@ -281,8 +283,14 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
                            pin_memory=dev.type == "cpu" and t.device.type == "cuda")
         return group.irecv(wire, sources[p.source], TAG_BASE + _TAG_PIECE + n), wire
 
+    untouched = [True]  # no byte written into the objects' own tensors yet
+
     def done(item: tuple[int, Piece], wire: Tensor) -> None:
         n, p = item
+        if untouched[0] and p.tensor in in_place:
+            untouched[0] = False
+            if on_write is not None:
+                on_write()
         _bytes_of(tensors[p.tensor])[p.start:p.end].copy_(wire)
         per_source[sources[p.source]] += p.end - p.start
         if tamper is None:

@@ -37,14 +37,16 @@ def start(cfg: AgentConfig, state: TrainState, timeline: Timeline, global_batch_
         m.backend = backend
     stepper = Stepper(global_batch_size, state, cfg, rt, m, injector)
     rt.start()
-    rt.update(now=True, state=AgentState.waiting)
     m.install_sigterm()
-    # Import now (heartbeats already run), not on a promoted spare's critical path.
+    # Import now (heartbeats already run, saying ``starting``: the imports hold the
+    # interpreter and, on a loaded machine, can delay them for seconds, which the health
+    # monitor allows a starting pod), not on a promoted spare's critical path.
     from . import collectives, handoff, state as _state, store  # noqa: F401
     if cfg.shard_size > 1:  # a promoted spare shards its model first: FSDP2
         import torch.distributed.fsdp  # noqa: F401  (imports DTensor, the mesh...)
 
         from . import sharded  # noqa: F401
+    rt.update(now=True, state=AgentState.waiting)
     return rt, m, stepper
 
 

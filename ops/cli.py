@@ -85,6 +85,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         check_guards(opts.on_nonfinite, opts.verify_every, opts.loss_spike)
+        if opts.straggler_factor or opts.straggler_window is not None:
+            from services.health_monitor.stragglers import FACTOR, Rule
+
+            # the monitor's own check, before anything starts (a factor of 0: the rule off)
+            Rule(factor=opts.straggler_factor or FACTOR,
+                 **({} if opts.straggler_window is None else {"window": opts.straggler_window}))
     except ValueError as e:
         print(f"ceaseless up: {e}", file=sys.stderr)
         return 2
@@ -444,9 +450,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="skip a step whose loss is over F times the median of the last "
                          "committed ones, as a non-finite one (default 0: off)")
     up.add_argument("--straggler-factor", type=float, default=None, metavar="F",
-                    help="a member whose own compute of a step is F times the members' "
-                         "median for --straggler-window s is swapped for a live spare at a "
-                         "step boundary (default 3; 0: off)")
+                    help="a member whose own compute of a step is F times the other members' "
+                         "median (or slowed F times more than they were, against its own "
+                         "steady pace) for most of --straggler-window s is swapped for a live "
+                         "spare at a step boundary (default 3; 0: off)")
     up.add_argument("--straggler-window", type=float, default=None, metavar="S",
                     help="(default 10 s)")
     up.add_argument("--gpus-per-pod", type=int, default=None, metavar="N",

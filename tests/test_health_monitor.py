@@ -29,6 +29,7 @@ class Beater:
         self.state, self.advance, self.interval = state, advance, interval
         self.step, self.alive = -1, True
         self.solo_until: float | None = None
+        self.compute_time: float | None = None
         self.task = asyncio.create_task(self._run())
 
     async def _run(self):
@@ -40,7 +41,7 @@ class Beater:
                     await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
                         pod=self.pod, role=self.role, generation=self.generation,
                         rank=self.rank, step=self.step, state=self.state,
-                        solo_until=self.solo_until))
+                        solo_until=self.solo_until, compute_time=self.compute_time))
                 except Exception:
                     pass
             await asyncio.sleep(self.interval)
@@ -536,3 +537,63 @@ async def test_a_lone_exception_is_declared_once_nobody_can_repeat_it(env, bus):
     assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "exception")]
     assert "ValueError: the batch of step 12" in env.faults[0].reason
     assert not verdicts and not m.held
+
+
+async def test_a_straggler_among_two_members_is_declared(env, bus):
+    """Issue 41: among two members the median of both is the slower one, so a member x5
+    slower than the other was never declared. Judged against the other member (and its own
+    steady pace), it is: one ``straggler`` fault for it, none for the other."""
+    window = 1.0
+    m = await env.monitor(make_plan(["w0", "w1"]), straggler_window=window)
+    w0, w1 = env.beat("w0", rank=0), env.beat("w1", rank=1)
+    env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)
+    w0.compute_time = w1.compute_time = 0.1
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    await until(lambda: m.paces.base("w1", 1, time.monotonic()) is not None, what="w1's steady pace")
+    w1.compute_time = 0.5
+    f = await until(lambda: env.faults, timeout=20 * window, what="straggler fault")
+    assert [(x.pod, x.kind.value) for x in f] == [("w1", "straggler")], f
+    assert f[0].slowness == pytest.approx(5.0) and "w1" in m.pods  # still watched
+
+
+async def test_a_spare_still_starting_is_allowed_its_set_up(env, bus):
+    """Issue 41 item 7(a): a replacement spare whose heartbeats still say ``starting`` (its
+    imports and set-up hold the interpreter: on a loaded machine its heartbeats come seconds
+    apart) is not lost after ``fault_timeout`` of silence; once it says ``waiting`` it is."""
+    m = await env.monitor(make_plan(["w0"]), stall_timeout=20 * FT)
+    env.beat("w0", rank=0)
+    s0 = env.beat("s0", role=Role.spare, state=AgentState.starting, advance=False)
+    await until(lambda: "s0" in m.pods, what="s0 watched")
+    s0.alive = False  # silent for several fault timeouts while it sets up
+    await asyncio.sleep(4 * FT)
+    assert env.faults == [] and m._health(m.pods["s0"], time.monotonic()).startswith("silent")
+    s0.alive, s0.state = True, AgentState.waiting
+    await until(lambda: m.pods["s0"].state == AgentState.waiting, what="s0 set up")
+    s0.alive = False
+    await until(lambda: env.faults, what="the set-up spare's silence")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("s0", "lost")]
+
+
+async def test_a_starting_spare_silent_past_the_stall_timeout_is_lost(env, bus):
+    m = await env.monitor(make_plan(["w0"]), stall_timeout=5 * FT)
+    env.beat("w0", rank=0)
+    s0 = env.beat("s0", role=Role.spare, state=AgentState.starting, advance=False)
+    await until(lambda: "s0" in m.pods, what="s0 watched")
+    s0.alive = False
+    await until(lambda: env.faults, what="the starting spare's long silence")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("s0", "lost")]
+
+
+async def test_a_seeded_members_grace_runs_from_its_start(env, bus):
+    """A member of the plan never heard from: its grace runs from the plan, or from its
+    lifecycle ``started`` when that comes later (the actuator started it just now)."""
+    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=FT, stall_timeout=5.0)
+    env.beat("w0", rank=0)
+    await until(lambda: "w1" in m.pods, what="w1 seeded")
+    seeded = m.pods["w1"].last_hb
+    await bus.publish(bus.subjects.lifecycle("w1"), Lifecycle(pod="w1", event="started",
+                                                              pid=1234))
+    await until(lambda: m.pods["w1"].last_hb > seeded, what="the grace restarted")
+    await until(lambda: env.faults, what="w1 never heartbeats")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "lost")]
+    assert "never heartbeated" in env.faults[0].reason

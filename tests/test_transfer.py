@@ -190,3 +190,66 @@ def test_one_source_serves_two_recipients_at_once(monkeypatch):
 
     out = run_ranks(fn, 3)
     assert out[1] == expect and out[2] == expect and out[0] >= 2 * describe(src).nbytes
+
+
+# ------------------------------------------ a failed transfer and the recipient's own state
+def _holding(step: int):
+    """A recipient's TrainState over its own model and stepped optimizer, holding ``step``."""
+    from agent.train_state import TrainState
+
+    objs = _objs(3, stepped=True)
+    st = TrainState()
+    st.register(model=objs["model"], optimizer=objs["opt"])
+    st.last_committed, st.loss, st.recent_losses = step, 0.5, [0.5, 0.6]
+    return st, objs
+
+
+def test_a_transfer_that_fails_before_landing_keeps_the_older_step():
+    """Issue 41 item 7(b): a recipient that held an older step whose transfer fails (its
+    source lost while connecting, an abort) still holds that step, its tensors untouched:
+    it reports it in the next incident and the broker can roll back to it, as before the
+    state was received in place. (It used to forget its step before the first byte.)"""
+    from agent.collectives import Aborted, PeerError
+    from agent.handoff import receive
+
+    abort = threading.Event()
+
+    def fn(r: int, g: AbortableGroup):
+        if r == 0:  # the source never sends: it leaves (or the plan is superseded)
+            abort.set()
+            return None
+        st, objs = _holding(4)
+        before = _flat(objs)
+        with pytest.raises((Aborted, PeerError)):
+            receive(st, g, 1, [0], abort)
+        return st.last_committed, st.loss, st.recent_losses, _flat(objs) == before
+
+    assert run_ranks(fn, 2)[1] == (4, 0.5, [0.5, 0.6], True)
+
+
+def test_a_transfer_that_fails_after_landing_holds_no_step(monkeypatch):
+    """Once a piece landed in its own tensors, a failed transfer (here a corrupted piece,
+    found at the end) leaves it holding no step: half written, it must not report one."""
+    from agent.train_state import TrainState
+
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 256)
+    monkeypatch.setattr(transfer, "WINDOW_BYTES", 1024)
+    src = _objs(0, stepped=True)
+    calls: list[int] = []
+
+    def flip(tensors):
+        tensors[0].reshape(-1).view(torch.uint8)[5] ^= 1
+
+    def fn(r: int, g: AbortableGroup):
+        if r == 0:
+            return send_state(g, describe(src, {"step": 5}), 0, {1: [0]}, None)
+        st, _ = _holding(4)
+
+        def forget() -> None:
+            calls.append(st.last_committed)
+            TrainState.forget(st)
+        with pytest.raises(StateMismatch):
+            recv_state(g, 1, [0], None, tamper=flip, into=st.destinations, on_write=forget)
+        return st.last_committed
+
+    assert run_ranks(fn, 2)[1] == -1 and calls == [4]  # once, before the first write

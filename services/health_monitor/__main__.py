@@ -32,9 +32,10 @@ def parser():
                    help="seconds between full health views for the scaler and the state "
                         "broker (default %(default)s; 0: publish none, they read heartbeats)")
     p.add_argument("--straggler-factor", type=float, default=STRAGGLER_FACTOR,
-                   help="a member whose own compute of a step is this many times the "
-                        "members' median for --straggler-window s is a straggler, swapped for "
-                        "a live spare (default %(default)s; 0: off)")
+                   help="a member whose own compute of a step is this many times the other "
+                        "members' median (or slowed this many times more than they were, "
+                        "against its own steady pace) for most of --straggler-window s is a "
+                        "straggler, swapped for a live spare (default %(default)s; 0: off)")
     p.add_argument("--straggler-window", type=float, default=STRAGGLER_WINDOW_S,
                    help="seconds (default %(default)s)")
     return p

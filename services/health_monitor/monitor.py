@@ -5,7 +5,11 @@ Rules (docs/architecture.md, recovery step 1):
 
 * lifecycle ``exited`` with a non-zero code -> ``crash`` (exit 0, or any code after the pod's
   last heartbeat said ``done``: the pod is done, forgotten);
-* no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving);
+* no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving;
+  a pod whose heartbeat still says ``starting``, not a member, has ``stall_timeout``: its
+  imports and set-up hold the interpreter, on a loaded machine for seconds; a member never
+  heard from has a grace from the plan or from its lifecycle ``started``, whichever is
+  later; a pod that dies before it heartbeats is the actuator's ``exited``);
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
 * a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; an
@@ -57,6 +61,7 @@ from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
 from services.common.plans import PlanFollower
 from services.common.service import Service
 
+from . import stragglers
 from .repeats import Failure, RepeatDetector, injected
 
 tracer = trace.get_tracer("ceaseless")
@@ -64,9 +69,9 @@ GONE_STATES = (AgentState.done, AgentState.leaving)
 EXCEPTION_REPORTS = (ReportKind.exception, ReportKind.digest_mismatch, ReportKind.recovery_failed)
 MAX_PODS = 16384  # bounds what spoofed pod ids can make it track
 CHECK_INTERVAL = 0.05  # seconds between liveness checks
-# A straggler: its own compute of a step over STRAGGLER_FACTOR x the members' median (and
-# STRAGGLER_MIN_S over it: tiny steps jitter) for STRAGGLER_WINDOW_S seconds.
-STRAGGLER_FACTOR, STRAGGLER_MIN_S, STRAGGLER_WINDOW_S = 3.0, 0.05, 10.0
+# A straggler: its own compute of a step over STRAGGLER_FACTOR x the others' (or its own
+# slowdown over that factor x theirs) for most of STRAGGLER_WINDOW_S seconds (stragglers.py)
+STRAGGLER_FACTOR, STRAGGLER_WINDOW_S = stragglers.FACTOR, stragglers.WINDOW_S
 
 
 @dataclass
@@ -87,7 +92,6 @@ class PodView:
     solo_until: float | None = None  # wall (the agent's clock): it works alone until then
     solo_ended: float | None = None  # monotonic: when its heartbeat said the solo ended
     compute_time: float | None = None  # its own compute of a step (median of its recent)
-    slow_since: float | None = None  # monotonic: a straggler's compute time since then
 
 
 @dataclass
@@ -128,6 +132,11 @@ class HealthMonitor(Service):
         self.check_interval = check_interval
         self.straggler_factor = straggler_factor  # 0: no straggler rule
         self.straggler_window = straggler_window
+        # every member's recent compute paces and slow judgments (bounded, per generation)
+        # (a factor > 0 and <= 1, or a window <= 0, is refused here with the reason)
+        self.paces = stragglers.Tracker(
+            stragglers.Rule(factor=straggler_factor, window=straggler_window)
+            if straggler_factor > 0 else stragglers.Rule())
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
         self.pods: dict[str, PodView] = {}
         self.faulted = BoundedSet(MAX_PODS)     # pods a fault was declared for: not watched any more
@@ -249,6 +258,8 @@ class HealthMonitor(Service):
         elif v.solo_until is not None:
             v.solo_until, v.solo_ended = None, now
         v.compute_time = hb.compute_time
+        if hb.compute_time is not None and hb.state == AgentState.training:
+            self.paces.observe(hb.pod, hb.generation, hb.compute_time)
         if self.view is not None:
             self.view.note(v.hb, hb)
         v.hb = hb
@@ -258,6 +269,11 @@ class HealthMonitor(Service):
         return [(v.hb, v.last_hb) for v in views if v is not None and v.hb is not None]
 
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
+        if ev.event == LifecycleEvent.started:
+            v = self.pods.get(ev.pod)
+            if v is not None and not v.heartbeated:  # a member seeded from the plan: its
+                v.last_hb, v.last_seen = time.monotonic(), time.time()  # grace runs from now
+            return
         if ev.event != LifecycleEvent.exited:
             return
         if ev.pod in self.faulted:
@@ -435,6 +451,15 @@ class HealthMonitor(Service):
                                        f"{now - v.last_hb:.3f}s")
 
     # ------------------------------------------------------------------ checks
+    def _silence(self, v: PodView) -> float:
+        """How long ``v`` may be silent before it is ``lost``. A pod still starting (its
+        heartbeat says so: it imports and sets up, which holds the interpreter, for seconds on a
+        loaded machine) and not a member yet (nothing waits for it) has the stall timeout; a
+        member seeded from the plan, the grace it was given."""
+        if v.heartbeated and v.state == AgentState.starting and not self._is_member(v.pod):
+            return max(self.fault_timeout, self.stall_timeout)
+        return self.fault_timeout + v.deadline_extra
+
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval)
@@ -476,8 +501,7 @@ class HealthMonitor(Service):
         plan = self.plan
         overdue = [v for v in self.pods.values() if v.pod not in self.faulted
                    and v.pod not in self.held
-                   and v.state not in GONE_STATES
-                   and now - v.last_hb > self.fault_timeout + v.deadline_extra]
+                   and v.state not in GONE_STATES and now - v.last_hb > self._silence(v)]
         if overdue and not await self._link_ok():
             overdue = []
         now = time.monotonic()
@@ -485,7 +509,7 @@ class HealthMonitor(Service):
             if v.pod in self.faulted:
                 continue
             silent = now - v.last_hb
-            if silent > self.fault_timeout + v.deadline_extra:
+            if silent > self._silence(v):
                 what = "no heartbeat" if v.heartbeated else "never heartbeated"
                 await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen,
                                     since=v.last_seen, reason=f"{what} for {silent:.3f}s")
@@ -521,13 +545,17 @@ class HealthMonitor(Service):
 
     async def _check_stragglers(self, now: float, plan: Plan | None) -> None:
         """A member whose own compute of a step (``Heartbeat.compute_time``, not the wait for
-        the others) stays over ``straggler_factor`` times the members' median (and at least
-        STRAGGLER_MIN_S over it) for ``straggler_window`` s is a ``straggler``, while a live
-        spare can take its place (the scaler swaps them at a step boundary) or, without one,
-        while the job is unsharded and it computes more than one micro-batch (the scaler
-        shares them out). It stays watched: it is alive and a member."""
+        the others) is judged slow (``stragglers.judge``: over ``straggler_factor`` times the
+        others' median, or slowed that much more than they were against their own earlier
+        pace) for most of ``straggler_window`` s is a ``straggler``, while a live spare can
+        take its place (the scaler swaps them at a step boundary) or, without one, while the
+        job is unsharded and it computes more than one micro-batch (the scaler shares them
+        out). It stays watched: it is alive and a member."""
         if plan is None or self.straggler_factor <= 0:
             return
+        for pod in self.paces.pods():  # bounded by the pods watched
+            if pod not in self.pods:
+                self.paces.forget(pod)
         views = [self.pods[m.pod] for m in plan.members if m.pod in self.pods]
         views = [v for v in views if v.compute_time is not None and v.pod not in self.faulted
                  and v.generation == plan.generation and v.state == AgentState.training]
@@ -537,27 +565,25 @@ class HealthMonitor(Service):
         # without one, the scaler shares an unsharded straggler's micro-batches out instead
         if len(views) < 2 or not (spare or plan.shard_size == 1):
             return
-        times = sorted(v.compute_time for v in views)
-        med = times[len(times) // 2]
-        for v in views:
+        gen = plan.generation
+        paces = [stragglers.Pace(v.compute_time or 0.0, self.paces.base(v.pod, gen, now))
+                 for v in views]
+        for i, v in enumerate(views):
             if not spare and plan.shares.get(v.rank if v.rank is not None else -1, 0) <= 1:
-                v.slow_since = None  # one micro-batch: nothing left to share out
+                self.paces.unmark(v.pod)  # one micro-batch: nothing left to share out
                 continue
-            if not (v.compute_time > self.straggler_factor * med
-                    and v.compute_time - med > STRAGGLER_MIN_S):
-                v.slow_since = None
-                continue
-            if v.slow_since is None:
-                v.slow_since = now
+            verdict = stragglers.judge(paces[i], paces[:i] + paces[i + 1:], self.paces.rule)
+            if self.paces.mark(v.pod, gen, now, verdict.slow):
                 self.log.info("member slower than the others", pod=v.pod,
-                              compute_time=round(v.compute_time, 4), median=round(med, 4))
-            if now - v.slow_since >= self.straggler_window:
+                              compute_time=round(paces[i].compute, 4), against=verdict.why)
+            if self.paces.due(v.pod, now):
+                slow_for = self.paces.slow_for(v.pod, now)
                 await self._declare(v.pod, FaultKind.straggler, last_seen=v.last_seen,
-                                    since=time.time() - (now - v.slow_since), keep=True,
-                                    slowness=v.compute_time / max(med, 1e-9),
-                                    reason=f"computes a step in {v.compute_time:.3f}s, the "
-                                           f"members' median {med:.3f}s, for "
-                                           f"{now - v.slow_since:.1f}s")
+                                    since=time.time() - slow_for, keep=True,
+                                    slowness=verdict.ratio,
+                                    reason=f"computes a step in {paces[i].compute:.3f}s, "
+                                           f"slow against {verdict.why}, in most of the "
+                                           f"last {self.straggler_window:.1f}s")
 
     async def _check_absent(self, now: float, plan: Plan | None) -> None:
         """Members wait in a collective that another member, alive, does not enter: once one
