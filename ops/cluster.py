@@ -514,7 +514,7 @@ async def run(opts: UpOptions) -> int:
                 what := _finished(finished_w, _run_steps(run_dir, spans))):
             reason = what + after
         summary = _summary(run_dir, obs, exits, code, reason, launched=info.started,
-                           spans=spans)
+                           spans=spans, committed=await _read_committed(bus))
         sup.stopping = True
         sup_task.cancel()
         await asyncio.gather(sup_task, return_exceptions=True)
@@ -742,33 +742,86 @@ def _total_loss(code: int, exits: dict[str, int]) -> bool:
     return code == 2 or (code == 1 and bool(exits) and all(c < 0 for c in exits.values()))
 
 
+async def _read_committed(bus: Bus, timeout: float = 1.0) -> int | None:
+    """The state broker's record of the highest committed step (KV `committed`); None if
+    there is none or it cannot be read (the bus down: an aid to the summary, no more)."""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    from schemas.messages import HighWater
+    from schemas.subjects import COMMITTED_KEY
+
+    async def get() -> int | None:
+        try:
+            entry = await (await bus.kv()).get(COMMITTED_KEY)
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        return HighWater.model_validate_json(entry.value or b"").step
+
+    try:
+        return await asyncio.wait_for(get(), timeout)
+    except Exception as e:
+        log.warning("could not read KV committed", error=str(e)[:200])
+        return None
+
+
+def recomputed(from_step: int, recorded: int | None) -> tuple[int, int | None, str]:
+    """(committed step, steps recomputed, what to say) for a restart from the checkpoint of
+    ``from_step`` after a loss when the broker's record (KV `committed`) held ``recorded``
+    (None: none). The checkpoint proves its own step was committed; the record lags the
+    members by up to a heartbeat view, so steps committed in that time are recomputed too
+    and counted by no one: the count is a lower bound, and said so."""
+    if recorded is None:
+        return from_step, None, (f"resumed from checkpoint step {from_step}; the steps "
+                                 "committed after it are recomputed (how many is unknown: "
+                                 "the broker recorded no committed step)")
+    committed = max(recorded, from_step)
+    n = committed - from_step
+    if n == 0:
+        return committed, 0, (f"resumed from checkpoint step {from_step}, the newest step "
+                              "the broker recorded as committed: no step it saw is recomputed")
+    return committed, n, (f"resumed from checkpoint step {from_step}; steps {from_step + 1}-"
+                          f"{committed} recomputed ({n} step{'s' if n != 1 else ''}, at "
+                          "least: the broker records a commit up to a heartbeat view late)")
+
+
 async def _resume_after_loss(opts: UpOptions, run_dir: Path, first: dict[str, Any],
                              out: Any, code: int) -> int:
     """The last resort (issue 20): no pod holds the committed state any more, so the job
     starts again, in ``run_dir/restart-N``, from the newest complete checkpoint (the steps
     after it are recomputed; data positions follow from the step). The run dir's summary
-    becomes the restarted job's, with the loss recorded in it."""
+    becomes the restarted job's, with the loss recorded in it: the checkpoint and its step,
+    the step committed before the loss (``committed_step``, the broker's record) and the
+    steps recomputed."""
     from agent import checkpoint
 
     found = checkpoint.latest(opts.checkpoint_dir)
     if found is None:
         print("ceaseless up: no complete checkpoint to resume from", file=out, flush=True)
         return code
+    from_step = int(checkpoint.manifest(found)["step"])
+    committed, n_again, said = recomputed(from_step, first.get("committed_step"))
     n = len(list(run_dir.glob("restart-*"))) + 1
     sub = run_dir / f"restart-{n}"
-    print(f"ceaseless up: every holder of the state is gone; restarting from {found} "
+    was = f" (step {committed} was committed)" if first.get("committed_step") is not None \
+        else ""
+    print(f"ceaseless up: every holder of the state is gone{was}; restarting from {found} "
           f"({opts.auto_resume - 1} more restart(s) allowed) in {sub}", file=out, flush=True)
     import dataclasses
 
     code = await run(dataclasses.replace(opts, run_dir=str(sub), resume=str(found),
                                          auto_resume=opts.auto_resume - 1))
+    print(f"ceaseless up: after the total loss: {said}", file=out, flush=True)
     try:
         merged = json.loads((sub / "summary.json").read_text())
     except (OSError, ValueError):
         return code
     merged["restarts"] = [{"run_dir": str(sub), "from_checkpoint": str(found),
+                           "from_step": from_step, "committed_step": committed,
+                           "recomputed_steps": n_again,
                            "lost_incidents": first.get("incidents", [])},
                           *merged.get("restarts", [])]
+    merged["recomputed_steps"] = sum(r.get("recomputed_steps") or 0
+                                     for r in merged["restarts"])
     (run_dir / "summary.json").write_text(json.dumps(merged, indent=1))
     return code
 
@@ -829,7 +882,7 @@ def _goodput(spans: list[Any] | None, results: list[dict[str, Any]],
 
 def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
              reason: str, launched: float | None = None,
-             spans: list[Any] | None = None) -> dict[str, Any]:
+             spans: list[Any] | None = None, committed: int | None = None) -> dict[str, Any]:
     results = []
     for p in sorted((run_dir / "results").glob("*.json")):
         try:
@@ -860,6 +913,8 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "param_sha256": digests.pop() if len(digests) == 1 else None,
         "param_sha256_consistent": consistent,
         "lost_steps": sum(r.lost_steps for r in obs.recoveries),
+        # the highest step the state broker saw committed (KV `committed`; None: unknown)
+        "committed_step": committed,
         "incidents": incidents, "pod_exits": exits,
         "generation": obs.plan.generation if obs.plan else 0,
         "world_size": obs.plan.world_size if obs.plan else 0,
