@@ -19,7 +19,6 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from harness import STEPS, Cluster
-from ops.cluster import recomputed
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -87,5 +86,7 @@ async def test_pods_and_services_killed_at_once_resume_from_the_newest_checkpoin
     # what the broker recorded before the kill, or the checkpoint's own step if newer
     assert r["committed_step"] >= max(25, from_step), r
     assert r["recomputed_steps"] == r["committed_step"] - from_step == s["recomputed_steps"]
+    from ops.cluster import recomputed
+
     _, _, said = recomputed(from_step, r["committed_step"])
     assert f"after the total loss: {said}" in out, out[-4000:]
