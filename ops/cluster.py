@@ -20,7 +20,7 @@ from typing import Any
 
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
-                              StateLost)
+                              StateLost, Transfer)
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
@@ -159,6 +159,9 @@ class Observer:
         self.faults: list[Fault] = []
         self.recoveries: list[Recovery] = []
         self.lost: StateLost | None = None
+        # a transfer that starts a later generation from step -1 (nothing committed):
+        # up checks it against this run's checkpoints (a loss the broker did not know of)
+        self.fresh: Transfer | None = None
         self.failed: JobFailed | None = None  # the health monitor: the failure is the script's
         self.events: list[str] = []
         self.script: ScriptInfo | None = None  # KV `script`: what the script itself runs
@@ -170,6 +173,7 @@ class Observer:
         await bus.subscribe(s.fault, Fault, self._fault)
         await bus.subscribe(s.recovery, Recovery, self._recovery)
         await bus.subscribe(s.state_lost, StateLost, self._lost)
+        await bus.subscribe(s.transfer, Transfer, self._transfer)
         await bus.subscribe(s.job_failed, JobFailed, self._failed)
 
     async def _plan(self, p: Plan, env: Envelope) -> None:
@@ -196,6 +200,10 @@ class Observer:
         if self.failed is None:
             self.failed = m
             self.events.append(f"JOB FAILED: {m.hint}")
+
+    async def _transfer(self, t: Transfer, env: Envelope) -> None:
+        if t.generation > 1 and t.restore_step == -1 and self.fresh is None:
+            self.fresh = t
 
     async def _lost(self, m: StateLost, env: Envelope) -> None:
         self.lost = m
@@ -316,6 +324,7 @@ async def run(opts: UpOptions) -> int:
     # joins later (a replacement, a capacity joiner) takes the state from its peers: the
     # job's own checkpoints may have rotated that one away by then (issue 33).
     launch_env: dict[str, str] = {}
+    ck_before = complete_checkpoints(opts.checkpoint_dir)  # what this run did not write
     if opts.resume:
         from agent import checkpoint
 
@@ -463,6 +472,16 @@ async def run(opts: UpOptions) -> int:
             if obs.lost is not None:
                 code, reason = 2, f"training state lost: {obs.lost.reason}"
                 break
+            if obs.fresh is not None:  # rare: a later generation from step -1
+                wrote = written_since(opts.checkpoint_dir, ck_before)
+                if wrote is not None:
+                    code, reason = 2, (
+                        f"training state lost: generation {obs.fresh.generation} would start "
+                        f"again from step -1 (no member holds committed state) although this "
+                        f"run checkpointed step {wrote}: the broker had no record of the "
+                        "committed steps (lost with it, or not written yet)")
+                    break
+                obs.fresh = None  # nothing committed yet: a fresh start is right
             if plan is not None and all(
                     exits.get(m.pod) == 0 or (m.pod in exits and m.pod in obs.hb
                                               and obs.hb[m.pod].state == AgentState.done)
@@ -736,6 +755,31 @@ def _show_script_failure(f: JobFailed, opts: UpOptions, run_dir: Path, out: Any)
           "or from your own checkpoint", file=out, flush=True)
 
 
+def complete_checkpoints(ckdir: str | Path | None) -> set[tuple[str, float]]:
+    """(name, time written) of every complete checkpoint in ``ckdir`` (none: empty)."""
+    from agent import checkpoint
+
+    out = set()
+    d = Path(ckdir) if ckdir else None
+    if d is None or not d.is_dir():
+        return out
+    for p in d.iterdir():
+        if p.name.startswith("step-"):
+            try:
+                out.add((p.name, float(checkpoint.manifest(p)["time"])))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not complete (no manifest yet), or not ours to judge
+    return out
+
+
+def written_since(ckdir: str | Path | None, before: set[tuple[str, float]]) -> int | None:
+    """The newest step of a complete checkpoint in ``ckdir`` that was not there (or not
+    that one) when the run started: proof that this run committed that step."""
+    steps = [int(name.split("-")[1]) for name, t in complete_checkpoints(ckdir) - before
+             if name.split("-")[1].isdigit()]
+    return max(steps, default=None)
+
+
 def _total_loss(code: int, exits: dict[str, int]) -> bool:
     """Every holder of the state is gone: the broker said so (2), or every pod was killed
     (by a signal: not a script that keeps failing, which a restart would not mend)."""
@@ -777,8 +821,9 @@ def recomputed(from_step: int, recorded: int | None) -> tuple[int, int | None, s
     committed = max(recorded, from_step)
     n = committed - from_step
     if n == 0:
-        return committed, 0, (f"resumed from checkpoint step {from_step}, the newest step "
-                              "the broker recorded as committed: no step it saw is recomputed")
+        return committed, 0, (f"resumed from checkpoint step {from_step}; the broker "
+                              "recorded no later committed step, so none is known to be "
+                              "recomputed")
     return committed, n, (f"resumed from checkpoint step {from_step}; steps {from_step + 1}-"
                           f"{committed} recomputed ({n} step{'s' if n != 1 else ''}, at "
                           "least: the broker records a commit up to a heartbeat view late)")
