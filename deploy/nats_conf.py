@@ -46,7 +46,8 @@ HEADER = """\
 # `ceaseless up`'s embedded server: agent (the trainers: heartbeats, reports, recovery, the
 # c10d store; never plan, inject, capacity, priority or the plan key), health_monitor
 # (fault, health), scaler (plan, decision, actuator, the plan and lease keys), state_broker
-# (transfer, state_lost) and operator (everything: the CLI from the host, `nats pub`).
+# (transfer, state_lost, the committed key) and operator (everything: the CLI from the host,
+# `nats pub`).
 # The subjects are those of job {job!r}; for another job regenerate with --job.
 #
 # Credentials: NOTHING here is a literal secret. Each password is

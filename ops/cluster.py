@@ -20,7 +20,7 @@ from typing import Any
 
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
-                              StateLost)
+                              StateLost, Transfer)
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
@@ -159,6 +159,9 @@ class Observer:
         self.faults: list[Fault] = []
         self.recoveries: list[Recovery] = []
         self.lost: StateLost | None = None
+        # a transfer that starts a later generation from step -1 (nothing committed):
+        # up checks it against this run's checkpoints (a loss the broker did not know of)
+        self.fresh: Transfer | None = None
         self.failed: JobFailed | None = None  # the health monitor: the failure is the script's
         self.events: list[str] = []
         self.script: ScriptInfo | None = None  # KV `script`: what the script itself runs
@@ -170,6 +173,7 @@ class Observer:
         await bus.subscribe(s.fault, Fault, self._fault)
         await bus.subscribe(s.recovery, Recovery, self._recovery)
         await bus.subscribe(s.state_lost, StateLost, self._lost)
+        await bus.subscribe(s.transfer, Transfer, self._transfer)
         await bus.subscribe(s.job_failed, JobFailed, self._failed)
 
     async def _plan(self, p: Plan, env: Envelope) -> None:
@@ -196,6 +200,10 @@ class Observer:
         if self.failed is None:
             self.failed = m
             self.events.append(f"JOB FAILED: {m.hint}")
+
+    async def _transfer(self, t: Transfer, env: Envelope) -> None:
+        if t.generation > 1 and t.restore_step == -1 and self.fresh is None:
+            self.fresh = t
 
     async def _lost(self, m: StateLost, env: Envelope) -> None:
         self.lost = m
@@ -316,6 +324,7 @@ async def run(opts: UpOptions) -> int:
     # joins later (a replacement, a capacity joiner) takes the state from its peers: the
     # job's own checkpoints may have rotated that one away by then (issue 33).
     launch_env: dict[str, str] = {}
+    ck_before = complete_checkpoints(opts.checkpoint_dir)  # what this run did not write
     if opts.resume:
         from agent import checkpoint
 
@@ -463,6 +472,16 @@ async def run(opts: UpOptions) -> int:
             if obs.lost is not None:
                 code, reason = 2, f"training state lost: {obs.lost.reason}"
                 break
+            if obs.fresh is not None:  # rare: a later generation from step -1
+                wrote = written_since(opts.checkpoint_dir, ck_before)
+                if wrote is not None:
+                    code, reason = 2, (
+                        f"training state lost: generation {obs.fresh.generation} would start "
+                        f"again from step -1 (no member holds committed state) although this "
+                        f"run checkpointed step {wrote}: the broker had no record of the "
+                        "committed steps (lost with it, or not written yet)")
+                    break
+                obs.fresh = None  # nothing committed yet: a fresh start is right
             if plan is not None and all(
                     exits.get(m.pod) == 0 or (m.pod in exits and m.pod in obs.hb
                                               and obs.hb[m.pod].state == AgentState.done)
@@ -514,7 +533,7 @@ async def run(opts: UpOptions) -> int:
                 what := _finished(finished_w, _run_steps(run_dir, spans))):
             reason = what + after
         summary = _summary(run_dir, obs, exits, code, reason, launched=info.started,
-                           spans=spans)
+                           spans=spans, committed=await _read_committed(bus))
         sup.stopping = True
         sup_task.cancel()
         await asyncio.gather(sup_task, return_exceptions=True)
@@ -736,10 +755,78 @@ def _show_script_failure(f: JobFailed, opts: UpOptions, run_dir: Path, out: Any)
           "or from your own checkpoint", file=out, flush=True)
 
 
+def complete_checkpoints(ckdir: str | Path | None) -> set[tuple[str, float]]:
+    """(name, time written) of every complete checkpoint in ``ckdir`` (none: empty)."""
+    from agent import checkpoint
+
+    out = set()
+    d = Path(ckdir) if ckdir else None
+    if d is None or not d.is_dir():
+        return out
+    for p in d.iterdir():
+        if p.name.startswith("step-"):
+            try:
+                out.add((p.name, float(checkpoint.manifest(p)["time"])))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not complete (no manifest yet), or not ours to judge
+    return out
+
+
+def written_since(ckdir: str | Path | None, before: set[tuple[str, float]]) -> int | None:
+    """The newest step of a complete checkpoint in ``ckdir`` that was not there (or not
+    that one) when the run started: proof that this run committed that step."""
+    steps = [int(name.split("-")[1]) for name, t in complete_checkpoints(ckdir) - before
+             if name.split("-")[1].isdigit()]
+    return max(steps, default=None)
+
+
 def _total_loss(code: int, exits: dict[str, int]) -> bool:
     """Every holder of the state is gone: the broker said so (2), or every pod was killed
     (by a signal: not a script that keeps failing, which a restart would not mend)."""
     return code == 2 or (code == 1 and bool(exits) and all(c < 0 for c in exits.values()))
+
+
+async def _read_committed(bus: Bus, timeout: float = 1.0) -> int | None:
+    """The state broker's record of the highest committed step (KV `committed`); None if
+    there is none or it cannot be read (the bus down: an aid to the summary, no more)."""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    from schemas.messages import HighWater
+    from schemas.subjects import COMMITTED_KEY
+
+    async def get() -> int | None:
+        try:
+            entry = await (await bus.kv()).get(COMMITTED_KEY)
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        return HighWater.model_validate_json(entry.value or b"").step
+
+    try:
+        return await asyncio.wait_for(get(), timeout)
+    except Exception as e:
+        log.warning("could not read KV committed", error=str(e)[:200])
+        return None
+
+
+def recomputed(from_step: int, recorded: int | None) -> tuple[int, int | None, str]:
+    """(committed step, steps recomputed, what to say) for a restart from the checkpoint of
+    ``from_step`` after a loss when the broker's record (KV `committed`) held ``recorded``
+    (None: none). The checkpoint proves its own step was committed; the record lags the
+    members by up to a heartbeat view, so steps committed in that time are recomputed too
+    and counted by no one: the count is a lower bound, and said so."""
+    if recorded is None:
+        return from_step, None, (f"resumed from checkpoint step {from_step}; the steps "
+                                 "committed after it are recomputed (how many is unknown: "
+                                 "the broker recorded no committed step)")
+    committed = max(recorded, from_step)
+    n = committed - from_step
+    if n == 0:
+        return committed, 0, (f"resumed from checkpoint step {from_step}; the broker "
+                              "recorded no later committed step, so none is known to be "
+                              "recomputed")
+    return committed, n, (f"resumed from checkpoint step {from_step}; steps {from_step + 1}-"
+                          f"{committed} recomputed ({n} step{'s' if n != 1 else ''}, at "
+                          "least: the broker records a commit up to a heartbeat view late)")
 
 
 async def _resume_after_loss(opts: UpOptions, run_dir: Path, first: dict[str, Any],
@@ -747,28 +834,39 @@ async def _resume_after_loss(opts: UpOptions, run_dir: Path, first: dict[str, An
     """The last resort (issue 20): no pod holds the committed state any more, so the job
     starts again, in ``run_dir/restart-N``, from the newest complete checkpoint (the steps
     after it are recomputed; data positions follow from the step). The run dir's summary
-    becomes the restarted job's, with the loss recorded in it."""
+    becomes the restarted job's, with the loss recorded in it: the checkpoint and its step,
+    the step committed before the loss (``committed_step``, the broker's record) and the
+    steps recomputed."""
     from agent import checkpoint
 
     found = checkpoint.latest(opts.checkpoint_dir)
     if found is None:
         print("ceaseless up: no complete checkpoint to resume from", file=out, flush=True)
         return code
+    from_step = int(checkpoint.manifest(found)["step"])
+    committed, n_again, said = recomputed(from_step, first.get("committed_step"))
     n = len(list(run_dir.glob("restart-*"))) + 1
     sub = run_dir / f"restart-{n}"
-    print(f"ceaseless up: every holder of the state is gone; restarting from {found} "
+    was = f" (step {committed} was committed)" if first.get("committed_step") is not None \
+        else ""
+    print(f"ceaseless up: every holder of the state is gone{was}; restarting from {found} "
           f"({opts.auto_resume - 1} more restart(s) allowed) in {sub}", file=out, flush=True)
     import dataclasses
 
     code = await run(dataclasses.replace(opts, run_dir=str(sub), resume=str(found),
                                          auto_resume=opts.auto_resume - 1))
+    print(f"ceaseless up: after the total loss: {said}", file=out, flush=True)
     try:
         merged = json.loads((sub / "summary.json").read_text())
     except (OSError, ValueError):
         return code
     merged["restarts"] = [{"run_dir": str(sub), "from_checkpoint": str(found),
+                           "from_step": from_step, "committed_step": committed,
+                           "recomputed_steps": n_again,
                            "lost_incidents": first.get("incidents", [])},
                           *merged.get("restarts", [])]
+    merged["recomputed_steps"] = sum(r.get("recomputed_steps") or 0
+                                     for r in merged["restarts"])
     (run_dir / "summary.json").write_text(json.dumps(merged, indent=1))
     return code
 
@@ -829,7 +927,7 @@ def _goodput(spans: list[Any] | None, results: list[dict[str, Any]],
 
 def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
              reason: str, launched: float | None = None,
-             spans: list[Any] | None = None) -> dict[str, Any]:
+             spans: list[Any] | None = None, committed: int | None = None) -> dict[str, Any]:
     results = []
     for p in sorted((run_dir / "results").glob("*.json")):
         try:
@@ -860,6 +958,8 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
         "param_sha256": digests.pop() if len(digests) == 1 else None,
         "param_sha256_consistent": consistent,
         "lost_steps": sum(r.lost_steps for r in obs.recoveries),
+        # the highest step the state broker saw committed (KV `committed`; None: unknown)
+        "committed_step": committed,
         "incidents": incidents, "pod_exits": exits,
         "generation": obs.plan.generation if obs.plan else 0,
         "world_size": obs.plan.world_size if obs.plan else 0,

@@ -378,6 +378,19 @@ class StateLost(Message):
     ts: Timestamp = Field(default_factory=now)
 
 
+class HighWater(BaseModel):
+    """KV ``committed`` (``schemas.subjects.COMMITTED_KEY``; written by the state broker
+    only): the highest step the job's members were seen to commit, who reported it and in
+    which plan generation. A restarted broker starts from it, so members that hold no state
+    after step N was committed are a total loss whatever process restarted (issue 41), and
+    ``ceaseless up`` reads it to say which steps a restart from a checkpoint recomputes."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    step: Annotated[int, Field(ge=0, le=2**53)]
+    generation: Generation
+    pod: PodId
+    ts: Timestamp = Field(default_factory=now)
+
+
 class Decision(Message):
     subject_kind: ClassVar[str] = "decision"
     request_id: Annotated[str, Field(max_length=128)]

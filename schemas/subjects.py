@@ -137,3 +137,4 @@ class Subjects:
 
 PLAN_KEY = "plan"
 LEASE_KEY = "scaler_lease"
+COMMITTED_KEY = "committed"  # schemas.messages.HighWater, written by the state broker only

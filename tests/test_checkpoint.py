@@ -141,3 +141,27 @@ def test_a_spare_does_without_a_resume_checkpoint_that_rotated_away(tmp_path, mo
         st.last_committed = -1
         Checkpoints().resume(st)
         assert st.last_committed == 3 and st.param_sha256() == src.param_sha256()
+
+
+def test_up_tells_the_checkpoints_its_run_wrote(tmp_path):
+    """`up`'s proof that its run committed a step (issue 41): a complete checkpoint that was
+    not there when the run started, or the same step written again; an incomplete one, or
+    one of an earlier run, proves nothing. A later generation that starts from step -1 after
+    such a proof is a total loss, whatever the broker knew."""
+    from ops.cluster import complete_checkpoints, written_since
+
+    st = _state(0, 1)
+    c = ck.Checkpointer(tmp_path, every=1, keep=5)
+    for s in (4, 9):
+        st.last_committed = s
+        assert c.save(s, st) and c.wait(30)
+    before = complete_checkpoints(tmp_path)
+    assert {n for n, _ in before} == {"step-00000004", "step-00000009"}
+    assert written_since(tmp_path, before) is None
+    (tmp_path / "step-00000020").mkdir()  # no manifest: not complete
+    assert written_since(tmp_path, before) is None
+    st.last_committed = 9
+    assert c.save(9, st) and c.wait(30)  # step 9 written again by this run
+    assert written_since(tmp_path, before) == 9
+    assert complete_checkpoints(tmp_path / "missing") == set()
+    assert written_since(None, set()) is None

@@ -145,3 +145,38 @@ async def test_injection_refused_unless_the_job_enables_it(bus, tmp_path, allowe
         assert (proc.returncode is not None) == allowed, proc.returncode
     finally:
         await act.shutdown(grace_s=1.0)
+
+
+async def test_only_the_state_broker_writes_the_committed_step(role_server):
+    """KV ``committed`` (the job's committed high water, issue 41) is the state broker's:
+    the server refuses it to the agents and to the other services."""
+    from schemas.subjects import COMMITTED_KEY
+
+    srv, roles, server_log = role_server
+    s = Subjects(JOB)
+    op = await Bus.connect(srv.url, JOB, "operator", roles["operator"][1])
+    await op.ensure_stream()
+    okv = await op.kv()
+    buses = {r: await Bus.connect(srv.url, JOB, r, roles[r][1])
+             for r in ("state_broker", "agent", "health_monitor", "scaler")}
+    try:
+        rev = await (await buses["state_broker"].kv()).put(COMMITTED_KEY, b'{"step": 5}')
+
+        async def refused(role: str) -> bool:
+            kv = await buses[role].nc.jetstream().key_value(s.kv_bucket)
+            try:
+                await asyncio.wait_for(kv.put(COMMITTED_KEY, b'{"step": 99}'), 2.0)
+            except Exception:
+                return True
+            return False
+
+        assert await asyncio.gather(*(refused(r) for r in ("agent", "health_monitor",
+                                                             "scaler"))) == [True] * 3
+        entry = await okv.get(COMMITTED_KEY)
+        assert entry.revision == rev and entry.value == b'{"step": 5}'
+        assert f'Publish Violation - Subject "$KV.{s.kv_bucket}.{COMMITTED_KEY}"' in \
+            server_log.read_text()
+    finally:
+        for b in buses.values():
+            await b.close()
+        await op.close()

@@ -200,6 +200,87 @@ async def test_one_transfer_per_generation_across_restart(env, bus):
     assert len(env.out) == 1 and br.handled_generation == 3
 
 
+# ----------------------------------------------------------------------------- KV committed
+async def _stored(bus) -> int:
+    """The high-water mark KV ``committed`` holds (-1: none)."""
+    from nats.js.errors import KeyNotFoundError
+
+    from schemas.messages import HighWater
+    from schemas.subjects import COMMITTED_KEY
+
+    try:
+        entry = await (await bus.kv()).get(COMMITTED_KEY)
+    except KeyNotFoundError:
+        return -1
+    return HighWater.model_validate_json(entry.value).step
+
+
+async def _until_stored(bus, step: int) -> None:
+    got = [-1]
+
+    async def poll():
+        while got[0] < step:
+            got[0] = await _stored(bus)
+            await asyncio.sleep(0.02)
+    try:
+        await asyncio.wait_for(poll(), 10)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"KV committed holds {got[0]}, never {step}") from None
+
+
+async def test_a_restarted_broker_knows_the_committed_step(env, bus):
+    """Issue 41: every member and the broker die at once. The broker started in its place
+    reads the committed mark from KV, so replacements that hold nothing are a total loss
+    (state_lost), not a fresh start from step -1 (which trained the job again from 0)."""
+    await env.broker()
+    await env.plan(make_plan(["w0", "w1"]))
+    await env.hb("w0", 1)
+    await env.hb("w1", 1)
+    await until(lambda: env.out, what="g1 transfer")
+    await env.hb("w0", 1, step=6, digest="aa", rank=0)
+    await env.hb("w1", 1, step=6, digest="aa", rank=1)
+    await _until_stored(bus, 6)  # written while it runs: a SIGKILL later loses nothing
+    await env.close()
+    br = await env.broker()
+    assert br.high_water == 6
+    await env.plan(make_plan(["s0", "s1"], generation=2, incident="inc-w0-g1"))
+    await env.hb("s0", 2)
+    await env.hb("s1", 2)
+    await until(lambda: len(env.out) == 2, what="the restarted broker's verdict")
+    lost = env.out[1]
+    assert isinstance(lost, StateLost) and lost.generation == 2 and "step 6" in lost.reason
+
+
+async def test_the_stored_mark_only_rises_and_a_bad_one_is_replaced(nats_server, bus):
+    """Two brokers beside each other (a restart overlapping the old one): a write from a
+    stale view does not lower the mark; the writer takes the higher one and goes on. A value
+    that does not validate is logged, ignored and overwritten by the next mark."""
+    from plumbing import logs
+    from schemas.subjects import COMMITTED_KEY
+    from services.state_broker.high_water import HighWaterRecord
+
+    kv = await bus.kv()
+    await kv.put(COMMITTED_KEY, b"not a mark")
+    a, b = HighWaterRecord(bus, logs.get("a")), HighWaterRecord(bus, logs.get("b"))
+    await a.start()
+    await b.start()
+    try:
+        assert a.step == b.step == -1  # the bad value counts for nothing
+        a.note(10, 3, "w0")
+        await _until_stored(bus, 10)
+        b.note(7, 2, "w1")  # b's revision is stale: its compare-and-set fails, it re-reads
+        await until(lambda: b.stored == 10, what="b taking the stored mark")
+        assert b.step == 10 and await _stored(bus) == 10
+        b.note(12, 4, "w1")
+        await _until_stored(bus, 12)
+        a.note(11, 4, "w0")
+        await until(lambda: a.stored == 12, what="a taking the stored mark")
+        assert await _stored(bus) == 12 and a.step == 12
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 # ----------------------------------------------------------------------------- one trace
 def _collector():
     from opentelemetry.sdk.trace import SpanProcessor

@@ -8,9 +8,11 @@ actuator and the CLI: inject, capacity, priority). What each may publish:
   ``done``; read access to the plan key. Never ``plan``, ``inject``, ``capacity``,
   ``priority``, ``fault`` or the ``plan`` key.
 * health_monitor: ``fault``, ``health`` (its view of the heartbeats), ``job_failed``.
-  state_broker: ``transfer``, ``state_lost``.
+* state_broker: ``transfer``, ``state_lost``, and the KV key ``committed`` (the job's
+  committed high-water mark: a restarted broker reads it).
 * scaler: ``plan``, ``decision``, actuator requests, and the KV keys ``plan``,
-  ``scaler_lease`` and ``scale`` (the only writer of membership and of the target size).
+  ``scaler_lease``, ``scale`` and ``departures`` (the only writer of membership and of the
+  target size).
 * operator: everything.
 
 Services may use the JetStream API (they create the stream and buckets when they start);
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.policy import DEPARTURES_KEY, SCALE_KEY
-from schemas.subjects import Subjects
+from schemas.subjects import COMMITTED_KEY, LEASE_KEY, PLAN_KEY, Subjects
 
 from plumbing.bus import Credentials
 
@@ -61,20 +63,20 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
         ]
         sub = _COMMON_SUB + [s.plan, s.transfer, s.state_lost, s.inject, s.all]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    # the KV keys each service alone writes
+    keys = {"health_monitor": [], "state_broker": [COMMITTED_KEY],
+            "scaler": [PLAN_KEY, LEASE_KEY, SCALE_KEY, DEPARTURES_KEY]}
     own = {
         "health_monitor": [s.fault, s.health, s.job_failed],
         "state_broker": [s.transfer, s.state_lost],
-        "scaler": [s.plan, s.decision, s.actuator, f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
-                   f"$KV.{kv}.{SCALE_KEY}", f"$KV.{kv}.{DEPARTURES_KEY}"],
-    }[role]
+        "scaler": [s.plan, s.decision, s.actuator],
+    }[role] + [f"$KV.{kv}.{k}" for k in keys[role]]
     pub = _COMMON_PUB + own + ["$JS.API.>", s.service_status("*")]
     # The JetStream API is open to services (stream/bucket creation at start-up), so the
-    # plan key is denied explicitly to every service but the scaler.
+    # keys of the other services (and the plan subject) are denied explicitly.
     perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
-    if role != "scaler":
-        perms["publish"]["deny"] = [f"$KV.{kv}.plan", f"$KV.{kv}.scaler_lease",
-                                    f"$KV.{kv}.{SCALE_KEY}", f"$KV.{kv}.{DEPARTURES_KEY}",
-                                    s.plan]
+    deny = [f"$KV.{kv}.{k}" for r, ks in keys.items() if r != role for k in ks]
+    perms["publish"]["deny"] = deny + ([] if role == "scaler" else [s.plan])
     return perms
 
 

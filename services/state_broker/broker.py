@@ -9,7 +9,8 @@ recipients = every other member, each given all sources, rotated by the recipien
 so the load spreads. At ``restore_step == -1`` (nothing committed: generation 1) rank 0 is
 the source so every rank starts from identical weights -- unless some member once reported
 a committed step (the high-water mark): then the state died with the old members and a
-``state_lost`` goes out instead. In generation 1 rank 0 is the source also when it holds a
+``state_lost`` goes out instead. The mark is kept in KV ``committed`` too (``high_water.py``)
+and read before any plan, so this holds for a broker restarted after the members died. In generation 1 rank 0 is the source also when it holds a
 step (the scripts restored their own checkpoint, ``s.steps(total, start=...)``).
 
 A member that has not reported by ``member_wait`` but is alive (heartbeat of an older
@@ -19,7 +20,8 @@ of the previous generation, and deciding without it would drop its steps (or dec
 state lost while it holds it).
 
 No hidden state: after a restart the broker handles the current plan again unless the job
-stream already holds a transfer/state_lost of that generation (transfers are idempotent).
+stream already holds a transfer/state_lost of that generation (transfers are idempotent),
+with the high-water mark it read from KV.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from plumbing.bus import Bus, Envelope
 from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
 from services.common.service import Service, cancel_all, wait_event
+
+from .high_water import HighWaterRecord
 
 tracer = trace.get_tracer("ceaseless")
 MAX_PODS = 16384
@@ -196,7 +200,8 @@ class StateBroker(Service):
         self.live_s = live_s
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
         self.pods: dict[str, Committed] = {}
-        self.high_water = -1
+        # the highest step a member committed, in memory and in KV (read before any plan)
+        self.record = HighWaterRecord(bus, self.log)
         self.handled_generation = 0
         self.last_result: dict[str, Any] | None = None
         self.ignored: dict[str, int] = {}
@@ -210,11 +215,16 @@ class StateBroker(Service):
         self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat, self._on_beats)
 
     def parts(self) -> list:
-        return [self.feed, self.plans]  # the plan follower adopts the KV plan -> _on_plan
+        # the stored high water first: the plan follower adopts the KV plan -> _on_plan
+        return [self.record, self.feed, self.plans]
+
+    @property
+    def high_water(self) -> int:
+        return self.record.step
 
     async def on_start(self) -> None:
         self.log.info("state broker started", generation=self.plans.generation,
-                      member_wait=self.member_wait)
+                      member_wait=self.member_wait, high_water=self.high_water)
 
     async def stop(self) -> None:
         if self._task is not None:  # the transfer in flight
@@ -256,8 +266,8 @@ class StateBroker(Service):
 
     def _note_step(self, pod: str, step: int, plan: Plan | None) -> None:
         # the high-water mark counts members only: a stray pod cannot invent progress
-        if step > self.high_water and plan is not None and plan.rank_of(pod) is not None:
-            self.high_water = step
+        if step > self.record.step and plan is not None and plan.rank_of(pod) is not None:
+            self.record.note(step, plan.generation, pod)
 
     def _forget_old(self) -> None:
         plan = self.plans.plan
@@ -432,6 +442,7 @@ class StateBroker(Service):
                             else {"generation": self._task_gen,
                                   "missing": self._reported(plan)[1] if plan else []}),
             "high_water": self.high_water,
+            "high_water_kv": self.record.status(),
             "heartbeats_from": self.feed.source,
             "pods": {p: {"rank": members.get(p, c.rank), "member": p in members,
                          "gen": c.generation, "step": c.step, "digest": c.digest[:16],
