@@ -53,6 +53,7 @@ class DropIn:
         self.micro_batch_size: int | None = None
         self._info_sent = False
         self._opts: list[torch.optim.Optimizer] = []
+        self._params: set[int] = set()        # ids of the model's parameters
         self._saved: Any = None               # small state put back after a discard
         self._hook: Any = None
         prev = sys.excepthook
@@ -73,6 +74,7 @@ class DropIn:
         s = self.s
         s.register(model=module, **found, **self.extra)
         self._opts = s.state.optimizers()
+        self._params = {id(p) for p in module.parameters()}
         log.info("drop-in: training state registered",
                  objects={n: type(o).__name__ for n, o in s.state.objs.items()})
         if self._hook is None:
@@ -247,11 +249,13 @@ class DropIn:
         if self.module is None or self.closed:
             return
         if not any(opt is o for o in self._opts):
+            if not self._over_model(opt):
+                return  # another model's optimizer (a probe, a discriminator): not ours
             raise RuntimeError(
-                f"{type(opt).__name__}.step(): this optimizer is not part of the training "
-                "state (created after the model was wrapped, or over other parameters), so "
-                "a replacement would not get its state: create it before DDP(model), or "
-                "agent.ddp.register(name=optimizer) before")
+                f"{type(opt).__name__}.step(): this optimizer updates the model's parameters "
+                "but is not part of the training state (created after the model was "
+                "wrapped), so a replacement would not get its state: create it before "
+                "DDP(model), or agent.ddp.register(name=optimizer) before")
         if self.synced and not self.nonfinite:
             return
         if self.step is not None and self.synced is None and self.s.m.phase not in DISCARDED:
@@ -261,6 +265,9 @@ class DropIn:
         for g in opt.param_groups:  # discarded or not finite: no update (None is skipped)
             for p in g["params"]:
                 p.grad = None
+
+    def _over_model(self, opt: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._params for g in opt.param_groups for p in g["params"])
 
     def _small_state(self) -> Any:
         """What the script changes after the update of a step that may still be discarded:
