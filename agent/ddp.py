@@ -170,8 +170,10 @@ class DistributedDataParallel(torch.nn.Module):
             return torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, module: torch.nn.Module, device_ids: Any = None,
+                 output_device: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__()
+        check_devices(module, device_ids, output_device)
         self.module = module
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -192,6 +194,34 @@ class DistributedDataParallel(torch.nn.Module):
                 self.require_backward_grad_sync = old
 
         return off()
+
+
+def check_devices(module: torch.nn.Module, device_ids: Any, output_device: Any) -> None:
+    """DDP's ``device_ids`` / ``output_device`` under Ceaseless. For a CPU module they are
+    ignored, logged (a CUDA script run on the CPU passes ``device_ids=[local_rank]``, which
+    torch's DDP refuses there); for a CUDA module they must name the module's device (each
+    pod sees its own GPU as ``cuda:0``)."""
+    given = [d for d in (list(device_ids or []) + [output_device]) if d is not None]
+    if not given:
+        return
+    devs = {p.device for p in module.parameters()} or {torch.device("cpu")}
+    if all(d.type == "cpu" for d in devs):
+        log.info("DDP(device_ids=...) ignored: the module is on the CPU (gloo)",
+                 device_ids=[str(d) for d in device_ids or []],
+                 output_device=None if output_device is None else str(output_device))
+        return
+    if len(list(device_ids or [])) > 1 or len(devs) > 1:
+        raise ValueError("agent.ddp: DistributedDataParallel over one device per process "
+                         f"(device_ids {device_ids}, module on {sorted(map(str, devs))})")
+    (dev,) = devs
+    for d in given:
+        want = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        if want.type == "cuda" and want.index is None:
+            want = torch.device("cuda", torch.cuda.current_device())
+        if want != dev:
+            raise ValueError(f"agent.ddp: device_ids/output_device name {want}, the module is "
+                             f"on {dev} (under ceaseless up a pod sees its own GPU as "
+                             "cuda:0: LOCAL_RANK is 0)")
 
 
 def __getattr__(name: str) -> Any:  # the rest of torch.distributed (ReduceOp, Backend, ...)

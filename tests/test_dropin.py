@@ -135,3 +135,30 @@ def test_the_update_check_concerns_only_optimizers_over_the_models_parameters():
             late.step()
     finally:
         h.remove()
+
+
+def test_device_ids_of_a_cpu_module_are_ignored_and_logged():
+    """Issue 41 (5d): a CUDA script run on the CPU passes DDP(model,
+    device_ids=[local_rank]); torch's DDP refuses that for a CPU module, the drop-in's
+    ignores it and says so."""
+    import structlog
+
+    from agent.ddp import check_devices
+
+    m = _model()
+    with structlog.testing.capture_logs() as cap:
+        check_devices(m, [0], None)
+        check_devices(m, None, None)
+    said = [e for e in cap if "device_ids" in e["event"]]
+    assert len(said) == 1 and "ignored" in said[0]["event"] and said[0]["device_ids"] == ["0"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_ids_of_a_cuda_module_name_its_device():
+    from agent.ddp import check_devices
+
+    m = _model().to("cuda:0")
+    check_devices(m, [0], 0)
+    check_devices(m, [torch.device("cuda:0")], None)
+    with pytest.raises(ValueError, match="device_ids"):
+        check_devices(m, [0, 1], None)
