@@ -10,7 +10,8 @@ Everything else stays the script's: ``init_process_group`` and the ``RANK`` / ``
 / ``LOCAL_RANK`` it reads after it, ``loss.backward()`` (or ``scaler.scale(loss).backward()``),
 ``require_backward_grad_sync`` / ``no_sync()``, ``clip_grad_norm_``, ``scaler.unscale_`` /
 ``step`` / ``update``, ``optimizer.step()`` / ``zero_grad()``, ``param_group['lr'] = ...``,
-``dist.all_reduce`` of an evaluation and rank-0 code. Under torchrun every name here is
+``dist.all_reduce`` of an evaluation and rank-0 code (``with dist.solo(max_s=...)`` around
+rank-0 work longer than the collective timeout). Under torchrun every name here is
 torch's own (``DistributedDataParallel`` is torch's DDP, ``iteration(i)`` returns ``i``);
 in one process (no launcher) the script never calls them.
 
@@ -144,6 +145,20 @@ def barrier(group: Any = None) -> None:
         _torch_dist.barrier(group)
         return
     all_reduce(torch.zeros(1, device=_dropin.s.device))
+
+
+def solo(max_s: float | None = None) -> Any:
+    """``with dist.solo(max_s=600): evaluate(); save()``: work on this rank alone for longer
+    than the collective timeout (a rank-0 evaluation, a checkpoint) without the peers
+    failing: until the block ends (at most ``max_s``; default and ceiling
+    ``CEASELESS_SOLO_MAX``) the peers' gradient all-reduce waits for this rank, and the
+    monitor does not call it hung. A block that overruns its bound is a hang (the rank is
+    replaced). No collectives inside. Without Ceaseless (torchrun, one process): nothing."""
+    if _dropin is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return _dropin.s.solo(max_s=max_s)
 
 
 def iteration(i: int) -> int:

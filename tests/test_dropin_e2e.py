@@ -129,3 +129,30 @@ def test_port_is_at_most_12_lines_and_both_run_in_one_process(tmp_path):
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "saved" in r.stdout
+
+
+SOLO_TIMEOUTS = ["--stall-timeout", "2.5", "--fault-timeout", "1.5"]
+
+
+def _script(*args: str) -> list[str]:
+    return [sys.executable, "tests/helpers/dropin_script.py", "--iters", "10", *args]
+
+
+async def test_rank0_work_inside_dist_solo_is_no_fault(tmp_path, monkeypatch):
+    """Issue 41 (5a): the drop-in's form of s.solo. Rank 0 sleeps three collective timeouts
+    inside `with dist.solo(max_s=...)` (CEASELESS_COLLECTIVE_TIMEOUT=3 set alone: the
+    recovery timeout follows it): the peer's gradient all-reduce waits for it, nobody is
+    declared, and the result is bitwise the run without the sleep."""
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    runs = {}
+    for name, extra in (("ref", ()), ("solo", ("--rank0-sleep", "9", "--rank0-at", "4",
+                                               "--solo-max", "30"))):
+        async with Cluster(tmp_path / name, 2, 0, 10, extra=SOLO_TIMEOUTS,
+                           cmd=_script(*extra), replace=True) as c:
+            assert await c.finish() == 0, c.output()
+            runs[name] = c.summary()
+    s, ref = runs["solo"], runs["ref"]
+    assert s["incidents"] == [] and s["final_step"] == 9 and s["lost_steps"] == 0, s
+    assert s["param_sha256"] == ref["param_sha256"]
+    assert log_events(tmp_path / "solo", "w0", "working alone")
+    assert log_events(tmp_path / "solo", "w1", "waiting for a peer that works alone")
