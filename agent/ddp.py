@@ -34,6 +34,10 @@ Under ``ceaseless up`` (docs/porting.md):
   after it the RNGs are seeded for the next micro-batch's data (the next step's first one
   after the last forward): a batch the script draws (or prefetches) is the same whichever
   process computes it, a promoted spare included. ``CEASELESS_SEED`` (default 0) is the seed.
+* Resumed from the script's own checkpoint (the first ``iteration(i)`` names ``i > 0``) with
+  the first batch drawn before the loop: that step is computed once without its sync or
+  update, to draw its first batch from its own seed, then for real (bitwise, as if never
+  interrupted).
 * A step computed again after a fault gets the inputs of its own first micro-batch even
   when the script carried a batch drawn in the failed attempt (a prefetch) into it, as long
   as the forward computes the loss (it returns it); otherwise that is refused, not trained on.

@@ -51,6 +51,10 @@ class DropIn:
         self.loss_inside: bool | None = None
         self._warned_carry = False
         self.micro_batch_size: int | None = None
+        # resumed from the script's own checkpoint, with the step's first batch drawn before
+        # the session knew the step: that attempt only draws the batch again (see _dry)
+        self.dry = False
+        self._rng_at_attach: tuple | None = None
         self._info_sent = False
         self._opts: list[torch.optim.Optimizer] = []
         self._params: set[int] = set()        # ids of the model's parameters
@@ -86,6 +90,7 @@ class DropIn:
             self._leave()
         self._check_world()
         self._seed_data(s.last_committed + 1, 0)
+        self._rng_at_attach = _rngs() if s.last_committed == -1 else None
         self._saved = self._small_state()
 
     def _check_world(self) -> None:
@@ -118,6 +123,12 @@ class DropIn:
             # the script restored its own checkpoint: step i - 1 is committed
             s.state.last_committed = i - 1
             rt.update(now=True, step=i - 1, digest=s.state.digest())
+            self.dry = self._rng_at_attach is not None and _rngs() != self._rng_at_attach
+            if self.dry:
+                log.info("resumed from the script's checkpoint with a batch drawn before the "
+                         "loop: step computed once without its update, to draw that batch "
+                         "from the step's own seed", step=i)
+        self._rng_at_attach = None
         self._started = True
         while True:
             t = s.last_committed + 1
@@ -141,6 +152,11 @@ class DropIn:
         s, t = self.s, self.step
         m, rt = s.m, s.runtime
         self.step = None
+        if self.dry:
+            self.dry = False
+            rt.end_step()
+            self._put_back()
+            return
         if self.synced:
             s._commit(t, self.loss, 0.0, self.nonfinite)
             rt.end_step()
@@ -195,8 +211,9 @@ class DropIn:
             for o in _tensors(out):
                 if o.requires_grad:
                     o.register_hook(self._queue_end)
-        # the next micro-batch's data (the next step's first after the synchronising one)
-        self._seed_data(t + 1, 0) if last else self._seed_data(t, j + 1)
+        # the next micro-batch's data (the next step's first after the synchronising one;
+        # after a dry attempt's, this step's first again)
+        self._seed_data(t + (not self.dry), 0) if last else self._seed_data(t, j + 1)
         return out
 
     def _arm(self) -> None:
@@ -206,8 +223,8 @@ class DropIn:
         if st.verify.every:  # a rollback would recompute steps whose batches the script drew
             log.warning("verification (CEASELESS_VERIFY_EVERY) is not done for the drop-in yet")
             st.verify.every = 0
-        if self.s.runtime.abort.is_set():
-            return  # a newer plan: the sync will discard the step
+        if self.s.runtime.abort.is_set() or self.dry:
+            return  # a newer plan: the sync will discard the step; a dry attempt: no sync
         sync = st._grad_sync()
         if sync is not None:
             sync.arm(m.group, st.collective_args()["op_timeout_s"])
@@ -222,6 +239,9 @@ class DropIn:
         (or the step is discarded: a fault; ``iteration`` then recovers)."""
         self._queued = False
         if self.synced is not None or self.step is None:
+            return
+        if self.dry:  # no gradient sync, no update: the attempt only draws the next batch
+            self.synced = False
             return
         s = self.s
         params = s.state.params()
@@ -413,6 +433,18 @@ def _refuse_unsupported(module: torch.nn.Module) -> None:
                 "statistics differ per rank (DDP broadcasts rank 0's every forward); the "
                 "drop-in does not yet. Use the Session API or a normalisation without "
                 "running statistics (LayerNorm, GroupNorm)")
+
+
+def _rngs() -> tuple:
+    """The host RNGs' states (torch's CPU generator, numpy's global one, ``random``): which
+    of them the script drew from between two points. Once per process, at a resume."""
+    import random
+
+    import numpy as np
+
+    np_state = np.random.get_state()
+    return (torch.get_rng_state().numpy().tobytes(), np_state[1].tobytes(), np_state[2],
+            random.getstate())
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

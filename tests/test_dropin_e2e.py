@@ -52,9 +52,10 @@ def _kill(c: Cluster, rank: int) -> str:
     return h.pod
 
 
-async def _run(tmp_path, name, spares, fault=None, extra=()):
+async def _run(tmp_path, name, spares, fault=None, extra=(), up=None):
     run = tmp_path / name
-    async with Cluster(run, 2, spares, ITERS, cmd=_cmd(run / "out", *extra), replace=True) as c:
+    async with Cluster(run, 2, spares, ITERS, cmd=_cmd(run / "out", *extra), replace=True,
+                       extra=up) as c:
         if fault is not None:
             await c.wait_spares(spares)
             await fault(c)
@@ -156,3 +157,40 @@ async def test_rank0_work_inside_dist_solo_is_no_fault(tmp_path, monkeypatch):
     assert s["param_sha256"] == ref["param_sha256"]
     assert log_events(tmp_path / "solo", "w0", "working alone")
     assert log_events(tmp_path / "solo", "w1", "waiting for a peer that works alone")
+
+
+async def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, monkeypatch):
+    """Issue 41 (5b): resuming from the script's own checkpoint (`--resume`, its iter_num) at
+    iteration 20 ends bitwise equal to the run of 40 in one go, with and without a fault in
+    the resumed run's first step (rank 1 alive but out of step 20's all-reduce: declared,
+    replaced by the spare; rank 0 computes step 20 again). The script draws the resumed
+    step's first batch before its loop, before the session knows the step."""
+    half = ITERS // 2
+    ref, ref_dir = await _run(tmp_path, "ref", 0)
+    first, first_dir = await _run(tmp_path, "first", 0, extra=("--max-iters", str(half)))
+    assert first["final_step"] == half - 1
+    import shutil
+
+    def resumed(name: str) -> None:
+        (tmp_path / name / "out").mkdir(parents=True)
+        shutil.copy(first_dir / "out" / "ckpt.pt", tmp_path / name / "out" / "ckpt.pt")
+
+    resumed("resumed")
+    s, run = await _run(tmp_path, "resumed", 0, extra=("--resume",))
+    assert s["final_step"] == ITERS - 1 and s["incidents"] == [], s
+    _same_checkpoints(ref_dir, run)
+
+    resumed("fault")
+    monkeypatch.setenv("CEASELESS_TEST_ABSENT", f"w1:{half}")  # the pods inherit it
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    monkeypatch.setenv("CEASELESS_RESUME_IN_PLACE", "0")  # rank 0 computes the step again
+
+    async def nothing(c):
+        pass  # the hook is the fault
+
+    s, run = await _run(tmp_path, "fault", 1, nothing,
+                        extra=("--resume",), up=["--stall-timeout", "2.5", "--fault-timeout", "1.5"])
+    assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w1", "hang")], s["incidents"]
+    assert s["final_step"] == ITERS - 1 and s["lost_steps"] == 0, s
+    _same_checkpoints(ref_dir, run)
+    assert [e["step"] for e in log_events(run, "w0", "step discarded")] == [half]
