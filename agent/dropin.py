@@ -158,9 +158,15 @@ class DropIn:
             self._put_back()
             return
         if self.synced:
-            s._commit(t, self.loss, 0.0, self.nonfinite)
+            s._commit(t, self.loss, 0.0, self.nonfinite)  # verified there, every N steps
             rt.end_step()
             self.redo = None
+            if s.last_committed != t:
+                # the verifier rolled the state back to its copy: the steps after it are
+                # computed again, the first dry (the script holds a later step's batch)
+                self.dry = True
+                log.info("steps after the verified copy computed again; the first without "
+                         "its update, to draw its batch", step=s.last_committed + 1)
             self._saved = self._small_state()
             self._script_info()
             s._ckpt.on_request(rt.checkpoint_request, s.rank, s.state)
@@ -220,9 +226,6 @@ class DropIn:
         self.armed = True
         st, m = self.s._stepper, self.s.m
         st.zero_on_discard = False
-        if st.verify.every:  # a rollback would recompute steps whose batches the script drew
-            log.warning("verification (CEASELESS_VERIFY_EVERY) is not done for the drop-in yet")
-            st.verify.every = 0
         if self.s.runtime.abort.is_set() or self.dry:
             return  # a newer plan: the sync will discard the step; a dry attempt: no sync
         sync = st._grad_sync()
@@ -277,6 +280,7 @@ class DropIn:
                 "wrapped), so a replacement would not get its state: create it before "
                 "DDP(model), or agent.ddp.register(name=optimizer) before")
         if self.synced and not self.nonfinite:
+            self.s._stepper.verify.before_update()  # CUDA: the verified copy is complete
             return
         if self.step is not None and self.synced is None and self.s.m.phase not in DISCARDED:
             raise RuntimeError("optimizer.step() before the gradients were synchronised: the "
@@ -373,6 +377,8 @@ class DropIn:
                 if self.synced:
                     t = self.step
                     self.step = None
+                    # the script left its loop: a rollback could not be computed again
+                    s._stepper.verify.every, s._stepper.verify.on_nonfinite = 0, "skip"
                     s._commit(t, self.loss, 0.0, self.nonfinite)
                 elif self.k:
                     log.error("the last step was discarded after the script left its loop: "

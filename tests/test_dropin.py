@@ -121,7 +121,7 @@ def test_the_update_check_concerns_only_optimizers_over_the_models_parameters():
     d = DropIn(None, 0, 1)
     sys.excepthook = hook_before  # DropIn chains the process's hook: not in a test
     d.module, d._params = m, {id(p) for p in m.parameters()}
-    d._opts, d.synced = [torch.optim.SGD(m.parameters(), lr=0.1)], True
+    d._opts, d.synced = [torch.optim.SGD(m.parameters(), lr=0.1)], False  # a discarded step
     h = register_optimizer_step_pre_hook(d._pre_step)
     try:
         foreign = torch.optim.SGD(other.parameters(), lr=0.1)
@@ -129,7 +129,7 @@ def test_the_update_check_concerns_only_optimizers_over_the_models_parameters():
         before = [p.detach().clone() for p in other.parameters()]
         foreign.step()  # another model's: updated as without Ceaseless
         assert any(not torch.equal(a, p) for a, p in zip(before, other.parameters()))
-        d._opts[0].step()  # the registered one, after a synced step: fine
+        d._opts[0].step()  # the registered one: no error (its update skipped)
         late = torch.optim.SGD(m.parameters(), lr=0.1)  # over the model, not registered
         with pytest.raises(RuntimeError, match="not part of the training state"):
             late.step()

@@ -194,3 +194,29 @@ async def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, monkeypa
     assert s["final_step"] == ITERS - 1 and s["lost_steps"] == 0, s
     _same_checkpoints(ref_dir, run)
     assert [e["step"] for e in log_events(run, "w0", "step discarded")] == [half]
+
+
+async def test_verify_every_finds_a_flipped_bit_and_rolls_back(tmp_path):
+    """Issue 41 (5c): `--verify-every` for the drop-in (before, every drop-in run warned that it
+    was not done). One bit of rank 1's parameters flipped at step 12, verification every 5
+    steps: at step 14 the digests disagree, both ranks restore the copy verified at step 9,
+    `dist.iteration` returns step 10 again (computed once without its update to draw its
+    first batch, the script holding a later step's), and the run ends bitwise equal to the
+    fault-free one."""
+    from schemas.messages import Inject, InjectAction
+
+    ref, ref_dir = await _run(tmp_path, "ref", 0)
+
+    async def flip(c):
+        await c.wait_rank_step(1, 3)
+        await c.bus.publish(c.bus.subjects.inject,
+                            Inject(action=InjectAction.bitflip, rank=1, at_step=12))
+
+    s, run = await _run(tmp_path, "flip", 0, flip, up=["--verify-every", "5"])
+    assert s["final_step"] == ITERS - 1, s
+    for pod in ("w0", "w1"):
+        back = log_events(run, pod, "rolled back to the last verified copy")
+        assert [(e["step"], e["verified"]) for e in back] == [(14, 9)], back
+        assert log_events(run, pod, "state verified")
+    _same_checkpoints(ref_dir, run)
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
