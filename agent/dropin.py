@@ -51,8 +51,9 @@ class DropIn:
         self.loss_inside: bool | None = None
         self._warned_carry = False
         self.micro_batch_size: int | None = None
-        # resumed from the script's own checkpoint, with the step's first batch drawn before
-        # the session knew the step: that attempt only draws the batch again (see _dry)
+        # an attempt without sync or update that only draws the step's first batch again:
+        # after a resume whose batch was drawn before the session knew the step, and after
+        # the verifier's rollback (the script then holds a later step's batch)
         self.dry = False
         self._rng_at_attach: tuple | None = None
         self._info_sent = False
