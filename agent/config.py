@@ -137,6 +137,9 @@ class AgentConfig:
             return None
         pod = os.environ.get("CEASELESS_POD") or os.environ.get("HOSTNAME") or socket.gethostname()
         env = os.environ.get
+        from schemas.timeouts import agent_timeouts_from_env
+
+        timeouts = agent_timeouts_from_env()  # a collective timeout alone carries recovery's
         return cls(
             nats_url=url,
             job=env("CEASELESS_JOB", cls.job),
@@ -146,9 +149,9 @@ class AgentConfig:
             run_dir=env("CEASELESS_RUN_DIR"),
             allow_inject=_flag("CEASELESS_ALLOW_INJECT"),
             heartbeat_interval=float(env("CEASELESS_HEARTBEAT_INTERVAL", cls.heartbeat_interval)),
-            collective_timeout=float(env("CEASELESS_COLLECTIVE_TIMEOUT", cls.collective_timeout)),
+            collective_timeout=timeouts.get("collective_timeout", cls.collective_timeout),
             stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", cls.stuck_report_after)),
-            recovery_timeout=float(env("CEASELESS_RECOVERY_TIMEOUT", cls.recovery_timeout)),
+            recovery_timeout=timeouts.get("recovery_timeout", cls.recovery_timeout),
             solo_max=float(env("CEASELESS_SOLO_MAX", cls.solo_max)),
             stall_timeout=float(env("CEASELESS_STALL_TIMEOUT", cls.stall_timeout)),
             verify_every=int(env("CEASELESS_VERIFY_EVERY") or cls.verify_every),

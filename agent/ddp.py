@@ -10,7 +10,8 @@ Everything else stays the script's: ``init_process_group`` and the ``RANK`` / ``
 / ``LOCAL_RANK`` it reads after it, ``loss.backward()`` (or ``scaler.scale(loss).backward()``),
 ``require_backward_grad_sync`` / ``no_sync()``, ``clip_grad_norm_``, ``scaler.unscale_`` /
 ``step`` / ``update``, ``optimizer.step()`` / ``zero_grad()``, ``param_group['lr'] = ...``,
-``dist.all_reduce`` of an evaluation and rank-0 code. Under torchrun every name here is
+``dist.all_reduce`` of an evaluation and rank-0 code (``with dist.solo(max_s=...)`` around
+rank-0 work longer than the collective timeout). Under torchrun every name here is
 torch's own (``DistributedDataParallel`` is torch's DDP, ``iteration(i)`` returns ``i``);
 in one process (no launcher) the script never calls them.
 
@@ -33,6 +34,10 @@ Under ``ceaseless up`` (docs/porting.md):
   after it the RNGs are seeded for the next micro-batch's data (the next step's first one
   after the last forward): a batch the script draws (or prefetches) is the same whichever
   process computes it, a promoted spare included. ``CEASELESS_SEED`` (default 0) is the seed.
+* Resumed from the script's own checkpoint (the first ``iteration(i)`` names ``i > 0``) with
+  the first batch drawn before the loop: that step is computed once without its sync or
+  update, to draw its first batch from its own seed, then for real (bitwise, as if never
+  interrupted).
 * A step computed again after a fault gets the inputs of its own first micro-batch even
   when the script carried a batch drawn in the failed attempt (a prefetch) into it, as long
   as the forward computes the loss (it returns it); otherwise that is refused, not trained on.
@@ -143,6 +148,20 @@ def barrier(group: Any = None) -> None:
     all_reduce(torch.zeros(1, device=_dropin.s.device))
 
 
+def solo(max_s: float | None = None) -> Any:
+    """``with dist.solo(max_s=600): evaluate(); save()``: work on this rank alone for longer
+    than the collective timeout (a rank-0 evaluation, a checkpoint) without the peers
+    failing: until the block ends (at most ``max_s``; default and ceiling
+    ``CEASELESS_SOLO_MAX``) the peers' gradient all-reduce waits for this rank, and the
+    monitor does not call it hung. A block that overruns its bound is a hang (the rank is
+    replaced). No collectives inside. Without Ceaseless (torchrun, one process): nothing."""
+    if _dropin is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return _dropin.s.solo(max_s=max_s)
+
+
 def iteration(i: int) -> int:
     """The step boundary: commit the step just computed and return the step to compute now:
     ``i`` (the script's counter), the same step again after a fault discarded it, or the
@@ -167,8 +186,10 @@ class DistributedDataParallel(torch.nn.Module):
             return torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, module: torch.nn.Module, device_ids: Any = None,
+                 output_device: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__()
+        check_devices(module, device_ids, output_device)
         self.module = module
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -189,6 +210,34 @@ class DistributedDataParallel(torch.nn.Module):
                 self.require_backward_grad_sync = old
 
         return off()
+
+
+def check_devices(module: torch.nn.Module, device_ids: Any, output_device: Any) -> None:
+    """DDP's ``device_ids`` / ``output_device`` under Ceaseless. For a CPU module they are
+    ignored, logged (a CUDA script run on the CPU passes ``device_ids=[local_rank]``, which
+    torch's DDP refuses there); for a CUDA module they must name the module's device (each
+    pod sees its own GPU as ``cuda:0``)."""
+    given = [d for d in (list(device_ids or []) + [output_device]) if d is not None]
+    if not given:
+        return
+    devs = {p.device for p in module.parameters()} or {torch.device("cpu")}
+    if all(d.type == "cpu" for d in devs):
+        log.info("DDP(device_ids=...) ignored: the module is on the CPU (gloo)",
+                 device_ids=[str(d) for d in device_ids or []],
+                 output_device=None if output_device is None else str(output_device))
+        return
+    if len(list(device_ids or [])) > 1 or len(devs) > 1:
+        raise ValueError("agent.ddp: DistributedDataParallel over one device per process "
+                         f"(device_ids {device_ids}, module on {sorted(map(str, devs))})")
+    (dev,) = devs
+    for d in given:
+        want = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        if want.type == "cuda" and want.index is None:
+            want = torch.device("cuda", torch.cuda.current_device())
+        if want != dev:
+            raise ValueError(f"agent.ddp: device_ids/output_device name {want}, the module is "
+                             f"on {dev} (under ceaseless up a pod sees its own GPU as "
+                             "cuda:0: LOCAL_RANK is 0)")
 
 
 def __getattr__(name: str) -> Any:  # the rest of torch.distributed (ReduceOp, Backend, ...)

@@ -51,8 +51,14 @@ class DropIn:
         self.loss_inside: bool | None = None
         self._warned_carry = False
         self.micro_batch_size: int | None = None
+        # an attempt without sync or update that only draws the step's first batch again:
+        # after a resume whose batch was drawn before the session knew the step, and after
+        # the verifier's rollback (the script then holds a later step's batch)
+        self.dry = False
+        self._rng_at_attach: tuple | None = None
         self._info_sent = False
         self._opts: list[torch.optim.Optimizer] = []
+        self._params: set[int] = set()        # ids of the model's parameters
         self._saved: Any = None               # small state put back after a discard
         self._hook: Any = None
         # closed by destroy_process_group, else at exit; the script's uncaught exception
@@ -69,6 +75,7 @@ class DropIn:
         s = self.s
         s.register(model=module, **found, **self.extra)
         self._opts = s.state.optimizers()
+        self._params = {id(p) for p in module.parameters()}
         log.info("drop-in: training state registered",
                  objects={n: type(o).__name__ for n, o in s.state.objs.items()})
         if self._hook is None:
@@ -80,6 +87,7 @@ class DropIn:
             self._leave()
         self._check_world()
         self._seed_data(s.last_committed + 1, 0)
+        self._rng_at_attach = _rngs() if s.last_committed == -1 else None
         self._saved = self._small_state()
 
     def _check_world(self) -> None:
@@ -112,6 +120,12 @@ class DropIn:
             # the script restored its own checkpoint: step i - 1 is committed
             s.state.last_committed = i - 1
             rt.update(now=True, step=i - 1, digest=s.state.digest())
+            self.dry = self._rng_at_attach is not None and _rngs() != self._rng_at_attach
+            if self.dry:
+                log.info("resumed from the script's checkpoint with a batch drawn before the "
+                         "loop: step computed once without its update, to draw that batch "
+                         "from the step's own seed", step=i)
+        self._rng_at_attach = None
         self._started = True
         while True:
             t = s.last_committed + 1
@@ -135,10 +149,21 @@ class DropIn:
         s, t = self.s, self.step
         m, rt = s.m, s.runtime
         self.step = None
+        if self.dry:
+            self.dry = False
+            rt.end_step()
+            self._put_back()
+            return
         if self.synced:
-            s._commit(t, self.loss, 0.0, self.nonfinite)
+            s._commit(t, self.loss, 0.0, self.nonfinite)  # verified there, every N steps
             rt.end_step()
             self.redo = None
+            if s.last_committed != t:
+                # the verifier rolled the state back to its copy: the steps after it are
+                # computed again, the first dry (the script holds a later step's batch)
+                self.dry = True
+                log.info("steps after the verified copy computed again; the first without "
+                         "its update, to draw its batch", step=s.last_committed + 1)
             self._saved = self._small_state()
             self._script_info()
             s._ckpt.on_request(rt.checkpoint_request, s.rank, s.state)
@@ -189,19 +214,17 @@ class DropIn:
             for o in _tensors(out):
                 if o.requires_grad:
                     o.register_hook(self._queue_end)
-        # the next micro-batch's data (the next step's first after the synchronising one)
-        self._seed_data(t + 1, 0) if last else self._seed_data(t, j + 1)
+        # the next micro-batch's data (the next step's first after the synchronising one;
+        # after a dry attempt's, this step's first again)
+        self._seed_data(t + (not self.dry), 0) if last else self._seed_data(t, j + 1)
         return out
 
     def _arm(self) -> None:
         self.armed = True
         st, m = self.s._stepper, self.s.m
         st.zero_on_discard = False
-        if st.verify.every:  # a rollback would recompute steps whose batches the script drew
-            log.warning("verification (CEASELESS_VERIFY_EVERY) is not done for the drop-in yet")
-            st.verify.every = 0
-        if self.s.runtime.abort.is_set():
-            return  # a newer plan: the sync will discard the step
+        if self.s.runtime.abort.is_set() or self.dry:
+            return  # a newer plan: the sync will discard the step; a dry attempt: no sync
         sync = st._grad_sync()
         if sync is not None:
             sync.arm(m.group, st.collective_args()["op_timeout_s"])
@@ -216,6 +239,9 @@ class DropIn:
         (or the step is discarded: a fault; ``iteration`` then recovers)."""
         self._queued = False
         if self.synced is not None or self.step is None:
+            return
+        if self.dry:  # no gradient sync, no update: the attempt only draws the next batch
+            self.synced = False
             return
         s = self.s
         params = s.state.params()
@@ -243,12 +269,15 @@ class DropIn:
         if self.module is None or self.closed:
             return
         if not any(opt is o for o in self._opts):
+            if not self._over_model(opt):
+                return  # another model's optimizer (a probe, a discriminator): not ours
             raise RuntimeError(
-                f"{type(opt).__name__}.step(): this optimizer is not part of the training "
-                "state (created after the model was wrapped, or over other parameters), so "
-                "a replacement would not get its state: create it before DDP(model), or "
-                "agent.ddp.register(name=optimizer) before")
+                f"{type(opt).__name__}.step(): this optimizer updates the model's parameters "
+                "but is not part of the training state (created after the model was "
+                "wrapped), so a replacement would not get its state: create it before "
+                "DDP(model), or agent.ddp.register(name=optimizer) before")
         if self.synced and not self.nonfinite:
+            self.s._stepper.verify.before_update()  # CUDA: the verified copy is complete
             return
         if self.step is not None and self.synced is None and self.s.m.phase not in DISCARDED:
             raise RuntimeError("optimizer.step() before the gradients were synchronised: the "
@@ -257,6 +286,9 @@ class DropIn:
         for g in opt.param_groups:  # discarded or not finite: no update (None is skipped)
             for p in g["params"]:
                 p.grad = None
+
+    def _over_model(self, opt: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._params for g in opt.param_groups for p in g["params"])
 
     def _small_state(self) -> Any:
         """What the script changes after the update of a step that may still be discarded:
@@ -345,6 +377,8 @@ class DropIn:
                 if self.synced:
                     t = self.step
                     self.step = None
+                    # the script left its loop: a rollback could not be computed again
+                    s._stepper.verify.every, s._stepper.verify.on_nonfinite = 0, "skip"
                     s._commit(t, self.loss, 0.0, self.nonfinite)
                 elif self.k:
                     log.error("the last step was discarded after the script left its loop: "
@@ -405,6 +439,18 @@ def _refuse_unsupported(module: torch.nn.Module) -> None:
                 "statistics differ per rank (DDP broadcasts rank 0's every forward); the "
                 "drop-in does not yet. Use the Session API or a normalisation without "
                 "running statistics (LayerNorm, GroupNorm)")
+
+
+def _rngs() -> tuple:
+    """The host RNGs' states (torch's CPU generator, numpy's global one, ``random``): which
+    of them the script drew from between two points. Once per process, at a resume."""
+    import random
+
+    import numpy as np
+
+    np_state = np.random.get_state()
+    return (torch.get_rng_state().numpy().tobytes(), np_state[1].tobytes(), np_state[2],
+            random.getstate())
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -17,8 +17,9 @@ streamed a step computed again: spares that followed the abandoned steps drop th
 health monitor declares the fault, the scaler fences it and a spare takes its rank. Sharded
 jobs: each rank digests its own shards, and the replicas compare per shard position (rank r
 holds position r % k); the copy is of the shards. Module buffers (BatchNorm statistics) are
-left out (they may differ per rank by design). The DDP drop-in is not verified (the script
-owns its loop counter and its data: a rollback cannot take them back).
+left out (they may differ per rank by design). The DDP drop-in is verified at its commits
+too: after a rollback ``dist.iteration`` returns the step after the copy, and that step is
+computed once without its update first (the script holds a later step's prefetched batch).
 """
 
 from __future__ import annotations

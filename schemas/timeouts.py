@@ -30,9 +30,23 @@ AGENT_ENV = {"collective_timeout": "CEASELESS_COLLECTIVE_TIMEOUT",
              "recovery_timeout": "CEASELESS_RECOVERY_TIMEOUT"}
 
 
+# Where each timeout is set, named in a refusal (the fix is to set the other one too).
+WHERE = {**AGENT_ENV, "fault_timeout": "--fault-timeout", "stall_timeout": "--stall-timeout",
+         "heartbeat_interval": "CEASELESS_HEARTBEAT_INTERVAL"}
+
+
+def recovery_for(collective_timeout: float) -> float:
+    """The recovery timeout that goes with a collective timeout when only that one is set:
+    the default's ratio to it (an attempt outlasts the collective waits inside it), never
+    below the default."""
+    ratio = DEFAULTS["recovery_timeout"] / DEFAULTS["collective_timeout"]
+    return max(DEFAULTS["recovery_timeout"], ratio * collective_timeout)
+
+
 def agent_timeouts_from_env(env: dict[str, str] | None = None) -> dict[str, float]:
     """The agent timeouts set in ``env`` (default ``os.environ``); ValueError if one is not
-    a number."""
+    a number. A collective timeout set alone carries the recovery timeout with it
+    (``recovery_for``): ``CEASELESS_COLLECTIVE_TIMEOUT=120`` alone is consistent."""
     import os
 
     env = os.environ if env is None else env
@@ -43,6 +57,8 @@ def agent_timeouts_from_env(env: dict[str, str] | None = None) -> dict[str, floa
                 out[k] = float(env[v])
             except ValueError:
                 raise ValueError(f"{v}={env[v]!r} is not a number of seconds") from None
+    if "collective_timeout" in out and "recovery_timeout" not in out:
+        out["recovery_timeout"] = recovery_for(out["collective_timeout"])
     return out
 
 
@@ -67,7 +83,16 @@ def check_timeouts(partial: bool = False, **given: float | None) -> dict[str, fl
         op = "<" if any(o == "<" for _, o, _ in _ORDER[ia:ib]) else "<="
         ok = t[a] < t[b] if op == "<" else t[a] <= t[b]
         if not ok:
-            bad.append(f"{a} ({t[a]:g}s) must be {op} {b} ({t[b]:g}s)")
+            bad.append(f"{a} ({t[a]:g}s) must be {op} {b} ({t[b]:g}s)"
+                       f"{_fix(a, b, op, t)}")
     if bad:
         raise TimeoutConfigError("inconsistent timeouts: " + "; ".join(bad))
     return t
+
+
+def _fix(a: str, b: str, op: str, t: dict[str, float]) -> str:
+    """What to set: both ends, where each is set."""
+    wa, wb = WHERE.get(a), WHERE.get(b)
+    if not (wa and wb):
+        return ""
+    return f" (set {wb} {'above' if op == '<' else 'to at least'} {t[a]:g}, or {wa} lower)"

@@ -107,3 +107,58 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_update_check_concerns_only_optimizers_over_the_models_parameters():
+    """Issue 41 (9e): the drop-in's global optimizer pre-hook refused every optimizer it had
+    not registered, even one over another module's parameters (a probe, an EMA head)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from agent.dropin import DropIn
+
+    hook_before = sys.excepthook
+    m, other = _model(), _model()
+    d = DropIn(None, 0, 1)
+    sys.excepthook = hook_before  # DropIn chains the process's hook: not in a test
+    d.module, d._params = m, {id(p) for p in m.parameters()}
+    d._opts, d.synced = [torch.optim.SGD(m.parameters(), lr=0.1)], False  # a discarded step
+    h = register_optimizer_step_pre_hook(d._pre_step)
+    try:
+        foreign = torch.optim.SGD(other.parameters(), lr=0.1)
+        other(torch.randn(3, 4)).sum().backward()
+        before = [p.detach().clone() for p in other.parameters()]
+        foreign.step()  # another model's: updated as without Ceaseless
+        assert any(not torch.equal(a, p) for a, p in zip(before, other.parameters()))
+        d._opts[0].step()  # the registered one: no error (its update skipped)
+        late = torch.optim.SGD(m.parameters(), lr=0.1)  # over the model, not registered
+        with pytest.raises(RuntimeError, match="not part of the training state"):
+            late.step()
+    finally:
+        h.remove()
+
+
+def test_device_ids_of_a_cpu_module_are_ignored_and_logged():
+    """Issue 41 (5d): a CUDA script run on the CPU passes DDP(model,
+    device_ids=[local_rank]); torch's DDP refuses that for a CPU module, the drop-in's
+    ignores it and says so."""
+    import structlog
+
+    from agent.ddp import check_devices
+
+    m = _model()
+    with structlog.testing.capture_logs() as cap:
+        check_devices(m, [0], None)
+        check_devices(m, None, None)
+    said = [e for e in cap if "device_ids" in e["event"]]
+    assert len(said) == 1 and "ignored" in said[0]["event"] and said[0]["device_ids"] == ["0"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_ids_of_a_cuda_module_name_its_device():
+    from agent.ddp import check_devices
+
+    m = _model().to("cuda:0")
+    check_devices(m, [0], 0)
+    check_devices(m, [torch.device("cuda:0")], None)
+    with pytest.raises(ValueError, match="device_ids"):
+        check_devices(m, [0, 1], None)

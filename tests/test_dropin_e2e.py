@@ -52,9 +52,10 @@ def _kill(c: Cluster, rank: int) -> str:
     return h.pod
 
 
-async def _run(tmp_path, name, spares, fault=None, extra=()):
+async def _run(tmp_path, name, spares, fault=None, extra=(), up=None):
     run = tmp_path / name
-    async with Cluster(run, 2, spares, ITERS, cmd=_cmd(run / "out", *extra), replace=True) as c:
+    async with Cluster(run, 2, spares, ITERS, cmd=_cmd(run / "out", *extra), replace=True,
+                       extra=up) as c:
         if fault is not None:
             await c.wait_spares(spares)
             await fault(c)
@@ -129,3 +130,93 @@ def test_port_is_at_most_12_lines_and_both_run_in_one_process(tmp_path):
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "saved" in r.stdout
+
+
+SOLO_TIMEOUTS = ["--stall-timeout", "2.5", "--fault-timeout", "1.5"]
+
+
+def _script(*args: str) -> list[str]:
+    return [sys.executable, "tests/helpers/dropin_script.py", "--iters", "10", *args]
+
+
+async def test_rank0_work_inside_dist_solo_is_no_fault(tmp_path, monkeypatch):
+    """Issue 41 (5a): the drop-in's form of s.solo. Rank 0 sleeps three collective timeouts
+    inside `with dist.solo(max_s=...)` (CEASELESS_COLLECTIVE_TIMEOUT=3 set alone: the
+    recovery timeout follows it): the peer's gradient all-reduce waits for it, nobody is
+    declared, and the result is bitwise the run without the sleep."""
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    runs = {}
+    for name, extra in (("ref", ()), ("solo", ("--rank0-sleep", "9", "--rank0-at", "4",
+                                               "--solo-max", "30"))):
+        async with Cluster(tmp_path / name, 2, 0, 10, extra=SOLO_TIMEOUTS,
+                           cmd=_script(*extra), replace=True) as c:
+            assert await c.finish() == 0, c.output()
+            runs[name] = c.summary()
+    s, ref = runs["solo"], runs["ref"]
+    assert s["incidents"] == [] and s["final_step"] == 9 and s["lost_steps"] == 0, s
+    assert s["param_sha256"] == ref["param_sha256"]
+    assert log_events(tmp_path / "solo", "w0", "working alone")
+    assert log_events(tmp_path / "solo", "w1", "waiting for a peer that works alone")
+
+
+async def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, monkeypatch):
+    """Issue 41 (5b): resuming from the script's own checkpoint (`--resume`, its iter_num) at
+    iteration 20 ends bitwise equal to the run of 40 in one go, with and without a fault in
+    the resumed run's first step (rank 1 alive but out of step 20's all-reduce: declared,
+    replaced by the spare; rank 0 computes step 20 again). The script draws the resumed
+    step's first batch before its loop, before the session knows the step."""
+    half = ITERS // 2
+    ref, ref_dir = await _run(tmp_path, "ref", 0)
+    first, first_dir = await _run(tmp_path, "first", 0, extra=("--max-iters", str(half)))
+    assert first["final_step"] == half - 1
+    import shutil
+
+    def resumed(name: str) -> None:
+        (tmp_path / name / "out").mkdir(parents=True)
+        shutil.copy(first_dir / "out" / "ckpt.pt", tmp_path / name / "out" / "ckpt.pt")
+
+    resumed("resumed")
+    s, run = await _run(tmp_path, "resumed", 0, extra=("--resume",))
+    assert s["final_step"] == ITERS - 1 and s["incidents"] == [], s
+    _same_checkpoints(ref_dir, run)
+
+    resumed("fault")
+    monkeypatch.setenv("CEASELESS_TEST_ABSENT", f"w1:{half}")  # the pods inherit it
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "3")
+    monkeypatch.setenv("CEASELESS_RESUME_IN_PLACE", "0")  # rank 0 computes the step again
+
+    async def nothing(c):
+        pass  # the hook is the fault
+
+    s, run = await _run(tmp_path, "fault", 1, nothing,
+                        extra=("--resume",), up=["--stall-timeout", "2.5", "--fault-timeout", "1.5"])
+    assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w1", "hang")], s["incidents"]
+    assert s["final_step"] == ITERS - 1 and s["lost_steps"] == 0, s
+    _same_checkpoints(ref_dir, run)
+    assert [e["step"] for e in log_events(run, "w0", "step discarded")] == [half]
+
+
+async def test_verify_every_finds_a_flipped_bit_and_rolls_back(tmp_path):
+    """Issue 41 (5c): `--verify-every` for the drop-in (before, every drop-in run warned that it
+    was not done). One bit of rank 1's parameters flipped at step 12, verification every 5
+    steps: at step 14 the digests disagree, both ranks restore the copy verified at step 9,
+    `dist.iteration` returns step 10 again (computed once without its update to draw its
+    first batch, the script holding a later step's), and the run ends bitwise equal to the
+    fault-free one."""
+    from schemas.messages import Inject, InjectAction
+
+    ref, ref_dir = await _run(tmp_path, "ref", 0)
+
+    async def flip(c):
+        await c.wait_rank_step(1, 3)
+        await c.bus.publish(c.bus.subjects.inject,
+                            Inject(action=InjectAction.bitflip, rank=1, at_step=12))
+
+    s, run = await _run(tmp_path, "flip", 0, flip, up=["--verify-every", "5"])
+    assert s["final_step"] == ITERS - 1, s
+    for pod in ("w0", "w1"):
+        back = log_events(run, pod, "rolled back to the last verified copy")
+        assert [(e["step"], e["verified"]) for e in back] == [(14, 9)], back
+        assert log_events(run, pod, "state verified")
+    _same_checkpoints(ref_dir, run)
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)

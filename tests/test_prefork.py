@@ -168,3 +168,100 @@ async def test_a_shared_zygote_serves_every_up_that_connects(tmp_path, monkeypat
     finally:
         proc.kill()
         await proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The live (or not yet reaped) children of a process."""
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+async def _given_up(zygote, monkeypatch, log: Path, clock_ahead: float = 0.0) -> None:
+    """A request the zygote does not answer in time (it is stopped): spawn gives up on it.
+    ``clock_ahead``: the request says it expires that much later (a zygote that read it just
+    before its expiry and answered after `up` gave up)."""
+    import time
+    import types
+
+    with monkeypatch.context() as mp:
+        mp.setattr(pf, "FORK_TIMEOUT_S", 0.5)
+        mp.setattr(pf, "time", types.SimpleNamespace(time=lambda: time.time() + clock_ahead))
+        os.kill(zygote.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(OSError, match="did not fork"):
+                await zygote.spawn([*POD, "sleep"], _env(CEASELESS_POD="w1"), log)
+        finally:
+            os.kill(zygote.proc.pid, signal.SIGCONT)
+    # the zygote serves in order: once a later pod's exit is back, the first request's reply
+    # has been read too
+    later = await zygote.spawn([*POD, "exit", "0"], _env(), log.with_name("later.log"))
+    assert await asyncio.wait_for(later.wait(), 20) == 0
+
+
+@pytest.mark.parametrize("clock_ahead", [0.0, 600.0], ids=["expired", "forked-late"])
+async def test_a_request_given_up_on_never_becomes_a_second_process(zygote, tmp_path,
+                                                                    monkeypatch, clock_ahead):
+    """Issue 41 (9f): `up` gave up on a fork after 30 s and exec'd the pod; the zygote then
+    read the queued request and forked it too: two processes with one pod id, one untracked.
+    An expired request is refused; a fork that still comes of one (read just in time,
+    answered too late) is killed."""
+    log = tmp_path / "w1.log"
+    try:
+        await _given_up(zygote, monkeypatch, log, clock_ahead)
+        await until(lambda: not _children(zygote.proc.pid), 10, "no pod left of the request")
+        if not clock_ahead:
+            assert not log.exists()  # never forked
+    finally:
+        for pid in _children(zygote.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_zygotes_messages_go_whole_through_a_write_cut_short(tmp_path):
+    """Issue 41 (9f): the zygote's replies were one os.write: a write larger than the socket's
+    buffer that a signal interrupts (SIGCHLD, as pods end) writes part of it and returns,
+    and the rest of the line was lost. Here the main thread's send is interrupted by a
+    signal while the reader has not read yet."""
+    import socket
+    import threading
+
+    from services.actuator.zygote import Zygote, _Client
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    z = Zygote(started_with={})
+    c = _Client(a.fileno(), a.fileno(), a)
+    msg = {"event": "ready", "env": {"BIG": "x" * (1 << 22)}}
+    main = threading.get_ident()
+    got: list[bytes] = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: None)  # interrupts, no SA_RESTART
+
+    def read() -> None:
+        import select
+
+        select.select([b], [], [], 30)  # the sender is blocked on a full buffer now
+        signal.pthread_kill(main, signal.SIGUSR1)
+        buf = b""
+        b.settimeout(10)
+        try:
+            while not buf.endswith(b"\n"):
+                chunk = b.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+        except OSError:
+            pass
+        got.append(buf)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        z.send(c, msg)
+        a.shutdown(socket.SHUT_WR)  # what was not sent stays unsent: the reader ends
+        t.join(30)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        a.close()
+        b.close()
+    assert got and json.loads(got[0]) == msg

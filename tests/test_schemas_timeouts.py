@@ -55,6 +55,27 @@ def test_agent_timeouts_from_the_environment():
 
     assert agent_timeouts_from_env({}) == {}
     assert agent_timeouts_from_env({"CEASELESS_COLLECTIVE_TIMEOUT": "8"}) == {
-        "collective_timeout": 8.0}
+        "collective_timeout": 8.0, "recovery_timeout": DEFAULTS["recovery_timeout"]}
     with pytest.raises(ValueError, match="CEASELESS_RECOVERY_TIMEOUT='x' is not a number"):
         agent_timeouts_from_env({"CEASELESS_RECOVERY_TIMEOUT": "x"})
+
+
+def test_a_collective_timeout_set_alone_carries_the_recovery_timeout(monkeypatch):
+    """Issue 41 (5a): CEASELESS_COLLECTIVE_TIMEOUT=120 alone was refused ("must be <=
+    recovery_timeout (60s)"), by `up` and by every pod: the recovery timeout now follows
+    it; both set and inconsistent, the refusal names the variable to set."""
+    from schemas.timeouts import agent_timeouts_from_env
+
+    env = {"CEASELESS_COLLECTIVE_TIMEOUT": "120"}
+    got = agent_timeouts_from_env(env)
+    check_timeouts(**got)  # what `up` checks
+    assert got["recovery_timeout"] >= got["collective_timeout"]
+    for k in [k for k in __import__("os").environ if k.startswith("CEASELESS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("CEASELESS_NATS_URL", "nats://127.0.0.1:1")
+    monkeypatch.setenv("CEASELESS_COLLECTIVE_TIMEOUT", "120")
+    cfg = AgentConfig.from_env()  # what every pod builds
+    assert cfg.collective_timeout == 120 and cfg.recovery_timeout == got["recovery_timeout"]
+    monkeypatch.setenv("CEASELESS_RECOVERY_TIMEOUT", "60")
+    with pytest.raises(TimeoutConfigError, match="set CEASELESS_RECOVERY_TIMEOUT to at least 120"):
+        AgentConfig.from_env()

@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ PER_POD_KEYS = ("CEASELESS_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
 # it in the process that called ray.init).
 APPLIED_IN_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT"})
 START_TIMEOUT_S = 120.0   # the preload (import torch) on a loaded machine
+FORK_TIMEOUT_S = 30.0     # a fork's reply; after it the pod is exec'd instead
 UNKNOWN_EXIT = -signal.SIGKILL
 READY = "ready"  # the zygote's first line: its preload is done
 
@@ -82,6 +84,10 @@ class Prefork:
         self._pods: dict[int, ForkedPod] = {}
         # exits read before `spawn` resumed with its reply (both can come in one read)
         self._early: dict[int, int] = {}
+        # requests given up on (the pod was exec'd instead): a fork that still comes of one
+        # is killed, and its exit dropped. Bounded: an id leaves when its reply arrives.
+        self._abandoned: set[int] = set()
+        self._unwanted: set[int] = set()
         self._closing = False
         self.alive = True
         self._task = asyncio.create_task(self._read())
@@ -173,18 +179,22 @@ class Prefork:
 
     async def spawn(self, argv: list[str], env: dict[str, str], log_path: Path,
                     cwd: str | None = None) -> ForkedPod:
-        """Fork a pod (``handles`` said yes); raises OSError if the zygote cannot."""
+        """Fork a pod (``handles`` said yes); raises OSError if the zygote cannot. A request
+        not answered within ``FORK_TIMEOUT_S`` is given up (the caller execs the pod): the
+        zygote refuses it once expired, and a fork that still comes of it is killed, so that
+        one pod id never has two processes."""
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         req = {"id": rid, "argv": argv, "env": env, "log": str(log_path),
-               "cwd": cwd or os.getcwd()}
+               "cwd": cwd or os.getcwd(), "expires": time.time() + FORK_TIMEOUT_S}
         try:
             self._send((json.dumps(req) + "\n").encode())
-            reply = await asyncio.wait_for(fut, 30)
+            reply = await asyncio.wait_for(fut, FORK_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as e:
-            self._pending.pop(rid, None)
-            raise OSError(f"prefork: the zygote did not fork: {e}") from None
+            if self._pending.pop(rid, None) is not None and self.alive:
+                self._abandoned.add(rid)
+            raise OSError(f"prefork: the zygote did not fork: {e!r}") from None
         if "error" in reply:
             raise OSError(f"prefork: {reply['error']}")
         pod = ForkedPod(reply["pid"])
@@ -202,15 +212,33 @@ class Prefork:
                     continue
                 if "exit" in msg:
                     pod = self._pods.pop(msg["exit"], None)
-                    if pod is None:
+                    if msg["exit"] in self._unwanted:
+                        self._unwanted.discard(msg["exit"])
+                    elif pod is None:
                         self._early[msg["exit"]] = msg["code"]
                     else:
                         pod._exited(msg["code"])
                 elif "id" in msg and (fut := self._pending.pop(msg["id"], None)) is not None:
                     if not fut.done():
                         fut.set_result(msg)
+                elif "id" in msg and msg["id"] in self._abandoned:
+                    self._abandoned.discard(msg["id"])
+                    if isinstance(msg.get("pid"), int):
+                        self._kill_unwanted(msg["pid"])
         finally:
             self._lost()
+
+    def _kill_unwanted(self, pid: int) -> None:
+        """A fork of a request given up on: its pod runs exec'd already; this one goes."""
+        log.warning("prefork: a fork came after its request was given up; killed", pid=pid)
+        if self._early.pop(pid, None) is not None:
+            return  # it has exited already
+        self._unwanted.add(pid)
+        for kill in (os.kill, os.killpg):  # itself, then what it started in its session
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _lost(self) -> None:
         """The zygote is gone: nothing more forks; the exits of its pods cannot be known.

@@ -28,10 +28,12 @@ import importlib
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -111,7 +113,7 @@ class Zygote:
         if not c.open:
             return
         try:
-            os.write(c.wfd, (json.dumps(msg) + "\n").encode())
+            _write_all(c.wfd, (json.dumps(msg) + "\n").encode())
         except OSError:  # that `up` is gone; its pods still run, their ends go unreported
             self.drop(c)
 
@@ -189,6 +191,12 @@ class Zygote:
         except (ValueError, KeyError, TypeError) as e:
             print(f"zygote: bad request {line[:200]!r}: {e}", file=sys.stderr, flush=True)
             return
+        expires = req.get("expires")
+        if isinstance(expires, (int, float)) and time.time() > expires:
+            # its `up` gave up waiting and exec'd the pod: a fork now would be a second
+            # process with the same pod id
+            self.send(c, {"id": rid, "error": "the request expired before it was read"})
+            return
         if _cuda_touched():  # a fork would inherit a CUDA context it cannot use
             self.send(c, {"id": rid, "error": "CUDA is initialised in the zygote"})
             return
@@ -251,6 +259,18 @@ class Zygote:
         threads = env.get("OMP_NUM_THREADS", "")
         if torch is not None and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Every byte: a write to a pipe or socket may write part of them (a signal, SIGCHLD
+    here, interrupting a write larger than the pipe's buffer), and a reply cut short would
+    merge with the next line."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:  # a non-blocking end that is full: wait until it drains
+            select.select([], [fd], [])
 
 
 def _cuda_touched() -> bool:

@@ -651,7 +651,8 @@ class HealthMonitor(Service):
         kind = JobFailedKind.repeated_hang if hang else JobFailedKind.script_error
         hint = (f"step {f.step + 1} stood still on {first.pod} and again on {f.pod}: work on "
                 "one member longer than the collective timeout (an evaluation, a save) "
-                "belongs in `with s.solo(max_s=...)`" if hang else
+                "belongs in `with s.solo(max_s=...)` (the DDP drop-in: "
+                "`with dist.solo(max_s=...)`)" if hang else
                 f"{first.pod} and {f.pod} raised the same error at step {f.step + 1}: a bug in "
                 "the script, not a fault to recover from")
         msg = JobFailed(kind=kind, step=f.step, generation=self.generation,
