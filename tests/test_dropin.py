@@ -135,6 +135,7 @@ def test_the_update_check_concerns_only_optimizers_over_the_models_parameters():
             late.step()
     finally:
         h.remove()
+        d.closed = True  # nothing for its atexit close to do (no session)
 
 
 def test_device_ids_of_a_cpu_module_are_ignored_and_logged():
