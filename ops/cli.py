@@ -328,13 +328,15 @@ async def _inject(args: argparse.Namespace) -> int:
         if rid is None or args.wait <= 0:
             return 0
         # The scaler answers on `decision`: accepted (what will happen) or refused (why);
-        # a release once more when its slots are free.
+        # a release once more when its slots are free. A fault: the pod that runs it or the
+        # supervisor (`up`), accepted (who, when) or refused (why).
         deadline = time.monotonic() + args.wait
         while True:
             try:
                 d = await asyncio.wait_for(answers.get(), max(0.01, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                print(f"no answer from the scaler in {args.wait:g}s (is it running?)",
+                who = "any pod or the supervisor" if isinstance(msg, Inject) else "the scaler"
+                print(f"no answer from {who} in {args.wait:g}s (is it running?)",
                       file=sys.stderr)
                 return 1
             kind = "completed" if d.completed else "accepted" if d.accepted else "refused"
@@ -521,8 +523,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj.add_argument("--priority", type=int, default=0)
     inj.add_argument("--reason")
     inj.add_argument("--wait", type=float, default=10.0,
-                     help="capacity/priority: seconds to wait for the scaler's answer, printed "
-                          "(a release: until its slots are free); 0: do not wait")
+                     help="seconds to wait for the answer, printed (capacity/priority: the "
+                          "scaler's, a release until its slots are free; a fault: the pod's "
+                          "or the supervisor's, accepted or refused with why); 0: do not wait")
     inj.set_defaults(func=cmd_inject)
 
     sc = sub.add_parser("schemas", help="the wire contract")

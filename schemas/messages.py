@@ -426,12 +426,23 @@ class Inject(Message):
     factor: Annotated[float, Field(ge=1, le=1000)] | None = None
     # bitflip: the parameter's name (``model.named_parameters()``). Added 2026-12-06.
     tensor: Annotated[str, Field(max_length=256)] | None = None
+    # Answered on ``decision`` with this id: accepted (who runs it, when) or refused with the
+    # reason, by the pod that runs it or by the supervisor. Added 2026-12-06 (issue 41),
+    # optional: older requests still validate (and get an id nobody waits for).
+    request_id: Annotated[str, Field(max_length=128)] = Field(default_factory=new_id)
 
     @model_validator(mode="after")
     def _target(self) -> "Inject":
         if (self.pod is None) == (self.rank is None):
             raise ValueError("name exactly one of pod or rank")
         return self
+
+    @property
+    def by_pod(self) -> bool:
+        """Run by the pod itself, at its step's gradient sync (the next one, or ``at_step``);
+        otherwise a signal from the supervisor (kill, hang, resume)."""
+        return self.action != InjectAction.resume and (
+            self.at_step is not None or self.action not in (InjectAction.kill, InjectAction.hang))
 
 
 class Lifecycle(Message):
