@@ -265,6 +265,10 @@ class LocalActuator:
             await asyncio.wait_for(proc.wait(), grace_s)
         except asyncio.TimeoutError:
             _signal(proc, signal.SIGKILL)
+            try:  # answered once it has exited (a release names its pods only then)
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("pod still running after SIGKILL", pod=pod)
         return True
 
     async def kill(self, pod: str) -> bool:

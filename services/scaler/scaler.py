@@ -547,9 +547,15 @@ class Scaler(Service):
                             updated=time.time(),
                             releases=list(self.scale.releases) if self.scale else [])
             if release:
+                # The idle spares it stops count as leaving until their processes have
+                # exited (_stop_spare): the release completes, naming them, only then
+                # (issue 41: it answered `completed` with no pod while the spare still ran).
                 st.releases.append(PendingRelease(request_id=request_id, count=release,
                                                   since=time.time(), subject=subject,
-                                                  pods=list(pods)))
+                                                  pods=list(pods),
+                                                  leaving=list(d.stop_spares)))
+                for pod in d.stop_spares:  # a stop is on its way: no second one
+                    self.fence_requested.add(pod)
             if not await self._store_scale(st):
                 await self._answer(subject, request_id, False, "the scale state changed "
                                    "concurrently (another scaler?); send the request again")
@@ -589,6 +595,8 @@ class Scaler(Service):
         return (reply.pods, "") if reply.ok else ([], reply.error or "actuator refused")
 
     async def _stop_spare(self, pod: str, request_id: str) -> None:
+        """Stop a released idle spare; the actuator answers once its process has exited,
+        and only then is it freed (from ``leaving``)."""
         pods, err = await self._actuate(ActuatorCommand(action=ActuatorAction.stop, pod=pod,
                                                         reason=f"released: {request_id}"))
         self.log.info("spare released", pod=pod, request_id=request_id, error=err or None)
@@ -600,6 +608,8 @@ class Scaler(Service):
                 return
             for r in self.scale.releases:
                 if r.request_id == request_id and pod not in r.freed:
+                    if pod in r.leaving:
+                        r.leaving.remove(pod)
                     r.freed.append(pod)
             await self._store_scale(self.scale)
         self._kick.set()
