@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas import BY_KIND, Subjects
+from schemas import Subjects
 from schemas.messages import Capacity, CapacityChange, Decision, Inject, InjectAction, Priority
 
 SERVICE_NAMES = ("health_monitor", "scaler", "state_broker")
@@ -364,25 +364,15 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- schemas
 def cmd_schemas_export(args: argparse.Namespace) -> int:
+    from schemas.export import index, json_schemas
+
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
-    index = {}
-    for kind, model in sorted(BY_KIND.items()):
-        schema = model.model_json_schema(by_alias=True)
+    for kind, schema in json_schemas().items():
         (out / f"{kind}.schema.json").write_text(json.dumps(schema, indent=2) + "\n")
-        index[kind] = f"{kind}.schema.json"
-    (out / "index.json").write_text(json.dumps({
-        "subjects": {
-            "heartbeat": "ceaseless.<job>.heartbeat.<pod>", "report": "ceaseless.<job>.report.<pod>",
-            "lifecycle": "ceaseless.<job>.lifecycle.<pod>", "fault": "ceaseless.<job>.fault",
-            "plan": "ceaseless.<job>.plan", "transfer": "ceaseless.<job>.transfer",
-            "state_lost": "ceaseless.<job>.state_lost", "decision": "ceaseless.<job>.decision",
-            "capacity": "ceaseless.<job>.capacity", "priority": "ceaseless.<job>.priority",
-            "inject": "ceaseless.<job>.inject", "recovery": "ceaseless.<job>.recovery",
-            "actuator": "ceaseless.<job>.actuator",
-        },
-        "schemas": index}, indent=2) + "\n")
-    print(f"wrote {len(index)} JSON Schemas to {out}/")
+    idx = index()
+    (out / "index.json").write_text(json.dumps(idx, indent=2) + "\n")
+    print(f"wrote {len(idx['schemas'])} JSON Schemas to {out}/")
     return 0
 
 
