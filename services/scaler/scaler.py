@@ -928,9 +928,9 @@ class Scaler(Service):
                     r.leaving.remove(pod)
                     r.freed.append(pod)
                     changed = True
-                elif plan.apply_step is not None and \
-                        time.time() - plan.ts > self.cfg.policy.graceful_shutdown_timeout_s \
-                        and pod not in self.fence_requested:
+                elif time.time() - max(plan.ts, r.since) > \
+                        self.cfg.policy.graceful_shutdown_timeout_s \
+                        and pod not in self.fence_requested:  # (a spare: stop never sent)
                     self.fence_requested.add(pod)
                     self.log.warning("leaving member still running after the graceful shutdown "
                                      "timeout; stopping it", pod=pod, request_id=r.request_id)
