@@ -99,6 +99,10 @@ def answer(inj: Inject, pod: str, refusal: str | None, accepted: str,
                     generation=generation, pods=[pod])
 
 
+# the injections after which this process runs no more of the step: raise, block, die
+_NO_RETURN = (InjectAction.exception, InjectAction.stall, InjectAction.kill)
+
+
 class InjectedFault(RuntimeError):
     """Raised by an injected ``exception`` (tests and demos)."""
 
@@ -112,11 +116,16 @@ class Injector:
 
     def before_sync(self, rt: InjectRuntime, s: int) -> None:
         """Run the injections due at step ``s`` (raise, stop, block or die)."""
-        for inj in rt.take_injections(s):
+        due = rt.take_injections(s)
+        due.sort(key=lambda i: i.action in _NO_RETURN)  # what never returns comes last
+        for k, inj in enumerate(due):
             if inj.at_step is not None and inj.at_step < s:  # passed while on its way
                 rt.refuse_injection(inj, f"step {inj.at_step} passed before it was taken "
                                          f"(at step {s})")
                 continue
+            if inj.action in _NO_RETURN:
+                for other in due[k + 1:]:
+                    rt.refuse_injection(other, f"{inj.action.value} came first at step {s}")
             if inj.action == InjectAction.exception:
                 raise InjectedFault(f"injected exception at step {s}")
             if inj.action == InjectAction.hang:

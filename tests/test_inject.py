@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from agent.config import AgentConfig
-from agent.inject import Inbox, Injector
+from agent.inject import Inbox, InjectedFault, Injector
 from agent.runtime import Runtime
 from schemas.messages import (AgentState, Decision, Heartbeat, Inject, InjectAction, Member,
                               Plan, Role)
@@ -106,6 +106,20 @@ def test_an_injection_taken_after_its_step_is_refused_not_run_late():
     inj.before_sync(rt, 9)
     assert [(i.at_step, "passed" in why) for i, why in rt.refused] == [(7, True)]
     assert inj.take_nan()  # step 9's runs
+
+
+def test_two_injections_at_one_step_the_one_that_ends_it_runs_last_a_second_is_refused():
+    inbox = Inbox(_cfg("w1"))
+    boom, kill, nan = (Inject(action=a, pod="w1", at_step=4) for a in (
+        InjectAction.exception, InjectAction.kill, InjectAction.nan))
+    for i in (boom, kill, nan):
+        assert inbox.offer(i, None, _hb()).accepted
+    rt, inj = _Rt(inbox), Injector(None)
+    with pytest.raises(InjectedFault):
+        inj.before_sync(rt, 4)
+    assert inj.take_nan()  # ran before the exception ended the step
+    assert [(i.action, "exception came first" in why) for i, why in rt.refused] == [
+        (InjectAction.kill, True)]
 
 
 async def _decisions(bus) -> asyncio.Queue:
