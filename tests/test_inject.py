@@ -188,8 +188,9 @@ async def test_the_supervisor_answers_what_it_signals_and_what_no_pod_can(bus, t
         if proc is not None:
             await asyncio.wait_for(proc.wait(), 10)
         await until(lambda: pods[1] not in act.running(), 10, "the killed pod gone")
-        for inj, why in ((Inject(action=InjectAction.kill, rank=5), "no member holds rank 5 in plan g1"),
-                         (Inject(action=InjectAction.hang, pod=pods[1]), f"{pods[1]} is not running")):
+        for inj, why in (
+                (Inject(action=InjectAction.kill, rank=5), "no member holds rank 5 in plan g1"),
+                (Inject(action=InjectAction.hang, pod=pods[1]), f"{pods[1]} is not running")):
             await bus.publish(bus.subjects.inject, inj)
             d = await asyncio.wait_for(q.get(), 10)
             assert not d.accepted and d.request_id == inj.request_id and why in d.reason, d
