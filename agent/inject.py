@@ -1,9 +1,11 @@
 """Fault injection inside the training process (tests, demos, ``ceaseless inject``).
 
-``exception`` and ``stall`` (and any action with ``at_step``) arrive from the bus through
-the runtime and run here, on the training thread, before the gradient sync of their step;
-``kill``/``hang`` without a step are signals the supervisor sends. Only in jobs started
-with injection allowed (``ceaseless up --allow-inject``).
+``exception``, ``stall``, ``nan``, ``slow``, ``bitflip``, ``preempt`` (and any action with
+``at_step``) arrive from the bus through the runtime (``Inbox``: each answered on
+``decision``, accepted or refused with the reason) and run here, on the training thread,
+before the gradient sync of their step; ``kill``/``hang`` without a step are signals the
+supervisor sends. Only in jobs started with injection allowed (``ceaseless up``, not
+``--no-inject``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from schemas.messages import Inject, InjectAction
+from schemas.messages import Decision, Heartbeat, Inject, InjectAction, Plan
 from plumbing import logs
 
 from .config import AgentConfig
@@ -20,23 +22,85 @@ from .ports import InjectRuntime
 log = logs.get("agent")
 
 
-def accepts(inj: Inject, cfg: AgentConfig, rank: int | None) -> bool:
-    """An injection this pod runs itself (the supervisor executes kill / hang / resume
-    without a step: signals); refused, with a warning, unless the job allows injection."""
-    if inj.action == InjectAction.resume or (
-            inj.action not in (InjectAction.exception, InjectAction.stall, InjectAction.nan,
-                               InjectAction.preempt, InjectAction.slow,
-                               InjectAction.bitflip)
-            and inj.at_step is None):
-        return False
-    if (inj.pod is not None and inj.pod != cfg.pod) or (inj.rank is not None and inj.rank != rank):
-        return False
-    if not cfg.allow_inject:
-        log.warning("injection refused: this job does not allow injection",
-                    action=inj.action.value)
-        return False
-    log.info("injection received", action=inj.action.value, at_step=inj.at_step)
-    return True
+def names(inj: Inject, pod: str, plan: Plan | None) -> bool:
+    """``inj`` names this pod: by pod, or by its rank in the newest plan this pod holds. Not
+    by the heartbeat's rank: that is set once the pod entered the plan (after rendezvous and
+    handoff), and an injection sent as soon as the first plan is out named nobody (issue
+    41)."""
+    if inj.pod is not None:
+        return inj.pod == pod
+    return plan is not None and plan.pod_of(inj.rank) == pod
+
+
+class Inbox:
+    """The injections this pod accepted, until their step (the runtime's thread offers, the
+    training thread takes: one lock). Every injection that names this pod is answered: a
+    ``Decision`` (its ``request_id``) accepted or refused with the reason, never dropped."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._pending: list[Inject] = []
+
+    def offer(self, inj: Inject, plan: Plan | None, hb: Heartbeat) -> Decision | None:
+        """The answer to ``inj`` (None: it is not this pod's); kept if accepted and due at a
+        step (a preemption notice is the caller's, at once)."""
+        if not inj.by_pod or not names(inj, self.cfg.pod, plan):
+            return None
+        why = self._refusal(inj, hb)
+        if why is None and inj.action != InjectAction.preempt:
+            with self._lock:
+                self._pending.append(inj)
+        rank = plan.rank_of(self.cfg.pod) if plan is not None else None
+        who = self.cfg.pod if rank is None else f"{self.cfg.pod} (rank {rank})"
+        when = "now" if inj.at_step is None else f"at step {inj.at_step}"
+        return answer(inj, self.cfg.pod, why, f"{who} runs it {when}",
+                      plan.generation if plan is not None else None)
+
+    def _refusal(self, inj: Inject, hb: Heartbeat) -> str | None:
+        if not self.cfg.allow_inject:
+            return "this job does not allow injection"
+        if inj.at_step is not None and inj.at_step <= hb.step:
+            return f"step {inj.at_step} already passed ({self.cfg.pod} committed step {hb.step})"
+        if inj.action == InjectAction.preempt and hb.rank is None:
+            return f"{self.cfg.pod} is not a training member yet"
+        return None
+
+    def take(self, step: int) -> list[Inject]:
+        """Training thread, before step ``step``'s sync: the injections due (their step has
+        come, or none); the later ones stay."""
+        due: list[Inject] = []
+        keep: list[Inject] = []
+        with self._lock:
+            for i in self._pending:
+                (due if i.at_step is None or i.at_step <= step else keep).append(i)
+            self._pending = keep
+        return due
+
+    def left(self, step: int) -> list[Decision]:
+        """At the pod's end: the refusal of every injection whose step never came."""
+        with self._lock:
+            left, self._pending = self._pending, []
+        return [answer(i, self.cfg.pod, f"{self.cfg.pod} ended at step {step}, before step "
+                       f"{i.at_step}", "", None) for i in left]
+
+
+def answer(inj: Inject, pod: str, refusal: str | None, accepted: str,
+           generation: int | None) -> Decision:
+    """The injection's answer on ``decision``, logged here as well (the pod's log)."""
+    if refusal is None:
+        log.info("injection accepted", action=inj.action.value, at_step=inj.at_step,
+                 request_id=inj.request_id)
+    else:
+        log.warning("injection refused", action=inj.action.value, at_step=inj.at_step,
+                    reason=refusal, request_id=inj.request_id)
+    return Decision(request_id=inj.request_id, accepted=refusal is None,
+                    reason=f"inject {inj.action.value}: " + (refusal or accepted),
+                    generation=generation, pods=[pod])
+
+
+# the injections after which this process runs no more of the step: raise, block, die
+_NO_RETURN = (InjectAction.exception, InjectAction.stall, InjectAction.kill)
 
 
 class InjectedFault(RuntimeError):
@@ -45,7 +109,6 @@ class InjectedFault(RuntimeError):
 
 class Injector:
     def __init__(self, cfg: AgentConfig | None) -> None:
-        self._pending: list[Inject] = []
         self.nan_now = False  # an injected NaN for the step being synchronised
         self.slow = 1.0       # an injected slowness: each step's compute times this
         self.bitflip: str | None = None  # a parameter to flip a bit of ("": the first)
@@ -53,14 +116,17 @@ class Injector:
 
     def before_sync(self, rt: InjectRuntime, s: int) -> None:
         """Run the injections due at step ``s`` (raise, stop, block or die)."""
-        self._pending.extend(rt.take_injections())
-        keep = []
-        for inj in self._pending:
-            if inj.at_step is not None and inj.at_step > s:
-                keep.append(inj)
+        due = rt.take_injections(s)
+        due.sort(key=lambda i: i.action in _NO_RETURN)  # what never returns comes last
+        for k, inj in enumerate(due):
+            if inj.at_step is not None and inj.at_step < s:  # passed while on its way
+                rt.refuse_injection(inj, f"step {inj.at_step} passed before it was taken "
+                                         f"(at step {s})")
                 continue
+            if inj.action in _NO_RETURN:
+                for other in due[k + 1:]:
+                    rt.refuse_injection(other, f"{inj.action.value} came first at step {s}")
             if inj.action == InjectAction.exception:
-                self._pending = keep
                 raise InjectedFault(f"injected exception at step {s}")
             if inj.action == InjectAction.hang:
                 log.warning("injected hang: stopping this process (SIGSTOP)", step=s)
@@ -81,7 +147,6 @@ class Injector:
             if inj.action == InjectAction.nan:
                 log.warning("injected NaN: this rank's loss and gradients of the step", step=s)
                 self.nan_now = True
-        self._pending = keep
 
     def flip_bit(self, modules: list) -> None:
         """An injected bit flip, if due: bit 20 of the first element of the named parameter

@@ -68,11 +68,13 @@ class SoloRuntime(Heartbeats, Protocol):
 
 
 class InjectRuntime(Protocol):
-    """``inject.Injector``: the injections that arrived, and the stall flag it sets."""
+    """``inject.Injector``: the injections due at a step, a refusal of one whose step passed,
+    and the stall flag it sets."""
 
     injected_stall: bool
 
-    def take_injections(self) -> list[Inject]: ...
+    def take_injections(self, step: int) -> list[Inject]: ...
+    def refuse_injection(self, inj: Inject, reason: str) -> None: ...
 
 
 class KVRuntime(Protocol):

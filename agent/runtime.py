@@ -33,6 +33,7 @@ from plumbing.bus import Bus, Credentials, Envelope, decode, watch_key
 from .buckets import Bucket
 from .config import AgentConfig
 from .groups import reap
+from .inject import Inbox, answer
 from .vocab import Arrival, StepLife, StepPhase, StepView, Verdict, plan_arrival
 from .watchdog import Watchdog
 
@@ -73,7 +74,7 @@ class Runtime:
         self._transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
         self._lost: dict[int, StateLost] = {}
         self._done: dict | None = None
-        self._injections: list[Inject] = []
+        self.injections = Inbox(cfg)  # accepted injections until their step (own lock)
         self._prejoin: Any = None  # the next generation joined while a step is computed
         # Membership's: join ``plan`` ahead under the lock when plan_arrival says RESUME
         self.start_prejoin: Callable[[Plan, int, int, str], Any] | None = None
@@ -84,7 +85,7 @@ class Runtime:
         self._watchdog = Watchdog(cfg)
         self._checkpoint_request: str | None = None  # the last one `up` made (KV)
         # what we tell the control plane: replaced whole (frozen), sent by the heartbeat loop
-        self._hb = Heartbeat(pod=cfg.pod, pid=_pid(), role=cfg.role, generation=0, rank=None,
+        self._hb = Heartbeat(pod=cfg.pod, pid=os.getpid(), role=cfg.role, generation=0, rank=None,
                              step=-1, digest="", state=AgentState.starting)
 
     # ------------------------------------------------------------------ read-only faces
@@ -164,8 +165,10 @@ class Runtime:
         self._ready.set()
         await self._stopping.wait()
         await cancel_all([hb_task, done_task, ckpt_task])
-        try:
-            await self._send_heartbeat()  # the final state (done / leaving)
+        try:  # the final state (done / leaving); injections whose step never came, refused
+            await self._send_heartbeat()
+            for d in self.injections.left(self._hb.step):
+                await bus.publish(s.decision, d)
         except Exception:
             pass
         await bus.close()
@@ -328,16 +331,13 @@ class Runtime:
             self._cond.notify_all()
 
     async def _on_inject(self, inj: Inject, env: Envelope) -> None:
-        from .inject import accepts
-
-        if accepts(inj, self.cfg, self._hb.rank):
-            if inj.action == InjectAction.preempt:  # a notice now, not at a step's sync
-                if self.on_preempt is not None and self._hb.rank is not None:
-                    self.on_preempt(inj.deadline_s)
-                return
-            with self._cond:
-                self._injections.append(inj)
-                self._cond.notify_all()
+        if inj.rank is not None and (self.plan is None or self.plan.pod_of(inj.rank) is None):
+            await self._load_plan()  # the scaler writes the KV before it publishes a plan
+        d = self.injections.offer(inj, self.plan, self._hb)
+        if d is not None and d.accepted and inj.action == InjectAction.preempt and self.on_preempt:
+            self.on_preempt(inj.deadline_s)  # a notice now, not at a step's sync
+        if d is not None:
+            await self.bus.publish(self.bus.subjects.decision, d)
 
     async def _watch_done(self) -> None:
         """Spares leave when the job finished: any member writes KV ``done`` at the end."""
@@ -490,11 +490,8 @@ class Runtime:
                 self._abort_at = self._plan_at
                 self.abort.set()
 
-    def take_injections(self) -> list[Inject]:
-        with self._cond:
-            out, self._injections = self._injections, []
-            return out
+    def take_injections(self, step: int) -> list[Inject]:
+        return self.injections.take(step)
 
-
-def _pid() -> int:
-    return os.getpid()
+    def refuse_injection(self, inj: Inject, reason: str) -> None:
+        self.publish(self.bus.subjects.decision, answer(inj, self.cfg.pod, reason, "", None))

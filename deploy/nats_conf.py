@@ -43,8 +43,9 @@ HEADER = """\
 # edit the authorization block by hand (tests/test_compose.py checks it is up to date).
 #
 # One identity per role, each limited by the server itself to its subjects, exactly as
-# `ceaseless up`'s embedded server: agent (the trainers: heartbeats, reports, recovery, the
-# c10d store; never plan, inject, capacity, priority or the plan key), health_monitor
+# `ceaseless up`'s embedded server: agent (the trainers: heartbeats, reports, recovery, their
+# answers to injections (decision), the c10d store; never plan, inject, capacity, priority
+# or the plan key), health_monitor
 # (fault, health), scaler (plan, decision, actuator, the plan and lease keys), state_broker
 # (transfer, state_lost, the committed key) and operator (everything: the CLI from the host,
 # `nats pub`).

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas import BY_KIND, Subjects
+from schemas import Subjects
 from schemas.messages import Capacity, CapacityChange, Decision, Inject, InjectAction, Priority
 
 SERVICE_NAMES = ("health_monitor", "scaler", "state_broker")
@@ -334,13 +334,15 @@ async def _inject(args: argparse.Namespace) -> int:
         if rid is None or args.wait <= 0:
             return 0
         # The scaler answers on `decision`: accepted (what will happen) or refused (why);
-        # a release once more when its slots are free.
+        # a release once more when its slots are free. A fault: the pod that runs it or the
+        # supervisor (`up`), accepted (who, when) or refused (why).
         deadline = time.monotonic() + args.wait
         while True:
             try:
                 d = await asyncio.wait_for(answers.get(), max(0.01, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                print(f"no answer from the scaler in {args.wait:g}s (is it running?)",
+                who = "any pod or the supervisor" if isinstance(msg, Inject) else "the scaler"
+                print(f"no answer from {who} in {args.wait:g}s (is it running?)",
                       file=sys.stderr)
                 return 1
             kind = "completed" if d.completed else "accepted" if d.accepted else "refused"
@@ -368,25 +370,15 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- schemas
 def cmd_schemas_export(args: argparse.Namespace) -> int:
+    from schemas.export import index, json_schemas
+
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
-    index = {}
-    for kind, model in sorted(BY_KIND.items()):
-        schema = model.model_json_schema(by_alias=True)
+    for kind, schema in json_schemas().items():
         (out / f"{kind}.schema.json").write_text(json.dumps(schema, indent=2) + "\n")
-        index[kind] = f"{kind}.schema.json"
-    (out / "index.json").write_text(json.dumps({
-        "subjects": {
-            "heartbeat": "ceaseless.<job>.heartbeat.<pod>", "report": "ceaseless.<job>.report.<pod>",
-            "lifecycle": "ceaseless.<job>.lifecycle.<pod>", "fault": "ceaseless.<job>.fault",
-            "plan": "ceaseless.<job>.plan", "transfer": "ceaseless.<job>.transfer",
-            "state_lost": "ceaseless.<job>.state_lost", "decision": "ceaseless.<job>.decision",
-            "capacity": "ceaseless.<job>.capacity", "priority": "ceaseless.<job>.priority",
-            "inject": "ceaseless.<job>.inject", "recovery": "ceaseless.<job>.recovery",
-            "actuator": "ceaseless.<job>.actuator",
-        },
-        "schemas": index}, indent=2) + "\n")
-    print(f"wrote {len(index)} JSON Schemas to {out}/")
+    idx = index()
+    (out / "index.json").write_text(json.dumps(idx, indent=2) + "\n")
+    print(f"wrote {len(idx['schemas'])} JSON Schemas to {out}/")
     return 0
 
 
@@ -528,8 +520,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj.add_argument("--priority", type=int, default=0)
     inj.add_argument("--reason")
     inj.add_argument("--wait", type=float, default=10.0,
-                     help="capacity/priority: seconds to wait for the scaler's answer, printed "
-                          "(a release: until its slots are free); 0: do not wait")
+                     help="seconds to wait for the answer, printed (capacity/priority: the "
+                          "scaler's, a release until its slots are free; a fault: the pod's "
+                          "or the supervisor's, accepted or refused with why); 0: do not wait")
     inj.set_defaults(func=cmd_inject)
 
     sc = sub.add_parser("schemas", help="the wire contract")

@@ -241,15 +241,15 @@ class Incident:
     @property
     def kind(self) -> str:
         """The fault kind (crash/hang/exception/lost) of a `detect` root, else
-        ``scale:<reason>`` for a planned change."""
+        ``scale:<category>`` for a planned change (``_category``: its reason's head)."""
         a = self.root.attributes
         if self.root.name == T.SPAN_DETECT:
             kind = a.get(T.ATTR_FAULT_KIND)
             if not kind:  # ceaseless.reason is "<kind>: <why>" or just "<kind>"
                 kind = str(a.get(T.ATTR_REASON) or "fault").split(":", 1)[0].strip()
             return str(kind) or "fault"
-        reason = str(a.get(T.ATTR_REASON) or "").strip()
-        return f"scale:{reason}"[:40] if reason else "scale"
+        return f"scale:{head}" if (head := _category(str(a.get(T.ATTR_REASON) or ""))) \
+            else "scale"
 
     @property
     def reason(self) -> str:
@@ -909,3 +909,17 @@ def grad_syncs(spans: Sequence[Span]) -> list[dict[str, Any]]:
                      "during_backward": sp.attr("ceaseless.buckets_during_backward")})
     return sorted(rows, key=lambda r: (r["step"] or 0, str(r["pod"])))
 
+
+KIND_CHARS = 40  # a planned change's kind: whole words up to this many characters
+
+
+def _category(reason: str) -> str:
+    """A planned change's category, its reason's head up to the first ":" or "(" (
+    "preempted", "shrink 3 -> 2 replicas", "capacity add 1"), in whole words: the kind used
+    to be the reason cut at 40 characters, mid-word ("...w1 leave at step 23" for 230).
+    The whole reason stays in ``Incident.reason``."""
+    head = reason.replace("(", ":").split(":", 1)[0].strip()
+    if len(head) <= KIND_CHARS:
+        return head
+    cut = head[:KIND_CHARS + 1].rsplit(" ", 1)[0].rstrip(" ,;")
+    return (cut if cut and cut != head[:KIND_CHARS + 1] else head[:KIND_CHARS]) + "…"

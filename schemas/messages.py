@@ -38,8 +38,18 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def _version_required(schema: dict[str, Any]) -> None:
+    """The exported JSON Schema requires ``schema_version``, as every subscriber does
+    (``plumbing.bus.decode`` drops a payload without it): the version is what tells a later
+    wire apart, so it is never assumed. The Python models fill it in for our publishers."""
+    req = schema.setdefault("required", [])
+    if "schema_version" not in req:
+        req.insert(0, "schema_version")
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False,
+                              json_schema_extra=_version_required)
     subject_kind: ClassVar[str] = ""
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -439,12 +449,23 @@ class Inject(Message):
     factor: Annotated[float, Field(ge=1, le=1000)] | None = None
     # bitflip: the parameter's name (``model.named_parameters()``). Added 2026-12-06.
     tensor: Annotated[str, Field(max_length=256)] | None = None
+    # Answered on ``decision`` with this id: accepted (who runs it, when) or refused with the
+    # reason, by the pod that runs it or by the supervisor. Added 2026-12-06 (issue 41),
+    # optional: older requests still validate (and get an id nobody waits for).
+    request_id: Annotated[str, Field(max_length=128)] = Field(default_factory=new_id)
 
     @model_validator(mode="after")
     def _target(self) -> "Inject":
         if (self.pod is None) == (self.rank is None):
             raise ValueError("name exactly one of pod or rank")
         return self
+
+    @property
+    def by_pod(self) -> bool:
+        """Run by the pod itself, at its step's gradient sync (the next one, or ``at_step``);
+        otherwise a signal from the supervisor (kill, hang, resume)."""
+        return self.action != InjectAction.resume and (
+            self.at_step is not None or self.action not in (InjectAction.kill, InjectAction.hang))
 
 
 class Lifecycle(Message):
@@ -473,9 +494,31 @@ class ActuatorReply(Message):
     error: Text = ""
 
 
+class ServiceStatus(BaseModel):
+    """The reply of a service's status endpoint (``svc.<service>.status``, NATS micro; what
+    ``ceaseless status`` reads): these fields in every service's, the service's own view
+    besides (the scaler's plan and policy, the monitor's pods, the broker's commits), which
+    is for people and not a contract. A request/reply, not a published message: no
+    ``schema_version``. On a status that could not be built: ``service`` and ``error``."""
+
+    model_config = ConfigDict(extra="allow")
+    service: Annotated[str, Field(max_length=64)]
+    job: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+    uptime_s: Annotated[float, Field(ge=0)] | None = None
+    received: dict[str, int] = {}   # payloads accepted, by message kind
+    dropped: dict[str, int] = {}    # payloads dropped, by "kind:reason"
+    handler_errors: Annotated[int, Field(ge=0)] = 0
+    error: str | None = None
+
+
 # Message kinds by subject kind (``Subjects.kind_of``).
 BY_KIND: dict[str, type[Message]] = {
     m.subject_kind: m
     for m in (Heartbeat, Report, Recovery, Fault, Plan, Transfer, StateLost, Decision,
               Capacity, Priority, Inject, Lifecycle, ActuatorCommand, HealthView, JobFailed)
 }
+
+# The replies of request/reply subjects, by the request's kind: ``actuator`` is answered with
+# an ``ActuatorReply``, a service's ``svc.<service>.status`` with a ``ServiceStatus``.
+REPLIES: dict[str, type[BaseModel]] = {"actuator": ActuatorReply,
+                                       "service_status": ServiceStatus}

@@ -139,7 +139,7 @@ class PendingRelease(BaseModel):
     request_id: Annotated[str, Field(max_length=128)]
     count: Annotated[int, Field(ge=1, le=MAX_REPLICAS)]
     freed: list[str] = []       # pods already gone (stopped spares, exited members)
-    leaving: list[str] = []     # members that leave at a planned step, not yet gone
+    leaving: list[str] = []     # members leaving at a planned step, spares being stopped
     pods: list[str] = []        # the pods the request named (Priority.pods), if any
     since: float = 0.0          # wall time of the request
     subject: str = ""

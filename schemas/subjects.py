@@ -26,6 +26,20 @@ class Subjects:
         self.job = check_id(job, "job name")
         self.base = f"{PREFIX}.{job}"
 
+    @classmethod
+    def template(cls) -> "Subjects":
+        """Subjects spelled with ``<job>`` (the schema export's index, docs): never a real
+        job's, ``<job>`` is no valid id."""
+        s = cls.__new__(cls)
+        s.job, s.base = "<job>", f"{PREFIX}.<job>"
+        return s
+
+    def of_kind(self, kind: str, pod: str = "*") -> str:
+        """The subject messages of ``kind`` (``BY_KIND``'s keys) are published on; a per-pod
+        kind's for ``pod``."""
+        attr = getattr(self, kind)
+        return attr(pod) if callable(attr) else attr
+
     # -- agent -> control plane
     def heartbeat(self, pod: str = "*") -> str:
         return f"{self.base}.heartbeat.{pod}"

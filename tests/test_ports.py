@@ -124,7 +124,8 @@ class FakeRuntime:
         self.calls.append("progress")
 
     def notify(self) -> None: ...
-    def take_injections(self) -> list: return []
+    def take_injections(self, step: int) -> list: return []
+    def refuse_injection(self, inj: Any, reason: str) -> None: ...
     def wait_transfer(self, generation: int, timeout: float) -> Any: return None
     def join(self, generation: int, world_size: int = 0) -> None: ...
     def take_prejoin(self, generation: int) -> Any: return None

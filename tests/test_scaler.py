@@ -114,6 +114,7 @@ async def env(nats_server, bus):
     e = Env()
     e.plans = []
     e.actuator = []
+    e.stop_gate = None  # an asyncio.Event: stop requests are answered once it is set
 
     async def on_plan(p, _env):
         e.plans.append(p)
@@ -121,6 +122,8 @@ async def env(nats_server, bus):
     async def on_actuator(raw):
         cmd = decode(ActuatorCommand, raw.data, raw.subject)
         e.actuator.append(cmd)
+        if cmd.action.value == "stop" and e.stop_gate is not None:
+            await e.stop_gate.wait()  # the pod's process has not exited yet
         pods = [cmd.pod] if cmd.pod else [f"new{len(e.actuator)}-{i}" for i in range(cmd.count)]
         await raw.respond(ActuatorReply(ok=True, pods=pods).model_dump_json().encode())
 
@@ -507,6 +510,33 @@ async def test_priority_release_spares_first_then_highest_rank(env, bus):
     agents["w2"].kill()
     done = await until(lambda: [d for d in got if d.completed], timeout=5, what="completed")
     assert done[0].request_id == "p2" and sorted(done[0].pods) == ["s0", "w2"]
+
+
+async def test_a_release_of_an_idle_spare_completes_naming_it_after_it_exited(env, bus):
+    """Issue 41: a release that frees an idle spare answered ``completed`` with no pod while
+    the spare still ran. The spare counts as leaving until the actuator answers its stop
+    (once the process has exited); then ``completed`` names it."""
+    env.stop_gate = gate = asyncio.Event()
+    sc = await env.scaler(workers=2)
+    for pod in ("w0", "w1"):
+        await env.agent(pod)
+    spare = await env.agent("s0", Role.spare)
+    got = await _decisions(bus)
+    await until(lambda: env.plans and sc.alive_spares(env.plans[-1]) == ["s0"],
+                what="the plan and its idle spare")
+    await bus.publish(bus.subjects.priority, Priority(release=1, request_id="p1"))
+    await until(lambda: [c for c in env.actuator if c.action.value == "stop"], what="stop")
+    assert [d.accepted for d in got] == [True] and not got[0].completed, got
+    async with sc._lock:  # a decision pass while the stop is in flight: nothing completes
+        await sc._releases(sc.plans.plan, time.monotonic())
+    (r,) = sc.scale.releases
+    assert r.request_id == "p1" and r.leaving == ["s0"] and r.freed == [], r
+    assert not [d for d in got if d.completed], got
+    spare.kill()  # the process exits (its heartbeats stop); the actuator answers
+    gate.set()
+    done = await until(lambda: [d for d in got if d.completed], what="completed")
+    assert done[0].request_id == "p1" and done[0].pods == ["s0"], done[0]
+    assert sc.scale.releases == []
 
 
 async def test_two_scalers_one_plan_per_generation(env, bus):

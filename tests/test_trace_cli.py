@@ -294,3 +294,20 @@ def test_incidents_without_root_process_file(tmp_path):
     w.close()
     [inc] = tt.incidents(tt.load_spans(tmp_path))
     assert inc.root.name == T.SPAN_PLAN and inc.generation == 7 and inc.kind == "scale:fault"
+
+
+@pytest.mark.parametrize("reason,kind", [
+    ("preempted: w1 leave at step 230", "scale:preempted"),
+    ("shrink 3 -> 2 replicas: w2 leave at step 230 (release 1 (priority 10))",
+     "scale:shrink 3 -> 2 replicas"),
+    ("replace w0 with s1, w1 with s2, w3 with s4, w5 with s6", "scale:replace w0 with s1, w1 "
+     "with s2, w3 with…"),
+])
+def test_a_planned_changes_kind_is_its_category_in_whole_words(tmp_path, reason, kind):
+    """Issue 41: the kind was the reason cut at 40 characters, mid-word ("... w1 leave at step
+    23)" for 230, in summary.json's goodput and `up`'s output); the reason stays whole."""
+    w = World(tmp_path, time.time_ns())
+    w.span(w.tracer("scaler"), T.SPAN_PLAN, 1.0, 2.0, generation=5, reason=reason)
+    w.close()
+    [inc] = tt.incidents(tt.load_spans(tmp_path))
+    assert inc.kind == kind and inc.reason == reason

@@ -1,7 +1,7 @@
 """Local process supervisor: pods are child processes of ``ceaseless up``.
 
 It answers ``ActuatorCommand`` requests on ``ceaseless.<job>.actuator``, executes
-``inject kill``, publishes a ``Lifecycle`` event for every start and exit, and starts a
+``inject kill`` / ``hang`` / ``resume`` (``inject.py``), publishes a ``Lifecycle`` event for every start and exit, and starts a
 fresh spare in place of every pod that fails (any non-zero exit: a crash, a kill, a fenced
 pod, ``FALLBACK_EXIT_CODE`` when in-process recovery gave up), within a crash-loop budget
 (``replace.py``); ``replace=False`` only restarts ``FALLBACK_EXIT_CODE`` pods.
@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Inject,
-                              InjectAction, Lifecycle, LifecycleEvent, Plan, Role)
+from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Decision,
+                              Inject, Lifecycle, LifecycleEvent, Plan, Role)
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
 
 from . import podlog
 from .base import PodProcess, PodSpec
+from .inject import InjectDesk
 from .prefork import Prefork
 from .replace import ReplacementBudget, is_failure
 
@@ -71,6 +72,7 @@ class LocalActuator:
         self._counters = {Role.worker: itertools.count(), Role.spare: itertools.count()}
         self._watchers: set[asyncio.Task] = set()
         self.plan: Plan | None = None
+        self.injections = InjectDesk(self)  # `ceaseless inject`: executed or refused, answered
         self.on_exit: list[Callable[[str, int], None]] = []
         self.killed: set[str] = set()
         # Whether a pod ever heartbeated (set by `up`, which watches the heartbeats): a pod
@@ -85,7 +87,8 @@ class LocalActuator:
     async def attach(self) -> None:
         s = self.bus.subjects
         await self.bus.subscribe(s.actuator, ActuatorCommand, self._on_command)
-        await self.bus.subscribe(s.inject, Inject, self._on_inject)
+        await self.bus.subscribe(s.inject, Inject, self.injections.on_inject)
+        await self.bus.subscribe(s.decision, Decision, self.injections.on_decision)
         await self.bus.subscribe(s.plan, Plan, self._on_plan)
 
     async def _on_plan(self, plan: Plan, env: Envelope) -> None:
@@ -113,34 +116,6 @@ class LocalActuator:
             reply = ActuatorReply(ok=False, error=str(e)[:500])
         if env.raw.reply:
             await self.bus.nc.publish(env.raw.reply, reply.model_dump_json().encode())
-
-    async def _on_inject(self, inj: Inject, env: Envelope) -> None:
-        # The supervisor executes kill (SIGKILL), hang (SIGSTOP: the whole process stops,
-        # heartbeats included, as a stuck node would) and resume (SIGCONT). Exceptions, and
-        # anything scheduled at a step, are executed by the agent itself.
-        if inj.action in (InjectAction.exception, InjectAction.stall):
-            return  # executed by the agent itself
-        if not self.allow_inject:
-            log.warning("injection refused: the job does not enable injection",
-                        action=inj.action.value)
-            return
-        pod = inj.pod
-        if pod is None and self.plan is not None:
-            pod = self.plan.pod_of(inj.rank)
-        if pod is None:
-            log.warning("inject kill: no such rank", rank=inj.rank)
-            return
-        if inj.at_step is not None and inj.action != InjectAction.resume:
-            log.info("injection at a step is executed by the agent", pod=pod,
-                     action=inj.action.value)
-            return
-        log.info("inject", action=inj.action.value, pod=pod)
-        if inj.action == InjectAction.kill:
-            await self.kill(pod)
-        elif inj.action == InjectAction.hang:
-            self.signal(pod, signal.SIGSTOP)
-        else:
-            self.signal(pod, signal.SIGCONT)
 
     # ------------------------------------------------------------------ interface
     def new_pod_id(self, role: Role) -> str:
@@ -290,6 +265,10 @@ class LocalActuator:
             await asyncio.wait_for(proc.wait(), grace_s)
         except asyncio.TimeoutError:
             _signal(proc, signal.SIGKILL)
+            try:  # answered once it has exited (a release names its pods only then)
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("pod still running after SIGKILL", pod=pod)
         return True
 
     async def kill(self, pod: str) -> bool:

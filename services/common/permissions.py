@@ -4,8 +4,8 @@ Roles: ``agent`` (every training process: the least trusted, it runs user code),
 ``health_monitor``, ``scaler``, ``state_broker`` and ``operator`` (``ceaseless up``, its
 actuator and the CLI: inject, capacity, priority). What each may publish:
 
-* agent: its heartbeats, reports and recovery summaries; the c10d store bucket; the KV key
-  ``done``; read access to the plan key. Never ``plan``, ``inject``, ``capacity``,
+* agent: its heartbeats, reports and recovery summaries; its answers to injections
+  (``decision``); the c10d store bucket; the KV key ``done``; read access to the plan key. Never ``plan``, ``inject``, ``capacity``,
   ``priority``, ``fault`` or the ``plan`` key.
 * health_monitor: ``fault``, ``health`` (its view of the heartbeats), ``job_failed``.
 * state_broker: ``transfer``, ``state_lost``, and the KV key ``committed`` (the job's
@@ -53,6 +53,7 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
     if role == "agent":
         pub = _COMMON_PUB + [
             s.heartbeat("*"), s.report("*"), s.recovery,
+            s.decision,  # its answer to an injection it runs (agent/inject.py)
             f"$KV.{store}.>", f"$KV.{kv}.done", f"$KV.{kv}.solo.>", f"$KV.{kv}.script",  # agent
             # read and watch the two buckets (ordered consumers), nothing else of JetStream
             *(f"$JS.API.{api}.KV_{b}{suffix}" for b in (kv, store)

@@ -109,6 +109,7 @@ class Service:
         )
         await self._micro.add_endpoint(
             name="status", subject=self.bus.subjects.service_status(self.name), handler=_status)
+        await self.bus.round_trip(5.0)  # its SUB confirmed: a request right after is answered
 
     async def stop(self) -> None:
         for sub in self._subs:

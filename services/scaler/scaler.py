@@ -557,9 +557,15 @@ class Scaler(Service):
                             updated=time.time(),
                             releases=list(self.scale.releases) if self.scale else [])
             if release:
+                # The idle spares it stops count as leaving until their processes have
+                # exited (_stop_spare): the release completes, naming them, only then
+                # (issue 41: it answered `completed` with no pod while the spare still ran).
                 st.releases.append(PendingRelease(request_id=request_id, count=release,
                                                   since=time.time(), subject=subject,
-                                                  pods=list(pods)))
+                                                  pods=list(pods),
+                                                  leaving=list(d.stop_spares)))
+                for pod in d.stop_spares:  # a stop is on its way: no second one
+                    self.fence_requested.add(pod)
             if not await self._store_scale(st):
                 await self._answer(subject, request_id, False, "the scale state changed "
                                    "concurrently (another scaler?); send the request again")
@@ -599,6 +605,8 @@ class Scaler(Service):
         return (reply.pods, "") if reply.ok else ([], reply.error or "actuator refused")
 
     async def _stop_spare(self, pod: str, request_id: str) -> None:
+        """Stop a released idle spare; the actuator answers once its process has exited,
+        and only then is it freed (from ``leaving``)."""
         pods, err = await self._actuate(ActuatorCommand(action=ActuatorAction.stop, pod=pod,
                                                         reason=f"released: {request_id}"))
         self.log.info("spare released", pod=pod, request_id=request_id, error=err or None)
@@ -610,6 +618,8 @@ class Scaler(Service):
                 return
             for r in self.scale.releases:
                 if r.request_id == request_id and pod not in r.freed:
+                    if pod in r.leaving:
+                        r.leaving.remove(pod)
                     r.freed.append(pod)
             await self._store_scale(self.scale)
         self._kick.set()
@@ -928,9 +938,9 @@ class Scaler(Service):
                     r.leaving.remove(pod)
                     r.freed.append(pod)
                     changed = True
-                elif plan.apply_step is not None and \
-                        time.time() - plan.ts > self.cfg.policy.graceful_shutdown_timeout_s \
-                        and pod not in self.fence_requested:
+                elif time.time() - max(plan.ts, r.since) > \
+                        self.cfg.policy.graceful_shutdown_timeout_s \
+                        and pod not in self.fence_requested:  # (a spare: stop never sent)
                     self.fence_requested.add(pod)
                     self.log.warning("leaving member still running after the graceful shutdown "
                                      "timeout; stopping it", pod=pod, request_id=r.request_id)
