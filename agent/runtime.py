@@ -83,9 +83,8 @@ class Runtime:
         # the training thread's signs of progress (a step boundary, a collective, a join)
         self._watchdog = Watchdog(cfg)
         self._checkpoint_request: str | None = None  # the last one `up` made (KV)
-        # what we tell the control plane: replaced whole (frozen), sent by the heartbeat loop
         self._hb = Heartbeat(pod=cfg.pod, pid=_pid(), role=cfg.role, generation=0, rank=None,
-                             step=-1, digest="", state=AgentState.starting)
+                             step=-1, digest="", state=AgentState.starting)  # replaced whole
 
     # ------------------------------------------------------------------ read-only faces
     @property
@@ -403,6 +402,7 @@ class Runtime:
 
     def update(self, now: bool = False, **fields: Any) -> None:
         """Set heartbeat fields (any thread); ``now`` sends one at once."""
+        fields = {"digest_step": None, **fields} if "digest" in fields else fields  # step's
         with self._cond:
             if fields.get("state") == AgentState.training and self._hb.state != AgentState.training:
                 self._progress()  # (re)joined: the stall watchdog counts from here
