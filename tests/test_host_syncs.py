@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from agent.config import AgentConfig
-from agent.digests import DigestSlot
+from agent.digests import DigestSlot, digest
 from agent.runtime import Runtime
 from agent.shadow import state_word, state_word_begin
-from agent.digests import digest
 from agent.train_state import TrainState
 from helpers.host_syncs import counting
 
