@@ -4,8 +4,9 @@
   directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), never ``init_process_group``: several
   generations can coexist in one process, e.g. a new group is built while a collective of the
   old one is still stuck on a stopped peer.
-* ``AbortableGroup`` wraps such a group. Every wait is sliced (``work.wait(slice)`` on gloo,
-  polling ``is_completed()`` on NCCL); between slices the caller's ``abort`` event is checked
+* ``AbortableGroup`` wraps such a group. Every wait is sliced (``work.wait(slice)`` on gloo;
+  on NCCL a helper thread sleeps on a CUDA event recorded after the works, and the caller
+  waits for it in slices); between slices the caller's ``abort`` event is checked
   -> ``Aborted``. Anything a collective raises (peer reset, gloo timeout, our own
   ``timeout_s``) -> ``PeerError``. After either, the group is unusable; build a new one.
 * Releasing a group never blocks: a gloo group with a pending operation would block its
@@ -201,29 +202,17 @@ class AbortableGroup:
             deadline = later
             return False
 
-        if not self._nccl and any(id(w) in self._p2p for w in works):
+        if self._nccl:
+            return self._wait_nccl(works, abort, what, sl, limit, expired)
+        if any(id(w) in self._p2p for w in works):
             return self._wait_in_thread(works, abort, what, sl, limit, deadline)
         td = timedelta(seconds=sl)
         for w in works:
-            poll = 0.0002
             rewaited = False
             while True:
-                if abort is not None and abort.is_set():
-                    self.abort()
-                    raise Aborted(f"{what} abandoned: abort requested")
-                if self._state != "ok":
-                    raise Aborted(f"{what} abandoned: group {self._state}")
+                self._check_abort(abort, what)
                 try:
-                    if self._nccl:
-                        if not w.is_completed():
-                            if expired():
-                                raise self._broken(f"{what} did not complete in {limit:.1f}s", True)
-                            time.sleep(poll)  # NCCL wait() does not block the CPU: poll
-                            poll = min(poll * 2, sl, 0.005)
-                            continue
-                        w.wait()  # raises the recorded error, if any; syncs streams
-                    else:
-                        w.wait(td)
+                    w.wait(td)
                     break
                 except (Aborted, PeerError):
                     raise
@@ -231,13 +220,48 @@ class AbortableGroup:
                     # A slice ran out. Gloo can finish the work right after wait() gave
                     # up (is_completed() is then True and the next wait() returns at once),
                     # so a completed work gets one more wait before it counts as failed.
-                    if not self._nccl and _is_slice_timeout(e) and (
-                            not w.is_completed() or not rewaited):
+                    if _is_slice_timeout(e) and (not w.is_completed() or not rewaited):
                         rewaited = rewaited or w.is_completed()
                         if expired():
                             raise self._broken(f"{what} did not complete in {limit:.1f}s", True) from e
                         continue
                     raise self._broken(f"{what} failed: {str(e)[:300]}") from e
+        self._pending = [w for w in self._pending if not _completed(w)]
+
+    def _check_abort(self, abort: threading.Event | None, what: str) -> None:
+        if abort is not None and abort.is_set():
+            self.abort()
+            raise Aborted(f"{what} abandoned: abort requested")
+        if self._state != "ok":
+            raise Aborted(f"{what} abandoned: group {self._state}")
+
+    def _wait_nccl(self, works: Sequence[Any], abort: threading.Event | None, what: str,
+                   sl: float, limit: float, expired: Callable[[], bool]) -> None:
+        """NCCL: ``wait()`` only puts the work before the current stream's next kernels (the
+        CPU does not block), so one blocking-sync CUDA event recorded after them is waited
+        for by a helper thread (the CPU sleeps: no polling) while this thread checks
+        ``abort`` and the deadline every slice. Aborting the group (on abort, on a timeout)
+        aborts the communicator: its kernels end, the event completes, the helper returns."""
+        self._check_abort(abort, what)
+        try:
+            for w in works:
+                w.wait()  # raises an error recorded already; orders the current stream
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(torch.cuda.current_stream(self.device))
+        except Exception as e:
+            raise self._broken(f"{what} failed: {str(e)[:300]}") from e
+        job = _Background(ev.synchronize, f"nccl-wait-r{self.rank}")
+        while not job.done.wait(sl):
+            self._check_abort(abort, what)
+            if expired():
+                raise self._broken(f"{what} did not complete in {limit:.1f}s", True)
+        try:
+            if job.error is not None:
+                raise job.error
+            for w in works:
+                w.wait()  # complete: raises the error the work recorded, if any
+        except Exception as e:
+            raise self._broken(f"{what} failed: {str(e)[:300]}") from e
         self._pending = [w for w in self._pending if not _completed(w)]
 
     def _wait_in_thread(self, works: Sequence[Any], abort: threading.Event | None, what: str,

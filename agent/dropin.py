@@ -119,7 +119,7 @@ class DropIn:
         elif not self._started and s.last_committed == -1 and i > 0:
             # the script restored its own checkpoint: step i - 1 is committed
             s.state.last_committed = i - 1
-            rt.update(now=True, step=i - 1, digest=s.state.digest())
+            rt.update(now=True, step=i - 1, digest=s.state.digests.note(i - 1, s.state.digest()))
             self.dry = self._rng_at_attach is not None and _rngs() != self._rng_at_attach
             if self.dry:
                 log.info("resumed from the script's checkpoint with a batch drawn before the "

@@ -47,7 +47,8 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     if inc is not None:
         inc.t_data = time.time()
     state = m.state
-    m.rt.update(now=True, step=state.last_committed, digest=state.digest(),
+    m.rt.update(now=True, step=state.last_committed,
+                digest=state.digests.note(state.last_committed, state.digest()),
                 state=AgentState.training)
     log.info("joined generation", generation=plan.generation, rank=rank,
              world_size=plan.world_size, restore_step=restore_step, received=received,
@@ -98,7 +99,9 @@ def _meanwhile(m: Entrant, plan: Plan, rank: int, pre: Any) -> Callable[[], None
 
     def report() -> None:  # the broker takes this step and digest for the generation
         rt.update(now=True, generation=g, rank=rank, role=Role.worker,
-                  step=state.last_committed, digest=state.digest(), state=AgentState.recovering)
+                  step=state.last_committed,
+                  digest=state.digests.note(state.last_committed, state.digest()),
+                  state=AgentState.recovering)
 
     if pre is not None:
         return None  # the runtime reported the generation and is building the group (prejoin.py)

@@ -66,8 +66,10 @@ class Membership:
         self.backend: str = choose_backend(None, cfg.backend)
         # Membership decides to join ahead; the runtime's thread starts it under its lock
         # when a plan arriving during a step may be resumed in place (vocab.plan_arrival).
-        rt.start_prejoin = lambda plan, rank, step, digest: Prejoin(rt, plan, rank, step,
-                                                                    digest, self.backend)
+        # the digest of ``step`` exactly (the heartbeat's may name an older step), read on
+        # the prejoin's thread: it may wait for that step's copy from the device
+        rt.start_prejoin = lambda plan, rank, step, _hb_digest: Prejoin(
+            rt, plan, rank, step, lambda: state.digests.of(step), self.backend)
         self.phase = Phase.OUTSIDE
         self.rank: int | None = None
         self.world_size: int | None = None

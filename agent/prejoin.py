@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from schemas.messages import AgentState, Plan, Role
 from plumbing import logs
@@ -51,8 +51,8 @@ class _Superseded:
 
 
 class Prejoin:
-    def __init__(self, rt: PrejoinRuntime, plan: Plan, rank: int, step: int, digest: str,
-                 backend: str) -> None:
+    def __init__(self, rt: PrejoinRuntime, plan: Plan, rank: int, step: int,
+                 digest: str | Callable[[], str], backend: str) -> None:
         self.generation = plan.generation
         self.plan_at = rt.plan_at
         self.rank, self.world_size, self.step = rank, plan.world_size, step
@@ -70,8 +70,9 @@ class Prejoin:
     def _run(self) -> None:
         rt, cfg, g = self._rt, self._rt.cfg, self.generation
         try:
+            d = self._digest() if callable(self._digest) else self._digest
             rt.update(now=True, generation=g, rank=self.rank, role=Role.worker, step=self.step,
-                      digest=self._digest, state=AgentState.recovering)
+                      digest=d, state=AgentState.recovering)
             store = rt.stores.rendezvous(f"g{g}.")
             # Not the step's abort flag: a failed collective of the old generation (the
             # script's own all-reduce) sets it, and this group is for the new plan; only a

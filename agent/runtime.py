@@ -403,6 +403,7 @@ class Runtime:
 
     def update(self, now: bool = False, **fields: Any) -> None:
         """Set heartbeat fields (any thread); ``now`` sends one at once."""
+        fields = {"digest_step": None, **fields} if "digest" in fields else fields  # step's
         with self._cond:
             if fields.get("state") == AgentState.training and self._hb.state != AgentState.training:
                 self._progress()  # (re)joined: the stall watchdog counts from here

@@ -434,7 +434,7 @@ class Session:
         rt = self.runtime
         if rt is not None:
             rt.note_commit()
-            rt.update(step=s, digest=self.state.digest(), state=AgentState.training, loss=loss
+            rt.update(step=s, **self.state.digests.commit(s), state=AgentState.training, loss=loss
                       if math.isfinite(loss) else None, step_time=self.timeline.median_step(),
                       compute_time=self._stepper.median_compute())
             if self.timeline.incident is not None:

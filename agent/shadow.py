@@ -44,7 +44,8 @@ from torch import Tensor
 from plumbing import logs
 
 from .collectives import AbortableGroup, Aborted, make_group_abortable
-from .state import FlatState, _checksum_u8
+from .hostcopy import HostCopy
+from .state import FlatState, checksum_of, checksum_words
 from .transfer import recv_state, send_state
 
 log = logs.get("agent")
@@ -68,20 +69,56 @@ def layout_hash(tensors: Sequence[Tensor]) -> int:
     return zlib.crc32(text.encode()) | (len(tensors) << 32)
 
 
-def state_word(modules: Sequence[torch.nn.Module]) -> int:
-    """An exact check of every tensor in the modules' state dicts (parameters and buffers), as
-    one signed int64: any changed 64-bit word changes it (``state._checksum_u8`` per tensor,
-    wrapping integer sums: the same value on any device). About 6 ms for 10M parameters on one
-    CPU thread; CUDA tensors are summed on their GPU."""
-    h = hashlib.blake2b(digest_size=8)
+class PendingWord:
+    """``state_word`` begun on the device: every tensor's two sums in one int64 tensor per
+    device, on its way to the host (``HostCopy``); ``result()`` reads it (rank 0's stream
+    thread does, so the training thread does not wait for it)."""
+
+    def __init__(self, names: list[str], sizes: list[int],
+                 parts: list[tuple[list[int], Tensor]]) -> None:
+        self._names, self._sizes = names, sizes
+        self._parts = [(idx, HostCopy(w)) for idx, w in parts]
+        self._word: int | None = None
+
+    def result(self) -> int:
+        if self._word is None:
+            got: list[Any] = [None] * len(self._names)
+            for idx, copy in self._parts:
+                for j, w in zip(idx, copy.get().numpy().tolist()):
+                    got[j] = w
+            h = hashlib.blake2b(digest_size=8)
+            for name, w, n in zip(self._names, got, self._sizes):
+                h.update(name.encode())
+                h.update(checksum_of(w, n).to_bytes(40, "little"))
+            self._word = int.from_bytes(h.digest(), "little", signed=True)
+        return self._word
+
+
+def state_word_begin(modules: Sequence[torch.nn.Module]) -> PendingWord:
+    """``state_word`` begun on the device, read later: no host sync to begin it."""
+    names: list[str] = []
+    sizes: list[int] = []
+    words: dict[torch.device, list[tuple[int, Tensor]]] = {}
     for i, m in enumerate(modules):
         for k, t in m.state_dict().items():
             t = t.detach().reshape(-1)  # on its device: a CUDA model is not copied to the host
             if not t.is_contiguous() or (t.storage_offset() * t.element_size()) % 8:
                 t = t.clone()  # the checksum reads 8-byte words from an aligned start
-            h.update(f"{i}.{k}".encode())
-            h.update(_checksum_u8(t.view(torch.uint8)).to_bytes(40, "little"))
-    return int.from_bytes(h.digest(), "little", signed=True)
+            u8 = t.view(torch.uint8)
+            words.setdefault(u8.device, []).append((len(names), checksum_words(u8)))
+            names.append(f"{i}.{k}")
+            sizes.append(u8.numel())
+    return PendingWord(names, sizes, [([j for j, _ in ws], torch.stack([w for _, w in ws]))
+                                      for ws in words.values()])
+
+
+def state_word(modules: Sequence[torch.nn.Module]) -> int:
+    """An exact check of every tensor in the modules' state dicts (parameters and buffers), as
+    one signed int64: any changed 64-bit word changes it (``state._checksum_u8`` per tensor,
+    wrapping integer sums: the same value on any device). About 6 ms for 10M parameters on one
+    CPU thread; CUDA tensors are summed on their GPU and come to the host in one read per
+    device (``state_word_begin``: begun on the training thread, read on another)."""
+    return state_word_begin(modules).result()
 
 
 def _pair(store_factory: Callable[[], Any], rank: int, abort: threading.Event, slice_s: float,
@@ -114,10 +151,11 @@ class Update:
 @dataclass
 class Confirm:
     """Rank 0's ``state_word`` when the script came back for the next step (after whatever it
-    did between steps): the spare holds ``step`` only once its own state gives the same."""
+    did between steps): the spare holds ``step`` only once its own state gives the same.
+    ``check``: the word, or on rank 0 a ``PendingWord`` its stream thread reads."""
 
     step: int
-    check: int
+    check: Any
 
 
 _END = object()  # queued by ShadowSender.finish
@@ -191,7 +229,8 @@ class ShadowSender:
                     self.ended = "finished"
                     break
                 if isinstance(u, Confirm):
-                    head = torch.tensor([MAGIC, KIND_CONFIRM, u.step, u.check], dtype=torch.int64)
+                    check = u.check if isinstance(u.check, int) else u.check.result()
+                    head = torch.tensor([MAGIC, KIND_CONFIRM, u.step, check], dtype=torch.int64)
                     group.send([head], 1, self._abort, TAG_HEAD, timeout_s=self._timeout_s)
                     continue
                 if u.step != self._expect:

@@ -174,10 +174,10 @@ class ShadowLeader:
         """Back from the script after committing ``s``: the state the spares must hold
         (anything the script did between steps included); spares that asked since the last
         step start here, from a snapshot of that state."""
-        from .shadow import Confirm, state_word
+        from .shadow import Confirm, state_word_begin
 
-        if self._out:
-            c = Confirm(step=s, check=state_word(self._state.modules()))
+        if self._out:  # the word is read on each stream's thread: no host sync here
+            c = Confirm(step=s, check=state_word_begin(self._state.modules()))
             for out in self._out.values():
                 out.offer(c)
         with self._lock:

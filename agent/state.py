@@ -11,8 +11,8 @@
 * ``TensorState.restore`` / ``FlatState.restore``: rebuild each state dict and call
   ``load_state_dict`` (module parameters keep their identity, so optimizers keep referencing
   them; an optimizer that never stepped adopts the received tensors without a copy).
-* ``checksum(buffers)`` (exact, ~30 GB/s on CPU) and ``digest(model)`` (a strided sample of
-  the parameters, for heartbeats). The wire: ``agent/transfer.py``.
+* ``checksum(buffers)`` (exact, ~30 GB/s on CPU). The heartbeat's cheap digest of the
+  parameters: ``agent/digests.py``. The wire: ``agent/transfer.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import Tensor
 _ALIGN = 64          # chunk boundaries (bytes): int64 views of chunks stay aligned
 _BLOCK = 1024        # int64 words per checksum block
 _M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # the tail's weight, as a signed int64
 
 
 class StateMismatch(Exception):
@@ -408,29 +409,40 @@ def _u8(buf: Tensor) -> Tensor:
     return buf.view(torch.uint8)
 
 
-def _checksum_u8(u8: Tensor) -> int:
-    """Exact checksum of a byte range whose start is 8-byte aligned: wrapping int64 sums of
-    1024-word blocks, combined plainly and weighted by block position, plus the length. Any
-    change of one 64-bit word changes it; so do swapped or misplaced blocks."""
+def checksum_words(u8: Tensor) -> Tensor:
+    """The two 64-bit sums of ``_checksum_u8`` as one int64 tensor of 2 on ``u8``'s device
+    (wrapping arithmetic: the same bits as the exact sums modulo 2**64): many of them are
+    read to the host at once (``shadow.state_word``), not 3 reads a tensor."""
     n = u8.numel()
     n8 = n - n % 8
-    s1 = s2 = 0
+    s1 = s2 = torch.zeros((), dtype=torch.int64, device=u8.device)
     if n8:
         w = u8[:n8].view(torch.int64)
         nb = w.numel() // _BLOCK
-        rest = int(w[nb * _BLOCK:].sum().item()) if w.numel() % _BLOCK else 0
+        rest = w[nb * _BLOCK:].sum()
         if nb:
             body = w[:nb * _BLOCK].view(nb, _BLOCK).sum(1)
-            s1 = int(body.sum().item())
             weights = torch.arange(1, nb + 1, dtype=torch.int64, device=body.device)
-            s2 = int((body * weights).sum().item())
-        s1 += rest
-        s2 += rest * (nb + 1)
-    if n8 != n:
-        tail = int.from_bytes(bytes(u8[n8:].cpu().tolist()), "little")
-        s1 += tail
-        s2 += tail * 0x9E3779B97F4A7C15
-    return (s1 & _M64) | ((s2 & _M64) << 64) | (n << 128)
+            s1, s2 = body.sum(), (body * weights).sum()
+        s1, s2 = s1 + rest, s2 + rest * (nb + 1)
+    if n8 != n:  # the last bytes as a little-endian word (zero-padded)
+        pad = torch.zeros(8, dtype=torch.uint8, device=u8.device)
+        pad[:n - n8] = u8[n8:]
+        tail = pad.view(torch.int64)[0]
+        s1, s2 = s1 + tail, s2 + tail * _GOLDEN
+    return torch.stack([s1, s2])
+
+
+def checksum_of(words: Sequence[int], nbytes: int) -> int:
+    """``_checksum_u8``'s value from ``checksum_words`` read to the host."""
+    return (words[0] & _M64) | ((words[1] & _M64) << 64) | (nbytes << 128)
+
+
+def _checksum_u8(u8: Tensor) -> int:
+    """Exact checksum of a byte range whose start is 8-byte aligned: wrapping int64 sums of
+    1024-word blocks, combined plainly and weighted by block position, plus the length. Any
+    change of one 64-bit word changes it; so do swapped or misplaced blocks. One read."""
+    return checksum_of(checksum_words(u8).tolist(), u8.numel())
 
 
 def checksum(buffers: Sequence[Tensor]) -> list[int]:
@@ -454,29 +466,3 @@ def _layout_hash(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> int:
     """Dtypes and shapes of a state's tensors, as a non-negative int62."""
     h = hashlib.blake2b(repr([(str(d), tuple(sh)) for d, sh in specs]).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 62) - 1)
-
-
-def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> str:
-    """Cheap hex digest of a strided sample (about ``samples`` elements in all) of the
-    parameters of ``model`` (or of a list of tensors). Equal states give equal digests; it is
-    a heartbeat hint, not a proof (use ``checksum`` for that)."""
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
-    params = [local(p) for p in params]
-    total = sum(p.numel() for p in params)
-    if not total:
-        return hashlib.blake2b(b"", digest_size=8).hexdigest()
-    h = hashlib.blake2b(digest_size=8)
-    pieces: dict[torch.dtype, list[Tensor]] = {}
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            if not n:
-                continue
-            k = max(1, min(n, samples * n // total))
-            flat = p.detach().reshape(-1)
-            pieces.setdefault(p.dtype, []).append(flat[:: max(1, n // k)][:k])
-        for dtype, ps in pieces.items():  # cat makes a fresh contiguous tensor
-            h.update(str(dtype).encode())
-            h.update(torch.cat(ps).view(torch.uint8).cpu().numpy().tobytes())
-    h.update(total.to_bytes(8, "little"))
-    return h.hexdigest()

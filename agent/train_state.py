@@ -40,6 +40,10 @@ class TrainState:
         # median): part of the state, so every rank (a promoted spare too) decides alike
         self.recent_losses: list[float] = []
         self.new_skip = False  # the last commit's step was skipped for the first time
+        from .digests import DigestSlot
+
+        # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py)
+        self.digests = DigestSlot(self.digest_begin)
 
     # ------------------------------------------------------------------ what is registered
     def register(self, **objs: Any) -> None:
@@ -206,10 +210,18 @@ class TrainState:
     # ------------------------------------------------------------------ checks
     def digest(self) -> str:
         """Cheap digest of the first module's parameters (a heartbeat hint)."""
-        from .state import digest
+        from .digests import digest
 
         mods = self.modules()
         return digest(mods[0]) if mods else ""
+
+    def digest_begin(self) -> Any:
+        """``digest()`` begun on the device, read later (``digests.PendingDigest``); None
+        where ``digest()`` is "". Must cover what ``digest()`` covers (tests/test_digests)."""
+        from .digests import digest_begin
+
+        mods = self.modules()
+        return digest_begin(mods[0]) if mods else None
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""

@@ -179,4 +179,5 @@ class Verifier:
         telemetry.mark(telemetry.SPAN_ROLLBACK, time.time(), step=s, restore_step=self.verified,
                        recomputed_steps=s - self.verified, reason=reason,
                        step_time=self._step_time or 0.0)
-        rt.update(now=True, step=state.last_committed, digest=state.digest())
+        rt.update(now=True, step=state.last_committed,
+                  digest=state.digests.note(state.last_committed, state.digest()))

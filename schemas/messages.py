@@ -166,6 +166,16 @@ class Heartbeat(Message):
     # to its gradient sync: not the wait for the others), what the health monitor compares
     # to find a straggler. Added 2026-12-06 (issue 32), optional.
     compute_time: Annotated[float, Field(ge=0)] | None = None
+    # the committed step ``digest`` was taken at, when not ``step``: agents compute it on
+    # the device and read it a step later, so a steady heartbeat carries the previous
+    # step's. None: ``step``'s. Added 2026-12-06 (issue 43), optional: older agents'
+    # heartbeats still validate and mean what they meant.
+    digest_step: Step | None = None
+
+    @property
+    def step_digest(self) -> str:
+        """The digest of ``step`` ("" when the digest names another step, or none)."""
+        return self.digest if self.digest_step in (None, self.step) else ""
 
 
 class Seen(BaseModel):

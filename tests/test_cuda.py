@@ -128,3 +128,37 @@ def test_the_verified_copy_is_made_on_a_side_stream_and_waited_for():
     assert torch.equal(model.weight, want)
     again = v._snapshot(st)  # written over in place
     assert [b.data_ptr() for b in again.buffers] == [b.data_ptr() for b in copy.buffers]
+
+
+def test_a_steady_cuda_step_makes_at_most_one_host_sync(nats_server):
+    """Issue 43 on a GPU: the heartbeat digest is begun on the device and read a step later,
+    rank 0's ``state_word`` is read off the training thread: at most one host sync a steady
+    step (the loss read), and every digest the heartbeat carried names its own step."""
+    from test_host_syncs import run_session
+
+    run_session(nats_server, "cuda")
+
+
+def test_an_nccl_wait_sleeps_on_an_event_and_still_aborts():
+    """Issue 43: NCCL waits are a helper thread on a blocking CUDA event, not sleep polling;
+    an abort set before the wait still abandons the group (Aborted), a world of one
+    completes."""
+    import threading
+
+    import torch.distributed as dist
+
+    from agent.collectives import AbortableGroup, Aborted, make_group
+
+    store = dist.HashStore()
+    pg = make_group(store, 0, 1, timeout_s=30.0, backend="nccl")
+    g = AbortableGroup(pg, slice_s=0.05, timeout_s=30.0)
+    t = torch.ones(1 << 20, device="cuda")
+    for _ in range(3):
+        g.allreduce_([t], None)
+    assert torch.equal(t, torch.ones_like(t)) and g.usable
+    abort = threading.Event()
+    pending = g.allreduce_start([t])
+    abort.set()  # the wait gives up on it (the communicator is aborted)
+    with pytest.raises(Aborted):
+        g.allreduce_finish(pending, abort)
+    assert not g.usable

@@ -110,7 +110,7 @@ class ViewPublisher:
             await self.bus.publish(self.bus.subjects.health, self._view(
                 chunk=i, chunks=len(chunks), live=[hb.pod for hb, _ in part],
                 gens=[hb.generation for hb, _ in part], steps=[hb.step for hb, _ in part],
-                digests=[hb.digest for hb, _ in part],
+                digests=[hb.step_digest for hb, _ in part],
                 ages=[min(3600.0, max(0.0, now - t)) for _, t in part]))
         self.published += 1
 

@@ -245,7 +245,7 @@ class StateBroker(Service):
             return
         if cur is None and len(self.pods) >= MAX_PODS:
             self._forget_old()
-        self.pods[hb.pod] = Committed(generation=hb.generation, step=hb.step, digest=hb.digest,
+        self.pods[hb.pod] = Committed(generation=hb.generation, step=hb.step, digest=hb.step_digest,
                                       rank=hb.rank, ts=time.time() - age)
         self._note_step(hb.pod, hb.step, self.plans.plan)
         if cur is None or cur.generation != hb.generation:

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 
 from agent.collectives import (AbortableGroup, Aborted, PeerError, abandoned,  # noqa: E402
                                grads_of, make_group)
-from agent.state import (StateMismatch, describe, destinations, digest,  # noqa: E402
-                         snapshot)
+from agent.digests import digest  # noqa: E402
+from agent.state import StateMismatch, describe, destinations, snapshot  # noqa: E402
 from agent.transfer import recv_state, send_state  # noqa: E402
 from agent.store import StoreLoop  # noqa: E402
 from plumbing.bus import Credentials  # noqa: E402

@@ -1,0 +1,145 @@
+"""Issue 43: the steady step makes at most one host sync (the loss read).
+
+A real single-process Session with a real ``Runtime`` (its NATS connection to a real
+nats-server) attached, so each commit runs the distributed commit's heartbeat update: the
+step's digest is begun on the device and read a step later, always labelled with its own
+step. Per step the test also runs what rank 0 adds while a spare follows (``state_word``).
+Host syncs are counted as operations that would wait for a GPU (tests/helpers/host_syncs.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.config import AgentConfig
+from agent.digests import DigestSlot, digest
+from agent.runtime import Runtime
+from agent.shadow import state_word, state_word_begin
+from agent.train_state import TrainState
+from helpers.host_syncs import counting
+
+pytestmark = pytest.mark.timeout(120)
+STEPS = 6
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.LayerNorm(64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+
+
+def _on_host(opt: torch.optim.Optimizer, device: str):
+    """Tensors in host memory whatever the model's device: a CUDA run's CPU tensors; the
+    optimizer's step counters (kept on the CPU unless ``capturable``/``fused``)."""
+    def on_host(t) -> bool:
+        if device != "cpu":
+            return t.device.type == "cpu"
+        return any(st.get("step") is not None and st["step"].data_ptr() == t.data_ptr()
+                   for st in opt.state.values())
+    return on_host
+
+
+def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
+                  ) -> tuple[list[int], list[tuple[int, str]]]:
+    """Syncs per step (the first, warm-up, step left out) and the digests the heartbeat
+    carried (step it names, digest); ``truth``: each step's digest, taken after it (not
+    counted)."""
+    per_step, seen = [], []
+    it = s.steps(total=STEPS)
+    while True:
+        with counting(on_host) as c:
+            try:
+                step = next(it)
+            except StopIteration:
+                break
+            for x, y in s.batches(data, micro_batch_size=4):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                s.backward(torch.nn.functional.mse_loss(model(x), y))
+            assert s.step()
+            # rank 0, each step while a spare follows (ShadowLeader.confirm); its stream
+            # thread reads the word
+            word = state_word_begin(s.state.modules())
+        assert word.result() == state_word(s.state.modules())
+        truth[step] = s.state.digest()  # the committed state, unchanged since the commit
+        hb = s.runtime.hb
+        assert hb.step == step
+        seen.append((step if hb.digest_step is None else hb.digest_step, hb.digest))
+        if step:
+            per_step.append(c.count)
+            assert c.count <= 1, f"step {step}: {c.count} host syncs: {c.where}"
+    return per_step, seen
+
+
+def run_session(nats_server, device: str) -> None:
+    import agent
+
+    model = _model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod="w0",
+                             creds_path=str(nats_server.creds_path), store_timeout=10.0))
+    rt.start()
+    truth: dict[int, str] = {}
+    try:
+        with agent.Session(global_batch_size=8) as s:
+            s.register(model=model, optimizer=opt)
+            s.runtime = rt  # the distributed commit's heartbeat update, on a real runtime
+            per_step, seen = _steady_syncs(s, model, data, device, truth, _on_host(opt, device))
+    finally:
+        rt.stop()
+    assert len(per_step) == STEPS - 1
+    # every digest the heartbeat carried is the digest of the step it names: the step
+    # itself (CPU: ready at once) or the one before (GPU: read a step later)
+    assert all(d == truth[named] for named, d in seen if d)
+    assert all(step - 1 <= named <= step for step, (named, _) in enumerate(seen))
+
+
+def test_a_steady_step_makes_at_most_one_host_sync(nats_server):
+    run_session(nats_server, "cpu")
+
+
+def test_digest_begun_on_the_device_is_the_digest():
+    """What the heartbeat carries (begun at the commit, read later) equals ``digest()`` (what
+    a recovery reports) for the same state: one majority digest at the broker."""
+    st = TrainState()
+    st.register(model=_model().to(torch.bfloat16).to(torch.float32))
+    pending = st.digest_begin()
+    assert pending.result() == st.digest() == digest(st.modules()[0])
+
+
+def test_a_digest_always_names_its_own_step():
+    class Late:
+        """A digest whose copy has not landed yet (a GPU behind the host)."""
+
+        def __init__(self, hexdigest: str, landed: bool = False) -> None:
+            self.hexdigest, self.landed = hexdigest, landed
+
+        def ready(self) -> bool:
+            return self.landed
+
+        def result(self) -> str:
+            self.landed = True  # waiting made it land
+            return self.hexdigest
+
+    queue: list[Late] = []
+    slot = DigestSlot(lambda: queue.pop(0))
+    queue.append(Late("aa"))
+    assert slot.commit(1) == {"digest": "", "digest_step": None}  # nothing read yet
+    queue.append(Late("bb"))
+    first = slot._pending[0][1]
+    first.landed = True
+    assert slot.commit(2) == {"digest": "aa", "digest_step": 1}  # step 1's, labelled so
+    assert slot.of(2) == "bb" and slot.of(1) == "aa" and slot.of(0) == ""  # waits for 2
+    queue.append(Late("cc", landed=True))
+    assert slot.commit(3) == {"digest": "cc", "digest_step": 3}
+    assert slot.note(7, "dd") == "dd" and slot.of(7) == "dd" and slot.of(3) == ""
+
+
+def test_heartbeat_digest_of_another_step_is_not_that_steps():
+    from schemas.messages import Heartbeat, Role
+
+    hb = Heartbeat(pod="w0", role=Role.worker, generation=1, step=5, digest="ab", digest_step=4)
+    assert hb.step_digest == ""
+    assert hb.model_copy(update={"digest_step": None}).step_digest == "ab"
+    assert Heartbeat.model_validate_json(hb.model_dump_json()).digest_step == 4
