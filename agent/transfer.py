@@ -24,7 +24,8 @@ windows.
 A recipient that received into its own tensors and then failed holds garbage: the caller
 must treat its state as lost (``TrainState.forget`` before receiving).
 
-Wire format per (source -> recipient), version 2 (``MAGIC``):
+Wire format per (source -> recipient), version 2 (``MAGIC``), in the order sent and received
+(NCCL matches a peer's sends and receives in order and ignores tags; gloo uses them):
   tag +0   int64[4] control: MAGIC, layout hash, skeleton bytes (first source, else 0), state bytes
   tag +1   uint8[skeleton bytes] pickle of the skeleton                 (first source only)
   tag +16+n  uint8 piece ``n`` of ``plan_pieces`` (the source it names)
@@ -257,11 +258,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     pieces = plan_pieces([s.nbytes for s in specs], k)
     per_source = {s: 0 for s in sources}
     per_source[sources[0]] += blob.numel()
-    # each source's checksums come after its pieces: posted now, compared at the end
     owned = [[n for n, p in enumerate(pieces) if p.source == i] for i in range(k)]
-    theirs = [torch.zeros(len(ns), 2, dtype=torch.int64, device=dev) for ns in owned]
-    trailer_works = [group.irecv(t, s, TAG_BASE + _TAG_SUMS)
-                     for t, s in zip(theirs, sources) if t.numel()]
     mine: dict[int, tuple[int, int]] = {}
     verify = [0.0]
 
@@ -291,7 +288,12 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i], k)
              for i in range(k)]
     _pipeline(group, lanes, post, done, abort, "state chunks", timeout_s)
-    group.wait_all(trailer_works, abort, "state checksums", timeout_s=timeout_s)
+    # Each source's checksums come after its pieces, and are received after them: NCCL
+    # matches a peer's messages in the order they were posted, whatever their tags.
+    theirs = [torch.zeros(len(ns), 2, dtype=torch.int64, device=dev) for ns in owned]
+    group.wait_all([group.irecv(t, s, TAG_BASE + _TAG_SUMS)
+                    for t, s in zip(theirs, sources) if t.numel()],
+                   abort, "state checksums", timeout_s=timeout_s)
     t_recv = time.perf_counter()
     if tamper is not None:
         tamper(tensors)

@@ -1,6 +1,8 @@
 """The state transfer (agent/transfer.py) and the state's descriptions (agent/state.py): the
 pieces cover every byte once, a recipient receives into its own tensors (no second copy of
-the state), over a real gloo group of threads of this process (an in-memory store)."""
+the state), over a real gloo group of threads of this process (an in-memory store) that
+matches sends and receives per peer in order, ignoring tags, as NCCL does
+(helpers/in_order.py: gloo alone honours tags and would hide a receive posted out of order)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,24 @@ def test_pieces_cover_every_byte_once_aligned(nbytes, k, piece):
     # a source's pieces are contiguous in the stream: stripes, not a scatter
     order = [p.source for p in pieces]
     assert order == sorted(order)
+
+
+def test_the_in_order_group_meets_a_receive_posted_out_of_order():
+    """The test group does what NCCL does: two messages, received in the other order than
+    they were sent, meet the wrong buffers (plain gloo matches them by tag)."""
+    def fn(r: int, g: AbortableGroup):
+        a, b = torch.zeros(4), torch.zeros(8)
+        if r == 0:
+            a += 1
+            b += 2
+            g.wait_all([g.isend(a, 1, 1), g.isend(b, 1, 2)], None, "send", timeout_s=5)
+            return None
+        g.wait_all([g.irecv(b, 0, 2), g.irecv(a, 0, 1)], None, "recv", timeout_s=5)
+        return a.sum().item(), b.sum().item()
+
+    assert run_ranks(fn, 2)[1] == (4.0, 16.0)  # gloo: by tag
+    with pytest.raises(AssertionError, match="NCCL matches in order"):
+        run_ranks(fn, 2, in_order=True)
 
 
 def _objs(seed: int, stepped: bool) -> dict:
@@ -96,7 +116,7 @@ def test_received_in_place_bitwise_with_small_pieces(monkeypatch, stepped_recipi
         return (extra, _flat(objs), before == [id(t) for t in objs["model"].parameters()],
                 opt_before == opt_after if stepped_recipient else True, got.stats)
 
-    out = run_ranks(fn, 3)
+    out = run_ranks(fn, 3, in_order=True)
     extra, flat, same_params, same_opt, stats = out[2]
     assert extra == {"step": 5} and flat == expect and same_params and same_opt
     assert out[0] > 0 and out[1] > 0  # both sources sent a stripe
@@ -116,7 +136,7 @@ def test_a_corrupted_piece_is_named_and_raises():
             recv_state(g, 1, [0], None, tamper=flip)
         return e.value.bad
 
-    assert run_ranks(fn, 2)[1] == [(0, 0)]
+    assert run_ranks(fn, 2, in_order=True)[1] == [(0, 0)]
 
 
 def test_a_live_description_holds_no_copy():
@@ -188,5 +208,5 @@ def test_one_source_serves_two_recipients_at_once(monkeypatch):
         recv_state(g, r, [0], None, into=lambda sk: destinations(objs, sk)).restore(objs)
         return _flat(objs)
 
-    out = run_ranks(fn, 3)
+    out = run_ranks(fn, 3, in_order=True)
     assert out[1] == expect and out[2] == expect and out[0] >= 2 * describe(src).nbytes
