@@ -11,8 +11,9 @@
 * ``TensorState.restore`` / ``FlatState.restore``: rebuild each state dict and call
   ``load_state_dict`` (module parameters keep their identity, so optimizers keep referencing
   them; an optimizer that never stepped adopts the received tensors without a copy).
-* ``checksum(buffers)`` (exact, ~30 GB/s on CPU) and ``digest(model)`` (a strided sample of
-  the parameters, for heartbeats). The wire: ``agent/transfer.py``.
+* ``checksum(buffers)`` (exact, ~30 GB/s on CPU) and ``digest(model or tensors)`` (a strided
+  sample, for heartbeats: of every registered object's state, ``digests.covered``). The
+  wire: ``agent/transfer.py``.
 """
 
 from __future__ import annotations
@@ -466,7 +467,7 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
     if not total:
         return hashlib.blake2b(b"", digest_size=8).hexdigest()
     h = hashlib.blake2b(digest_size=8)
-    pieces: dict[torch.dtype, list[Tensor]] = {}
+    pieces: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     with torch.no_grad():
         for p in params:
             n = p.numel()
@@ -474,8 +475,8 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
                 continue
             k = max(1, min(n, samples * n // total))
             flat = p.detach().reshape(-1)
-            pieces.setdefault(p.dtype, []).append(flat[:: max(1, n // k)][:k])
-        for dtype, ps in pieces.items():  # cat makes a fresh contiguous tensor
+            pieces.setdefault((p.dtype, p.device), []).append(flat[:: max(1, n // k)][:k])
+        for (dtype, _), ps in pieces.items():  # cat makes a fresh contiguous tensor
             h.update(str(dtype).encode())
             h.update(torch.cat(ps).view(torch.uint8).cpu().numpy().tobytes())
     h.update(total.to_bytes(8, "little"))

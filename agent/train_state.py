@@ -205,11 +205,14 @@ class TrainState:
 
     # ------------------------------------------------------------------ checks
     def digest(self) -> str:
-        """Cheap digest of the first module's parameters (a heartbeat hint)."""
+        """Cheap digest of every registered object's state (``digests.covered``: every
+        module's parameters, every optimizer's state, other objects' tensors), a sample
+        taken on the device: what the broker takes the majority of to choose sources."""
+        from .digests import covered
         from .state import digest
 
-        mods = self.modules()
-        return digest(mods[0]) if mods else ""
+        tensors = covered(self.objs)
+        return digest(tensors) if tensors else ""
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""

@@ -210,3 +210,72 @@ def test_one_source_serves_two_recipients_at_once(monkeypatch):
 
     out = run_ranks(fn, 3, in_order=True)
     assert out[1] == expect and out[2] == expect and out[0] >= 2 * describe(src).nbytes
+
+
+def _digest(objs: dict) -> str:
+    from agent.train_state import TrainState
+
+    ts = TrainState()
+    ts.register(**objs)
+    return ts.digest()
+
+
+def test_the_majority_digest_covers_every_registered_object():
+    """The digest the broker takes the majority of (to choose the sources) sees a
+    difference in the optimizer state or in a second module, not only in the first module's
+    parameters; module buffers stay out (they may differ per rank by design)."""
+    def two_modules(seed: int) -> dict:
+        objs = _objs(seed, stepped=True)
+        torch.manual_seed(seed + 1)
+        objs["head"] = torch.nn.Linear(8, 4)
+        return objs
+
+    a = two_modules(0)
+    base = _digest(a)
+    assert _digest(copy.deepcopy(a)) == base
+    opt_only = copy.deepcopy(a)
+    for s in opt_only["opt"].state.values():  # the moments differ, the parameters do not
+        s["exp_avg"].mul_(1.5)
+    assert _digest(opt_only) != base
+    head_only = copy.deepcopy(a)
+    with torch.no_grad():
+        head_only["head"].weight.add_(0.5)
+    assert _digest(head_only) != base
+    buffers = copy.deepcopy(a)
+    buffers["head"].register_buffer("stat", torch.full((3,), 7.0))
+    a["head"].register_buffer("stat", torch.zeros(3))
+    assert _digest(buffers) == _digest(a)
+
+
+@pytest.mark.parametrize("differ", ["optimizer", "second module"])
+def test_sources_holding_different_states_are_refused(differ):
+    """Two sources at the same step and layout whose states differ in one element of the
+    optimizer state (or of a second module): each stripe matches its own sender's checksums,
+    so before the header carried the state's digest the recipient accepted a mix of both.
+    It refuses them before anything else moves."""
+    a = _objs(0, stepped=True)
+    torch.manual_seed(5)
+    a["head"] = torch.nn.Linear(8, 4)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        if differ == "optimizer":
+            next(iter(b["opt"].state.values()))["exp_avg_sq"].view(-1)[-1] += 1.0
+        else:
+            b["head"].bias[-1] += 1.0
+    assert describe(a).layout_hash() == describe(b).layout_hash()
+
+    def fn(r: int, g: AbortableGroup):
+        if r < 2:
+            try:
+                return send_state(g, describe(a if r == 0 else b, {"step": 5}), r,
+                                  {2: [0, 1]}, None, timeout_s=20)
+            except Exception as e:  # the recipient refused and went away
+                return type(e).__name__
+        objs = _objs(3, stepped=False)
+        objs["head"] = torch.nn.Linear(8, 4)
+        with pytest.raises(StateMismatch, match="sources hold different states"):
+            recv_state(g, 2, [0, 1], None, timeout_s=20,
+                       into=lambda sk: destinations(objs, sk))
+        return "refused"
+
+    assert run_ranks(fn, 3, in_order=True)[2] == "refused"
