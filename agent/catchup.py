@@ -1,0 +1,109 @@
+"""What a pod missed while its NATS link was down: plans and transfer plans reach it as plain
+messages, and one published while it reconnects is gone. Left at that, the pod stays in the
+old generation until a timeout makes a second incident.
+
+* The plan: KV ``plan`` is the truth (the scaler writes it before publishing), followed with
+  a watch (``plumbing.bus.watch_key``: the current value first, again when the watch is
+  renewed) and read again whenever the connection came back.
+* The transfer plan (or state lost) of a generation: the job's JetStream stream keeps the
+  last message of each subject; the pod reads it back when its connection came back and
+  when it waited for one in vain (``Runtime.wait_transfer``). Only the current plan's
+  generation counts, and nothing older than that plan (the stream may hold an earlier
+  run's).
+
+It runs on the runtime's event loop and hands what it found to the runtime's own handlers,
+which drop what is stale or already known.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from schemas import PLAN_KEY
+from schemas.messages import Plan, StateLost, Transfer
+from plumbing import logs
+from plumbing.bus import Bus, Envelope, decode, watch_key
+
+log = logs.get("agent")
+
+Handler = Callable[[Any, Envelope], Awaitable[None]]  # the runtime's own handlers
+
+
+def _plan_of(raw: bytes) -> Plan | None:
+    try:
+        return decode(Plan, raw, "kv.plan")
+    except Exception as e:  # bad input: logged and dropped, the last good plan stays
+        log.warning("stored plan unreadable", error=str(e)[:200])
+        return None
+
+
+class CatchUp:
+    def __init__(self, bus: Bus, kv: Any, plan: Callable[[], Plan | None],
+                 adopt: Callable[[Plan], None], on_transfer: Handler, on_lost: Handler) -> None:
+        self.bus, self.kv = bus, kv
+        self._plan, self._adopt = plan, adopt
+        self._on_transfer, self._on_lost = on_transfer, on_lost
+        self._reconnects = self._count()
+
+    def _count(self) -> int:
+        try:
+            return int(self.bus.nc.stats.get("reconnects", 0))
+        except Exception:
+            return 0
+
+    async def after_reconnect(self) -> None:
+        """When the connection came back since the last call: the plan and its transfer
+        plan, whatever was missed meanwhile."""
+        n = self._count()
+        if n == self._reconnects:
+            return
+        self._reconnects = n
+        log.info("catching up on what the reconnect may have missed")
+        await self.read_plan()
+        await self.read_outcomes()
+
+    async def read_plan(self) -> None:
+        """The plan KV holds now, if any."""
+        try:
+            entry = await self.kv.get(PLAN_KEY)
+        except Exception:
+            return  # no plan yet (or no answer: the watch and the next reconnect retry)
+        plan = _plan_of(entry.value) if entry.value else None
+        if plan is not None:
+            self._adopt(plan)
+
+    async def follow_plan(self) -> None:
+        """Every plan KV holds from now on (runs until cancelled)."""
+        def on_value(raw: bytes) -> None:
+            plan = _plan_of(raw)
+            if plan is not None:
+                self._adopt(plan)
+
+        await watch_key(self.kv, PLAN_KEY, on_value, "plan")
+
+    async def read_outcomes(self) -> None:
+        """The current plan's transfer plan or state lost, if the stream holds one."""
+        s = self.bus.subjects
+        for subject, model, hand in ((s.transfer, Transfer, self._on_transfer),
+                                     (s.state_lost, StateLost, self._on_lost)):
+            try:
+                msg = await self.bus.js.get_last_msg(s.stream, subject)
+            except Exception:
+                continue  # none yet, or no stream: nothing to catch up on
+            try:
+                got = decode(model, msg.data, subject)
+            except Exception as e:
+                log.warning("stored message unreadable", subject=subject, error=str(e)[:200])
+                continue
+            plan = self._plan()
+            if plan is not None and got.generation == plan.generation and got.ts >= plan.ts:
+                await hand(got, Envelope(subject=subject, headers=dict(msg.headers or {}),
+                                         raw=msg))
+
+    def read_outcomes_from(self, submit: Callable[[Any], Any], timeout: float) -> None:
+        """``read_outcomes`` from another thread (``submit`` runs it on the loop), waited
+        for up to ``timeout``."""
+        try:
+            submit(self.read_outcomes()).result(timeout)
+        except Exception as e:
+            log.warning("could not read the last transfer plan", error=str(e)[:200])
