@@ -17,7 +17,10 @@ which drop what is stale or already known.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable
+
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from schemas import PLAN_KEY
 from schemas.messages import Plan, StateLost, Transfer
@@ -44,6 +47,7 @@ class CatchUp:
         self._plan, self._adopt = plan, adopt
         self._on_transfer, self._on_lost = on_transfer, on_lost
         self._reconnects = self._count()
+        self._task: asyncio.Task | None = None  # the catch-up after a reconnect, if running
 
     def _count(self) -> int:
         try:
@@ -51,26 +55,34 @@ class CatchUp:
         except Exception:
             return 0
 
-    async def after_reconnect(self) -> None:
-        """When the connection came back since the last call: the plan and its transfer
-        plan, whatever was missed meanwhile."""
+    def after_reconnect(self) -> None:
+        """When the connection came back since the last call: read the plan and its transfer
+        plan, whatever was missed meanwhile, in a task of its own (never in the caller's
+        way: the heartbeats go on while a restarted server's JetStream is not answering)."""
         n = self._count()
-        if n == self._reconnects:
+        if n == self._reconnects or (self._task is not None and not self._task.done()):
             return
         self._reconnects = n
         log.info("catching up on what the reconnect may have missed")
-        await self.read_plan()
-        await self.read_outcomes()
+        self._task = asyncio.create_task(self._until_read())
 
-    async def read_plan(self) -> None:
-        """The plan KV holds now, if any."""
+    async def _until_read(self) -> None:
+        while not (await self.read_plan() and await self.read_outcomes()):
+            await asyncio.sleep(1.0)  # no answer yet (JetStream starting): again
+
+    async def read_plan(self) -> bool:
+        """The plan KV holds now, if any. False: no answer (try again)."""
         try:
             entry = await self.kv.get(PLAN_KEY)
-        except Exception:
-            return  # no plan yet (or no answer: the watch and the next reconnect retry)
+        except (KeyNotFoundError, NotFoundError):
+            return True  # no plan yet
+        except Exception as e:
+            log.debug("plan not read", error=str(e)[:200])
+            return False
         plan = _plan_of(entry.value) if entry.value else None
         if plan is not None:
             self._adopt(plan)
+        return True
 
     async def follow_plan(self) -> None:
         """Every plan KV holds from now on (runs until cancelled)."""
@@ -81,15 +93,21 @@ class CatchUp:
 
         await watch_key(self.kv, PLAN_KEY, on_value, "plan")
 
-    async def read_outcomes(self) -> None:
-        """The current plan's transfer plan or state lost, if the stream holds one."""
+    async def read_outcomes(self) -> bool:
+        """The current plan's transfer plan or state lost, if the stream holds one. False: no
+        answer (try again)."""
+        ok = True
         s = self.bus.subjects
         for subject, model, hand in ((s.transfer, Transfer, self._on_transfer),
                                      (s.state_lost, StateLost, self._on_lost)):
             try:
                 msg = await self.bus.js.get_last_msg(s.stream, subject)
-            except Exception:
-                continue  # none yet, or no stream: nothing to catch up on
+            except NotFoundError:
+                continue  # none yet: nothing to catch up on
+            except Exception as e:
+                log.debug("stream not read", subject=subject, error=str(e)[:200])
+                ok = False
+                continue
             try:
                 got = decode(model, msg.data, subject)
             except Exception as e:
@@ -99,6 +117,7 @@ class CatchUp:
             if plan is not None and got.generation == plan.generation and got.ts >= plan.ts:
                 await hand(got, Envelope(subject=subject, headers=dict(msg.headers or {}),
                                          raw=msg))
+        return ok
 
     def read_outcomes_from(self, submit: Callable[[Any], Any], timeout: float) -> None:
         """``read_outcomes`` from another thread (``submit`` runs it on the loop), waited

@@ -363,7 +363,7 @@ class Runtime:
     async def _heartbeats(self, catch: CatchUp) -> None:
         while True:
             try:
-                await catch.after_reconnect()  # plain pushes are lost while reconnecting
+                catch.after_reconnect()  # plain pushes are lost while reconnecting
                 await self._send_heartbeat()
                 await self._report_if_stuck()
                 await self._report_if_stalled()
