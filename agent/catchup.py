@@ -29,6 +29,7 @@ from plumbing.bus import Bus, Envelope, decode, watch_key
 
 log = logs.get("agent")
 
+KV_GRACE_S = 0.5  # a plan seen in KV waits this long for its message (follow_plan)
 Handler = Callable[[Any, Envelope], Awaitable[None]]  # the runtime's own handlers
 
 
@@ -85,11 +86,16 @@ class CatchUp:
         return True
 
     async def follow_plan(self) -> None:
-        """Every plan KV holds from now on (runs until cancelled)."""
+        """Every plan KV holds from now on (runs until cancelled), each adopted after
+        ``KV_GRACE_S``: the scaler publishes a plan right after writing it, and the message
+        carries the trace context the incident's spans hang from, so it should come first
+        (the runtime keeps the first of a generation it sees)."""
+        loop = asyncio.get_running_loop()
+
         def on_value(raw: bytes) -> None:
             plan = _plan_of(raw)
             if plan is not None:
-                self._adopt(plan)
+                loop.call_later(KV_GRACE_S, self._adopt, plan)
 
         await watch_key(self.kv, PLAN_KEY, on_value, "plan")
 
