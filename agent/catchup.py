@@ -29,6 +29,7 @@ from plumbing.bus import Bus, Envelope, decode, watch_key
 
 log = logs.get("agent")
 
+READ_TRIES = 30  # after a reconnect, a second apart: a restarted server's JetStream is up
 KV_GRACE_S = 0.5  # a plan seen in KV waits this long for its message (follow_plan)
 Handler = Callable[[Any, Envelope], Awaitable[None]]  # the runtime's own handlers
 
@@ -68,8 +69,12 @@ class CatchUp:
         self._task = asyncio.create_task(self._until_read())
 
     async def _until_read(self) -> None:
-        while not (await self.read_plan() and await self.read_outcomes()):
-            await asyncio.sleep(1.0)  # no answer yet (JetStream starting): again
+        for _ in range(READ_TRIES):  # no answer yet (JetStream starting): again
+            if await self.read_plan() and await self.read_outcomes():
+                return
+            await asyncio.sleep(1.0)
+        log.warning("could not read the plan and transfer plan after a reconnect",
+                    tries=READ_TRIES)
 
     async def read_plan(self) -> bool:
         """The plan KV holds now, if any. False: no answer (try again)."""
