@@ -8,13 +8,29 @@ host sync (the loss read) came after that digest was queued. A digest always nam
 step (``Heartbeat.digest_step``), never the step it was reported with. Whoever needs the
 digest of one exact step (a prejoin's report to the state broker) asks ``of(step)``, which
 waits for it off the training thread. Two steps' digests at most are held (a few KB).
+
+What it covers, and the transfer's exact agreement check:
+
+* ``covered(objs)``: the tensors of every registered object's state: each module's
+  parameters (tied ones once; buffers left out: BatchNorm statistics may differ per rank by
+  design, as in ``verify.py``), each optimizer's state, and the tensors in any other
+  object's ``state_dict()`` (a user's extra). Sharded (FSDP2): this rank's shards.
+* ``digest(covered(objs))``: the cheap heartbeat digest the broker takes the majority
+  of, computed at every commit: a strided sample of all of them (the sample is taken on the
+  device; a few thousand elements reach the host).
+* ``exact(tensors)``: an int64 on the tensors' device, the sum of every tensor's bit patterns
+  as integers weighted by its index (exact and order-free: equal states give equal values on
+  any rank, one changed element changes it). No copy of the state: one pass over it on its
+  device, one number read back. A transfer's sources send it in their header, and a recipient
+  refuses sources that disagree (each stripe is checked against its own sender only: sources
+  holding different states would otherwise hand it a mix). Once per transfer, not per step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -24,30 +40,32 @@ from .state import local
 
 
 class PendingDigest:
-    """A ``digest`` begun on the device: the sampled bytes of every dtype in one small
-    device tensor, on its way to the host (``HostCopy``: no host sync when it is begun).
-    ``ready()`` asks without waiting; ``result()`` waits for it (a host sync only if the
+    """A ``digest`` begun on the device: the sampled bytes of every (dtype, device) group, one
+    small byte tensor per device, on its way to the host (``HostCopy``: no host sync when it is
+    begun; a CPU group, such as an optimizer's step counters beside CUDA parameters, is its own
+    copy). ``ready()`` asks without waiting; ``result()`` waits for it (a host sync only if the
     device has not got there yet) and hashes the bytes."""
 
-    def __init__(self, data: Tensor | None, parts: list[tuple[torch.dtype, int]],
+    def __init__(self, chunks: list[tuple[Tensor, list[tuple[torch.dtype, int]]]],
                  total: int) -> None:
-        self._parts, self._total = parts, total
-        self._copy = HostCopy(data) if data is not None else None
+        self._total = total
+        self._copies = [(HostCopy(data), parts) for data, parts in chunks]
         self._hex: str | None = None
 
     def ready(self) -> bool:
-        return self._copy is None or self._copy.ready()
+        return all(c.ready() for c, _ in self._copies)
 
     def result(self) -> str:
         if self._hex is None:
             h = hashlib.blake2b(digest_size=8)
-            if self._copy is not None:
-                raw = self._copy.get().numpy().tobytes()
+            for copy, parts in self._copies:
+                raw = copy.get().numpy().tobytes()
                 at = 0
-                for dtype, n in self._parts:
+                for dtype, n in parts:
                     h.update(str(dtype).encode())
                     h.update(raw[at:at + n])
                     at += n
+            if self._copies:
                 h.update(self._total.to_bytes(8, "little"))
             self._hex = h.hexdigest()
         return self._hex
@@ -56,13 +74,14 @@ class PendingDigest:
 def digest_begin(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096
                  ) -> PendingDigest:
     """``digest`` begun on the device, read later (``PendingDigest``): views and one
-    ``torch.cat`` per dtype into one small byte tensor, no per-parameter host copy."""
+    ``torch.cat`` per (dtype, device) into one small byte tensor per device, no per-tensor
+    host copy."""
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
     params = [local(p) for p in params]
     total = sum(p.numel() for p in params)
     if not total:
-        return PendingDigest(None, [], 0)
-    pieces: dict[torch.dtype, list[Tensor]] = {}
+        return PendingDigest([], 0)
+    pieces: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     with torch.no_grad():
         for p in params:
             n = p.numel()
@@ -70,13 +89,14 @@ def digest_begin(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096
                 continue
             k = max(1, min(n, samples * n // total))
             flat = p.detach().reshape(-1)
-            pieces.setdefault(p.dtype, []).append(flat[:: max(1, n // k)][:k])
-        # cat makes a fresh contiguous tensor per dtype; their bytes are then one tensor
-        per = [(dtype, torch.cat(ps).view(torch.uint8)) for dtype, ps in pieces.items()]
-        data = torch.cat([b for _, b in per]) if len(per) > 1 else per[0][1]
-    return PendingDigest(data, [(d, b.numel()) for d, b in per], total)
-
-
+            pieces.setdefault((p.dtype, p.device), []).append(flat[:: max(1, n // k)][:k])
+        # cat makes a fresh contiguous tensor per group; a device's groups are then one tensor
+        by_dev: dict[torch.device, list[tuple[torch.dtype, Tensor]]] = {}
+        for (dtype, dev), ps in pieces.items():
+            by_dev.setdefault(dev, []).append((dtype, torch.cat(ps).view(torch.uint8)))
+        chunks = [(torch.cat([b for _, b in per]) if len(per) > 1 else per[0][1],
+                   [(dt, b.numel()) for dt, b in per]) for per in by_dev.values()]
+    return PendingDigest(chunks, total)
 
 
 class DigestSlot:
@@ -125,3 +145,61 @@ def digest(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096) -> st
     a heartbeat hint, not a proof (use ``checksum`` for that). ``digest_begin`` is the same
     value read later."""
     return digest_begin(model, samples).result()
+
+
+_AS_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def covered(objs: Mapping[str, Any]) -> list[Tensor]:
+    """The tensors the digests cover, in registration order (see module docstring)."""
+    out: list[Tensor] = []
+    seen: set[int] = set()
+
+    def add(t: Tensor) -> None:
+        t = local(t)
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+
+    for o in objs.values():
+        if isinstance(o, torch.nn.Module):
+            for p in o.parameters():
+                add(p)
+        elif isinstance(o, torch.optim.Optimizer):
+            for st in o.state.values():
+                for v in st.values():
+                    if isinstance(v, Tensor):
+                        add(v)
+        elif hasattr(o, "state_dict"):
+            for t in _tensors_in(o.state_dict()):
+                add(t)
+    return out
+
+
+def _tensors_in(x: Any) -> Iterable[Tensor]:
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            yield from _tensors_in(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors_in(v)
+
+
+def exact(tensors: Iterable[Tensor]) -> Tensor:
+    """An int64 scalar on the first tensor's device (see module docstring); no host sync."""
+    acc: Tensor | None = None
+    for i, t in enumerate(tensors):
+        b = t.detach()
+        if acc is None:
+            acc = torch.zeros((), dtype=torch.int64, device=b.device)
+        if b.numel() == 0:
+            continue
+        b = b if b.is_contiguous() else b.contiguous()
+        if b.dtype == torch.bool:
+            b = b.view(torch.uint8)
+        x = b.view(_AS_INT[b.element_size()]) if b.element_size() in _AS_INT else \
+            b.reshape(-1).view(torch.uint8)
+        acc += x.sum(dtype=torch.int64).to(acc.device) * (i + 1)
+    return acc if acc is not None else torch.zeros((), dtype=torch.int64)

@@ -6,13 +6,13 @@ generations can coexist in one process, e.g. a new group is built while a collec
 old one is still stuck on a stopped peer. ``make_group_abortable`` builds it in a helper
 thread and gives up when the caller's abort event is set. ``choose_backend`` picks gloo or
 NCCL from where the tensors live. A group (or work) that may still be pending on a stuck
-peer is never destroyed (its destructor would block): it is parked in a module-level
-graveyard (``_park``, ``abandoned``). The collectives over a group: ``collectives.py``.
+peer is not destroyed on the spot (its destructor would block): it is parked in the
+graveyard (``graveyard.py``: ``_park``, ``abandoned``; ``reap`` frees it once it cannot
+block). The collectives over a group: ``collectives.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from datetime import timedelta
@@ -21,15 +21,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .graveyard import abandoned, park, reap  # noqa: F401  (re-exported)
 from .vocab import Aborted
 
 DEFAULT_SLICE_S = 0.05
 
 # ---------------------------------------------------------------------------- group creation
 _GROUP_META: dict[int, dict[str, Any]] = {}   # id(pg) -> store/timeout, picked up by the wrapper
-_GRAVEYARD: list[Any] = []                    # groups (and works) that must never be destroyed
-_GRAVEYARD_LOCK = threading.Lock()
-_INCREFD: dict[int, bool] = {}                # parked objects given an extra reference
 
 
 _CUDA_DEVICE: list[torch.device] = []          # the job's CUDA device (bind_device)
@@ -235,50 +233,14 @@ def make_group_abortable(store: dist.Store, rank: int, world_size: int, abort: t
     return job.result
 
 
-def abandoned() -> int:
-    """How many groups this process parked because an operation was still pending. While
-    any is stuck on a live (e.g. stopped) peer the interpreter may not exit cleanly: finish
-    such a process with ``os._exit(code)`` after flushing logs."""
-    with _GRAVEYARD_LOCK:
-        return sum(1 for x in _GRAVEYARD if not isinstance(x, dist.Work))
-
-
-def reap() -> int:
-    """Let go of the parked works that have finished (failed on a dead peer, or done): what
-    they hold (gradient buckets, transfer pieces) is freed, instead of one gradient's worth
-    kept per aborted generation for the life of the process (issue 34). Works still pending
-    (a stopped peer) and the groups themselves stay parked. Returns how many went."""
-    with _GRAVEYARD_LOCK:
-        done = [o for o in _GRAVEYARD if isinstance(o, dist.Work) and _finished(o)]
-        if not done:
-            return 0
-        ids = {id(o) for o in done}
-        _GRAVEYARD[:] = [o for o in _GRAVEYARD if id(o) not in ids]
-    for o in done:
-        if _INCREFD.pop(id(o), None) is not None:
-            ctypes.pythonapi.Py_DecRef(ctypes.py_object(o))  # the reference _park added
-    return len(done)
-
-
-def _finished(w: Any) -> bool:
-    try:
-        return bool(w.is_completed())
-    except Exception:
-        return False
-
-
-def _park(*objs: Any) -> None:
-    """Keep objects alive (their destructors may block on a stuck peer); ``reap`` lets
-    finished works go."""
-    with _GRAVEYARD_LOCK:
-        for o in objs:
-            if o is None:
-                continue
-            _GRAVEYARD.append(o)
-            try:  # survive interpreter teardown too: a destructor there would hang the exit
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
-                _INCREFD[id(o)] = True
-            except Exception:
-                pass
+def _park(pg: Any, works: Any = (), *, nccl: bool | None = None, keep: Any = None) -> None:
+    """Park a group built by ``make_group`` (and its pending ``works``) in the graveyard
+    (``graveyard.py``) instead of destroying it; what it needs while it lives (its store,
+    ``keep``) is held until it is freed. ``nccl`` None: from the group's metadata."""
+    meta = _GROUP_META.pop(id(pg), None) or {}
+    if nccl is None:
+        nccl = meta.get("backend") == "nccl"
+    held = (meta, keep)
+    park(pg, list(works), gloo=not nccl, on_free=lambda: held)
 
 

@@ -108,8 +108,8 @@ class Prejoin:
             rt.notify()
 
     def drop(self) -> None:
-        """Nobody will use this group: park it (now or once built), never destroy it (the
-        destructor would join threads stuck on a dead peer)."""
+        """Nobody will use this group: park it (now or once built), not destroyed here (the
+        destructor would join threads stuck on a dead peer): ``reap`` frees it."""
         self._dropped = True
         if self.group_ready.is_set():
             self._park()

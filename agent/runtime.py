@@ -28,9 +28,10 @@ from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan,
                               ReportKind, StateLost, Transfer, now)
 from plumbing import logs
 from plumbing.aio import cancel_all
-from plumbing.bus import Bus, Credentials, Envelope, decode, watch_key
+from plumbing.bus import Bus, Credentials, Envelope, watch_key
 
 from .buckets import Bucket
+from .catchup import CatchUp
 from .config import AgentConfig
 from .groups import reap
 from .inject import Inbox, answer
@@ -54,6 +55,7 @@ class Runtime:
         self.kv: Bucket | None = None      # the job's KV (done, solo), once started
         self.stores: Bucket | None = None  # the store bucket: rendezvous, shadow requests
         self._thread: threading.Thread | None = None
+        self._catch: CatchUp | None = None  # what a reconnect missed (agent/catchup.py)
         self._ready = threading.Event()
         self._stopping: asyncio.Event | None = None
         self._error: BaseException | None = None
@@ -158,13 +160,15 @@ class Runtime:
         await bus.subscribe(s.transfer, Transfer, self._on_transfer)
         await bus.subscribe(s.state_lost, StateLost, self._on_lost)
         await bus.subscribe(s.inject, Inject, self._on_inject)
-        await self._load_plan()
-        hb_task = asyncio.create_task(self._heartbeats())
-        done_task = asyncio.create_task(self._watch_done())
-        ckpt_task = asyncio.create_task(self._watch_checkpoint_request())
+        self._catch = c = CatchUp(bus, self._kv, lambda: self.plan, self._adopt_stored,
+                                  self._on_transfer, self._on_lost)
+        await c.read_plan()
+        tasks = [asyncio.create_task(t) for t in (self._heartbeats(c), self._watch_done(),
+                                                  self._watch_checkpoint_request(),
+                                                  c.follow_plan())]
         self._ready.set()
         await self._stopping.wait()
-        await cancel_all([hb_task, done_task, ckpt_task])
+        await cancel_all(tasks)
         try:  # the final state (done / leaving); injections whose step never came, refused
             await self._send_heartbeat()
             for d in self.injections.left(self._hb.step):
@@ -181,16 +185,7 @@ class Runtime:
         await cancel_all([t for t in asyncio.all_tasks() if t is not me])
 
     # ------------------------------------------------------------------ inbound
-    async def _load_plan(self) -> None:
-        try:
-            entry = await self._kv.get("plan")
-        except Exception:
-            return  # no plan yet
-        try:
-            plan = decode(Plan, entry.value, self.bus.subjects.plan)
-        except Exception as e:
-            log.warning("stored plan unreadable", error=str(e)[:200])
-            return
+    def _adopt_stored(self, plan: Plan) -> None:  # read from KV: no trace context
         self._adopt_plan(plan, otel_context.Context())
 
     async def _on_plan(self, plan: Plan, env: Envelope) -> None:
@@ -365,9 +360,10 @@ class Runtime:
         await watch_key(self._kv, CHECKPOINT_REQUEST_KEY, note, "checkpoint request")
 
     # ------------------------------------------------------------------ outbound
-    async def _heartbeats(self) -> None:
+    async def _heartbeats(self, catch: CatchUp) -> None:
         while True:
             try:
+                catch.after_reconnect()  # plain pushes are lost while reconnecting
                 await self._send_heartbeat()
                 await self._report_if_stuck()
                 await self._report_if_stalled()
@@ -465,7 +461,11 @@ class Runtime:
                 return Arrival("transfer", transfer=t, ctx=ctx)
             return Arrival("abort") if self.abort.is_set() else None
 
-        return self._wait(ready, timeout)
+        got = self._wait(ready, timeout)
+        if got is None and self._catch is not None:  # missed? the stream keeps the last one
+            self._catch.read_outcomes_from(self.submit, self.cfg.store_timeout)
+            got = self._wait(ready, 0)
+        return got
 
     def _wait(self, pred: Callable[[], Any], timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout

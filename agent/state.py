@@ -11,8 +11,8 @@
 * ``TensorState.restore`` / ``FlatState.restore``: rebuild each state dict and call
   ``load_state_dict`` (module parameters keep their identity, so optimizers keep referencing
   them; an optimizer that never stepped adopts the received tensors without a copy).
-* ``checksum(buffers)`` (exact, ~30 GB/s on CPU). The heartbeat's cheap digest of the
-  parameters: ``agent/digests.py``. The wire: ``agent/transfer.py``.
+* ``checksum(buffers)`` (exact, ~30 GB/s on CPU). The heartbeat's cheap digest of every
+  registered object's state: ``agent/digests.py``. The wire: ``agent/transfer.py``.
 """
 
 from __future__ import annotations

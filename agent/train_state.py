@@ -209,19 +209,21 @@ class TrainState:
 
     # ------------------------------------------------------------------ checks
     def digest(self) -> str:
-        """Cheap digest of the first module's parameters (a heartbeat hint)."""
-        from .digests import digest
+        """Cheap digest of every registered object's state (``digests.covered``: every
+        module's parameters, every optimizer's state, other objects' tensors), a sample
+        taken on the device: what the broker takes the majority of to choose sources."""
+        from .digests import covered, digest
 
-        mods = self.modules()
-        return digest(mods[0]) if mods else ""
+        tensors = covered(self.objs)
+        return digest(tensors) if tensors else ""
 
     def digest_begin(self) -> Any:
         """``digest()`` begun on the device, read later (``digests.PendingDigest``); None
         where ``digest()`` is "". Must cover what ``digest()`` covers (tests/test_digests)."""
-        from .digests import digest_begin
+        from .digests import covered, digest_begin
 
-        mods = self.modules()
-        return digest_begin(mods[0]) if mods else None
+        tensors = covered(self.objs)
+        return digest_begin(tensors) if tensors else None
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""

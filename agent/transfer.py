@@ -24,8 +24,15 @@ windows.
 A recipient that received into its own tensors and then failed holds garbage: the caller
 must treat its state as lost (``TrainState.forget`` before receiving).
 
-Wire format per (source -> recipient), version 2 (``MAGIC``):
-  tag +0   int64[4] control: MAGIC, layout hash, skeleton bytes (first source, else 0), state bytes
+Each source's header carries ``digests.exact`` of the tensors it sends (computed on their
+device, one number read back): the recipient refuses sources that disagree before anything
+else moves, since each stripe is checked against its own sender only and sources holding
+different states (optimizer state, a second module) would hand it a mix.
+
+Wire format per (source -> recipient), version 3 (``MAGIC``), in the order sent and received
+(NCCL matches a peer's sends and receives in order and ignores tags; gloo uses them):
+  tag +0   int64[5] control: MAGIC, layout hash, skeleton bytes (first source, else 0), state
+           bytes, exact digest of the state
   tag +1   uint8[skeleton bytes] pickle of the skeleton                 (first source only)
   tag +16+n  uint8 piece ``n`` of ``plan_pieces`` (the source it names)
   tag +2   int64[pieces of this source, 2] their checksums, in piece order (after them)
@@ -42,10 +49,11 @@ import torch
 from torch import Tensor
 
 from .collectives import on_wire
+from .digests import exact
 from .state import (_ALIGN, FlatState, StateMismatch, TensorSpec, TensorState,
                     _checksum_u8, _layout_hash, chunk_bounds)
 
-MAGIC = 0x6365_6173_6532  # "ceas" "e2": per-tensor pieces
+MAGIC = 0x6365_6173_6533  # "ceas" "e3": per-tensor pieces, the state's digest in the header
 TAG_BASE = 0x3EA0_0000
 _TAG_CTRL, _TAG_SKEL, _TAG_SUMS, _TAG_PIECE = 0, 1, 2, 16
 _M64 = (1 << 64) - 1
@@ -168,6 +176,7 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
     st = _as_tensors(state)
     dev = group.device
     lh, nbytes = st.layout_hash(), [s.nbytes for s in st.specs]
+    agreed: int | None = None  # the state's exact digest, once, if any recipient needs it
     sums: dict[tuple[int, int], tuple[int, int]] = {}  # (sources, piece) -> checksum words
     heads: list[Any] = []
     keep: list[Tensor] = []  # tensors outlive their sends
@@ -184,8 +193,10 @@ def send_state(group: Any, state: TensorState | FlatState, my_rank: int,
         if i == 0:
             payload = pickle.dumps(st.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
             blob = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-        ctrl = torch.tensor([MAGIC, lh, 0 if blob is None else blob.numel(), st.nbytes],
-                            dtype=torch.int64, device=dev)
+        if agreed is None:
+            agreed = int(exact(st.tensors))
+        ctrl = torch.tensor([MAGIC, lh, 0 if blob is None else blob.numel(), st.nbytes,
+                             agreed], dtype=torch.int64, device=dev)
         heads.append(group.isend(ctrl, r, TAG_BASE + _TAG_CTRL))
         keep.append(ctrl)
         if blob is not None:
@@ -236,7 +247,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     if not sources or my_rank in sources:
         raise ValueError(f"bad sources {sources} for recipient {my_rank}")
     dev = group.device
-    ctrls = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in sources]
+    ctrls = [torch.zeros(5, dtype=torch.int64, device=dev) for _ in sources]
     group.wait_all([group.irecv(c, s, TAG_BASE + _TAG_CTRL) for c, s in zip(ctrls, sources)],
                    abort, "state header", timeout_s=timeout_s)
     heads = [c.cpu().tolist() for c in ctrls]
@@ -246,6 +257,10 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     if len({h[1] for h in heads}) != 1 or len({h[3] for h in heads}) != 1:
         raise StateMismatch("sources hold different state layouts: " + ", ".join(
             f"rank {s}: hash {h[1]:x}, {h[3]} bytes" for s, h in zip(sources, heads)))
+    if len({h[4] for h in heads}) != 1:
+        raise StateMismatch("sources hold different states (same layout, other values): " +
+                            ", ".join(f"rank {s}: digest {h[4] & _M64:016x}"
+                                      for s, h in zip(sources, heads)))
     blob = torch.empty(heads[0][2], dtype=torch.uint8, device=dev)
     group.wait_all([group.irecv(blob, sources[0], TAG_BASE + _TAG_SKEL)], abort,
                    "state skeleton", timeout_s=timeout_s)
@@ -259,11 +274,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     pieces = plan_pieces([s.nbytes for s in specs], k)
     per_source = {s: 0 for s in sources}
     per_source[sources[0]] += blob.numel()
-    # each source's checksums come after its pieces: posted now, compared at the end
     owned = [[n for n, p in enumerate(pieces) if p.source == i] for i in range(k)]
-    theirs = [torch.zeros(len(ns), 2, dtype=torch.int64, device=dev) for ns in owned]
-    trailer_works = [group.irecv(t, s, TAG_BASE + _TAG_SUMS)
-                     for t, s in zip(theirs, sources) if t.numel()]
     mine: dict[int, tuple[int, int]] = {}
     verify = [0.0]
 
@@ -299,7 +310,12 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i], k)
              for i in range(k)]
     _pipeline(group, lanes, post, done, abort, "state chunks", timeout_s)
-    group.wait_all(trailer_works, abort, "state checksums", timeout_s=timeout_s)
+    # Each source's checksums come after its pieces, and are received after them: NCCL
+    # matches a peer's messages in the order they were posted, whatever their tags.
+    theirs = [torch.zeros(len(ns), 2, dtype=torch.int64, device=dev) for ns in owned]
+    group.wait_all([group.irecv(t, s, TAG_BASE + _TAG_SUMS)
+                    for t, s in zip(theirs, sources) if t.numel()],
+                   abort, "state checksums", timeout_s=timeout_s)
     t_recv = time.perf_counter()
     if tamper is not None:
         tamper(tensors)

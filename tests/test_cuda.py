@@ -162,3 +162,36 @@ def test_an_nccl_wait_sleeps_on_an_event_and_still_aborts():
     with pytest.raises(Aborted):
         g.allreduce_finish(pending, abort)
     assert not g.usable
+
+
+def test_the_digests_cover_cuda_state_on_its_device():
+    """The majority digest and the transfer's exact digest of a CUDA model and its optimizer
+    (Adam's step counters stay on the CPU): computed where the tensors are (the exact one
+    equal to its value over host copies), and an optimizer-only difference changes both."""
+    import copy
+
+    from agent.digests import covered, exact
+    from agent.train_state import TrainState
+
+    def objs(dev: str) -> dict:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(16, 8).to(dev)
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+        m(torch.randn(4, 16, device=dev)).pow(2).mean().backward()
+        o.step()
+        return {"model": m, "opt": o}
+
+    def both(o: dict) -> tuple[str, int]:
+        ts = TrainState()
+        ts.register(**o)
+        return ts.digest(), int(exact(covered(o)))
+
+    gpu = objs("cuda")
+    assert {t.device.type for t in covered(gpu)} == {"cuda", "cpu"}  # the step counters
+    d0, e0 = both(gpu)
+    assert d0 and e0 == int(exact([t.cpu() for t in covered(gpu)]))
+    other = copy.deepcopy(gpu)
+    for st in other["opt"].state.values():
+        st["exp_avg"].mul_(1.5)
+    d1, e1 = both(other)
+    assert d1 != d0 and e1 != e0

@@ -10,6 +10,7 @@ during a step means) is checked as the pure function it is.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -34,8 +35,8 @@ def plan(g: int, members: list[str], spares: tuple[str, ...] = (), apply_step: i
                 **kw)
 
 
-def pod(nats_server, name: str = "p0") -> tuple[Runtime, Membership]:
-    cfg = AgentConfig(nats_url=nats_server.url, job="test", pod=name,
+def pod(nats_server, name: str = "p0", url: str | None = None) -> tuple[Runtime, Membership]:
+    cfg = AgentConfig(nats_url=url or nats_server.url, job="test", pod=name,
                       creds_path=str(nats_server.creds_path), collective_timeout=10.0,
                       store_timeout=10.0, recovery_timeout=10.0, shadow_spares=False,
                       exit_on_release=False)
@@ -48,6 +49,26 @@ def pod(nats_server, name: str = "p0") -> tuple[Runtime, Membership]:
 
 async def in_thread(fn, *a):
     return await asyncio.wait_for(asyncio.to_thread(fn, *a), 30)
+
+
+async def in_daemon(fn, timeout: float = 30.0):
+    """``fn()`` on a daemon thread: one that never returns (a wait for a plan that never
+    comes) fails the test after ``timeout`` and does not hold the interpreter's exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def run() -> None:
+        try:
+            r = fn()
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+        except BaseException as e:  # noqa: BLE001
+            try:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            except RuntimeError:  # the loop is gone: the test failed already
+                pass
+
+    threading.Thread(target=run, daemon=True).start()
+    return await asyncio.wait_for(fut, timeout)
 
 
 async def until(pred, what: str, timeout: float = 10.0) -> None:
@@ -100,6 +121,64 @@ async def test_join_discard_recover_and_finish_as_a_spare(bus, nats_server):
     finally:
         m.close_group()
         rt.stop()
+
+
+async def test_a_plan_and_its_transfer_missed_while_reconnecting_are_caught_up(bus, nats_server):
+    """Plans and transfers reach a pod as plain NATS messages: one published while its link
+    to the server is down is gone. The pod follows KV ``plan`` (the scaler writes it before
+    publishing) and reads the last transfer back from the job's stream, so it enters the
+    new generation once its link is back, instead of staying in the old one until a
+    timeout makes a second incident."""
+    from helpers.cut import Cut
+
+    s = bus.subjects
+    kv = await bus.kv()
+
+    async def publish_plan(p: Plan) -> None:  # as the scaler does: KV first, then the subject
+        await kv.put("plan", p.model_dump_json().encode())
+        await bus.publish(s.plan, p)
+
+    with Cut(nats_server.url) as link:
+        rt, m = pod(nats_server, url=link.url)
+
+        def fallback(why: str) -> None:  # the pod would leave the process: fail the test
+            raise AssertionError(f"the pod gave up: {why}")
+
+        m.fallback = fallback
+        try:
+            joining = asyncio.ensure_future(in_daemon(m.recover))
+            await publish_plan(plan(1, ["p0"]))
+            await until(lambda: rt.hb.generation == 1, "generation 1")
+            await bus.publish(s.transfer, Transfer(generation=1, restore_step=-1, sources={}))
+            assert await joining is True
+
+            m.discard("test: a peer failed")
+            link.cut()
+            await until(lambda: not rt.bus.nc.is_connected, "the pod to lose its link")
+            await publish_plan(plan(2, ["p0"]))
+            await bus.publish(s.transfer, Transfer(generation=2, restore_step=-1, sources={}))
+            again = asyncio.ensure_future(in_daemon(m.after_discard))
+            link.restore()
+            assert await again is True
+            assert (m.phase, m.generation) == (Phase.MEMBER, 2)
+            assert link.accepted >= 2  # it did reconnect (the same server, a new link)
+
+            # the link breaks again once the pod built generation 3's group and waits for
+            # the transfer plan: it misses only that, published meanwhile
+            m.discard("test: another peer failed")
+            again = asyncio.ensure_future(in_daemon(m.after_discard))
+            await publish_plan(plan(3, ["p0"]))
+            await until(lambda: rt.hb.generation == 3 and m.group is not None,
+                        "generation 3's group")
+            link.cut()
+            await until(lambda: not rt.bus.nc.is_connected, "the pod to lose its link")
+            await bus.publish(s.transfer, Transfer(generation=3, restore_step=-1, sources={}))
+            link.restore()
+            assert await again is True
+            assert (m.phase, m.generation) == (Phase.MEMBER, 3)
+        finally:
+            m.close_group()
+            rt.stop()
 
 
 async def test_a_plan_without_this_member_releases_it(bus, nats_server):

@@ -92,6 +92,33 @@ async def test_agent_cannot_publish_plan_or_inject(role_server):
     await op.close()
 
 
+async def test_an_agent_reads_the_last_transfer_plan_of_the_stream(role_server):
+    """What a pod missed while reconnecting is read back from the job's stream (the
+    transfer plan: agent/catchup.py); reading is all it may do there."""
+    from nats.js.errors import NotFoundError
+
+    from schemas.messages import Transfer
+
+    srv, roles, _ = role_server
+    s = Subjects(JOB)
+    op = await Bus.connect(srv.url, JOB, "operator", roles["operator"][1])
+    broker = await Bus.connect(srv.url, JOB, "state_broker", roles["state_broker"][1])
+    agent = await Bus.connect(srv.url, JOB, "agent", roles["agent"][1])
+    try:
+        await op.ensure_stream()
+        with pytest.raises(NotFoundError):  # none yet: an answer, not a violation
+            await asyncio.wait_for(agent.js.get_last_msg(s.stream, s.transfer), 5.0)
+        await broker.publish(s.transfer, Transfer(generation=3, restore_step=7, sources={}))
+        await broker.nc.flush()
+        msg = await asyncio.wait_for(agent.js.get_last_msg(s.stream, s.transfer), 5.0)
+        assert Transfer.model_validate_json(msg.data).generation == 3
+        with pytest.raises(Exception):  # still no publishing there
+            await asyncio.wait_for(agent.js.publish(s.transfer, b"{}"), 2.0)
+    finally:
+        for b in (agent, broker, op):
+            await b.close()
+
+
 async def test_services_keep_to_their_subjects(role_server):
     srv, roles, server_log = role_server
     s = Subjects(JOB)

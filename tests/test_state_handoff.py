@@ -1,6 +1,8 @@
 """Peer-to-peer state handoff over a real gloo group: a recipient with a different init and
 an unstepped optimizer ends up bitwise equal to the sources, one source or striped over
-several; a corrupted chunk is detected and named; a big state arrives intact."""
+several; a corrupted chunk is detected and named; a big state arrives intact. The group
+matches sends and receives per peer in order, ignoring tags, as NCCL does
+(helpers/in_order.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ pytestmark = [pytest.mark.timeout(240)]
 
 def test_state_handoff(nats_server):
     world = 3
-    with Group("state", world, dict(nats_cfg(nats_server), mb=32)) as g:
+    with Group("state", world, dict(nats_cfg(nats_server), mb=32, in_order=True)) as g:
         phases = [g.expect_all("phase", timeout=120) for _ in range(4)]
         timing = g.expect_all("timing", timeout=120)
         g.expect_all("done", timeout=30)

@@ -1,6 +1,8 @@
 """The state transfer (agent/transfer.py) and the state's descriptions (agent/state.py): the
 pieces cover every byte once, a recipient receives into its own tensors (no second copy of
-the state), over a real gloo group of threads of this process (an in-memory store)."""
+the state), over a real gloo group of threads of this process (an in-memory store) that
+matches sends and receives per peer in order, ignoring tags, as NCCL does
+(helpers/in_order.py: gloo alone honours tags and would hide a receive posted out of order)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,24 @@ def test_pieces_cover_every_byte_once_aligned(nbytes, k, piece):
     # a source's pieces are contiguous in the stream: stripes, not a scatter
     order = [p.source for p in pieces]
     assert order == sorted(order)
+
+
+def test_the_in_order_group_meets_a_receive_posted_out_of_order():
+    """The test group does what NCCL does: two messages, received in the other order than
+    they were sent, meet the wrong buffers (plain gloo matches them by tag)."""
+    def fn(r: int, g: AbortableGroup):
+        a, b = torch.zeros(4), torch.zeros(8)
+        if r == 0:
+            a += 1
+            b += 2
+            g.wait_all([g.isend(a, 1, 1), g.isend(b, 1, 2)], None, "send", timeout_s=5)
+            return None
+        g.wait_all([g.irecv(b, 0, 2), g.irecv(a, 0, 1)], None, "recv", timeout_s=5)
+        return a.sum().item(), b.sum().item()
+
+    assert run_ranks(fn, 2)[1] == (4.0, 16.0)  # gloo: by tag
+    with pytest.raises(AssertionError, match="NCCL matches in order"):
+        run_ranks(fn, 2, in_order=True)
 
 
 def _objs(seed: int, stepped: bool) -> dict:
@@ -96,7 +116,7 @@ def test_received_in_place_bitwise_with_small_pieces(monkeypatch, stepped_recipi
         return (extra, _flat(objs), before == [id(t) for t in objs["model"].parameters()],
                 opt_before == opt_after if stepped_recipient else True, got.stats)
 
-    out = run_ranks(fn, 3)
+    out = run_ranks(fn, 3, in_order=True)
     extra, flat, same_params, same_opt, stats = out[2]
     assert extra == {"step": 5} and flat == expect and same_params and same_opt
     assert out[0] > 0 and out[1] > 0  # both sources sent a stripe
@@ -116,7 +136,7 @@ def test_a_corrupted_piece_is_named_and_raises():
             recv_state(g, 1, [0], None, tamper=flip)
         return e.value.bad
 
-    assert run_ranks(fn, 2)[1] == [(0, 0)]
+    assert run_ranks(fn, 2, in_order=True)[1] == [(0, 0)]
 
 
 def test_a_live_description_holds_no_copy():
@@ -188,7 +208,7 @@ def test_one_source_serves_two_recipients_at_once(monkeypatch):
         recv_state(g, r, [0], None, into=lambda sk: destinations(objs, sk)).restore(objs)
         return _flat(objs)
 
-    out = run_ranks(fn, 3)
+    out = run_ranks(fn, 3, in_order=True)
     assert out[1] == expect and out[2] == expect and out[0] >= 2 * describe(src).nbytes
 
 
@@ -253,3 +273,72 @@ def test_a_transfer_that_fails_after_landing_holds_no_step(monkeypatch):
         return st.last_committed
 
     assert run_ranks(fn, 2)[1] == -1 and calls == [4]  # once, before the first write
+
+
+def _digest(objs: dict) -> str:
+    from agent.train_state import TrainState
+
+    ts = TrainState()
+    ts.register(**objs)
+    return ts.digest()
+
+
+def test_the_majority_digest_covers_every_registered_object():
+    """The digest the broker takes the majority of (to choose the sources) sees a
+    difference in the optimizer state or in a second module, not only in the first module's
+    parameters; module buffers stay out (they may differ per rank by design)."""
+    def two_modules(seed: int) -> dict:
+        objs = _objs(seed, stepped=True)
+        torch.manual_seed(seed + 1)
+        objs["head"] = torch.nn.Linear(8, 4)
+        return objs
+
+    a = two_modules(0)
+    base = _digest(a)
+    assert _digest(copy.deepcopy(a)) == base
+    opt_only = copy.deepcopy(a)
+    for s in opt_only["opt"].state.values():  # the moments differ, the parameters do not
+        s["exp_avg"].mul_(1.5)
+    assert _digest(opt_only) != base
+    head_only = copy.deepcopy(a)
+    with torch.no_grad():
+        head_only["head"].weight.add_(0.5)
+    assert _digest(head_only) != base
+    buffers = copy.deepcopy(a)
+    buffers["head"].register_buffer("stat", torch.full((3,), 7.0))
+    a["head"].register_buffer("stat", torch.zeros(3))
+    assert _digest(buffers) == _digest(a)
+
+
+@pytest.mark.parametrize("differ", ["optimizer", "second module"])
+def test_sources_holding_different_states_are_refused(differ):
+    """Two sources at the same step and layout whose states differ in one element of the
+    optimizer state (or of a second module): each stripe matches its own sender's checksums,
+    so before the header carried the state's digest the recipient accepted a mix of both.
+    It refuses them before anything else moves."""
+    a = _objs(0, stepped=True)
+    torch.manual_seed(5)
+    a["head"] = torch.nn.Linear(8, 4)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        if differ == "optimizer":
+            next(iter(b["opt"].state.values()))["exp_avg_sq"].view(-1)[-1] += 1.0
+        else:
+            b["head"].bias[-1] += 1.0
+    assert describe(a).layout_hash() == describe(b).layout_hash()
+
+    def fn(r: int, g: AbortableGroup):
+        if r < 2:
+            try:
+                return send_state(g, describe(a if r == 0 else b, {"step": 5}), r,
+                                  {2: [0, 1]}, None, timeout_s=20)
+            except Exception as e:  # the recipient refused and went away
+                return type(e).__name__
+        objs = _objs(3, stepped=False)
+        objs["head"] = torch.nn.Linear(8, 4)
+        with pytest.raises(StateMismatch, match="sources hold different states"):
+            recv_state(g, 2, [0, 1], None, timeout_s=20,
+                       into=lambda sk: destinations(objs, sk))
+        return "refused"
+
+    assert run_ranks(fn, 3, in_order=True)[2] == "refused"

@@ -5,7 +5,9 @@ Roles: ``agent`` (every training process: the least trusted, it runs user code),
 actuator and the CLI: inject, capacity, priority). What each may publish:
 
 * agent: its heartbeats, reports and recovery summaries; its answers to injections
-  (``decision``); the c10d store bucket; the KV key ``done``; read access to the plan key. Never ``plan``, ``inject``, ``capacity``,
+  (``decision``); the c10d store bucket; the KV key ``done``; read access to the plan key and
+  to single messages of the job's stream (the last transfer plan it may have missed while
+  reconnecting). Never ``plan``, ``inject``, ``capacity``,
   ``priority``, ``fault`` or the ``plan`` key.
 * health_monitor: ``fault``, ``health`` (its view of the heartbeats), ``job_failed``.
 * state_broker: ``transfer``, ``state_lost``, and the KV key ``committed`` (the job's
@@ -61,6 +63,8 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
                                   ("DIRECT.GET", ".>"), ("CONSUMER.CREATE", ""),
                                   ("CONSUMER.CREATE", ".>"), ("CONSUMER.DELETE", ".>"),
                                   ("CONSUMER.INFO", ".>"))),
+            # the job stream's last transfer plan, after a reconnect (agent/catchup.py)
+            f"$JS.API.STREAM.MSG.GET.{s.stream}",
         ]
         sub = _COMMON_SUB + [s.plan, s.transfer, s.state_lost, s.inject, s.all]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # helpers.*
 
 import torch  # noqa: E402
 
@@ -26,6 +27,7 @@ from agent.state import StateMismatch, describe, destinations, snapshot  # noqa:
 from agent.transfer import recv_state, send_state  # noqa: E402
 from agent.store import StoreLoop  # noqa: E402
 from plumbing.bus import Credentials  # noqa: E402
+from helpers.in_order import InOrderGroup  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -39,9 +41,12 @@ def store_loop(cfg: dict) -> StoreLoop:
     return StoreLoop(cfg["url"], cfg.get("job", "test"), creds, name=f"rank{cfg['rank']}")
 
 
-def group(sl: StoreLoop, prefix: str, rank: int, world: int, **kw) -> AbortableGroup:
-    return AbortableGroup(make_group(sl.store(prefix, timeout=30), rank, world, timeout_s=30),
-                          **kw)
+def group(sl: StoreLoop, prefix: str, rank: int, world: int, in_order: bool = False,
+          **kw) -> AbortableGroup:
+    """``in_order``: sends and receives matched per peer in order, tags ignored, as NCCL
+    does (helpers/in_order.py)."""
+    pg = make_group(sl.store(prefix, timeout=30), rank, world, timeout_s=30)
+    return AbortableGroup(InOrderGroup(pg) if in_order else pg, **kw)
 
 
 # ---------------------------------------------------------------------------- store
@@ -321,7 +326,7 @@ class Big:
 def sc_state(cfg: dict) -> None:
     rank, world = cfg["rank"], cfg["world_size"]
     sl = store_loop(cfg)
-    g = group(sl, "st1.", rank, world)
+    g = group(sl, "st1.", rank, world, in_order=bool(cfg.get("in_order")))
     abort = threading.Event()
     recipient = world - 1
     sources = list(range(world - 1))

@@ -1,5 +1,7 @@
 """Ranks as threads of this process over a real gloo group (an in-memory store): for unit
-tests of one part (tests/test_grad_sync.py, tests/test_transfer.py)."""
+tests of one part (tests/test_grad_sync.py, tests/test_transfer.py). ``in_order``: the group
+matches sends and receives per peer in order, tags ignored, as NCCL does
+(``helpers/in_order.py``)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,22 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from agent.collectives import AbortableGroup, make_group
+from helpers.in_order import InOrderGroup, Ledger
 
 
-def run_ranks(fn: Callable[[int, AbortableGroup], Any], world: int = 2) -> list:
+def run_ranks(fn: Callable[[int, AbortableGroup], Any], world: int = 2,
+              in_order: bool = False) -> list:
     """``fn(rank, group)`` in ``world`` threads; their results in rank order. Raises the
     first error of any rank."""
     store = dist.HashStore()
+    ledger = Ledger()
     out: list = [None] * world
     errors: list = []
 
     def run(r: int) -> None:
         try:
-            g = AbortableGroup(make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo"))
+            pg = make_group(dist.PrefixStore("t", store), r, world, 30.0, "gloo")
+            g = AbortableGroup(InOrderGroup(pg, ledger) if in_order else pg)
             out[r] = fn(r, g)
             g.close()
         except BaseException as e:  # noqa: BLE001
