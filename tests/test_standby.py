@@ -199,3 +199,32 @@ async def test_the_agent_runtime_takes_the_newest_brokers_transfer(nats_server):
     assert rt.wait_transfer(3, 0.05) is None
     await rt._on_transfer(transfer(None, 12), env)  # an older broker's (no term): taken
     assert rt.wait_transfer(2, 0.1).transfer.restore_step == 12
+
+
+def test_up_names_each_instance_and_keeps_the_first_as_before():
+    from ops.cluster import ServiceSupervisor
+
+    assert ServiceSupervisor.instances(0) == [
+        ("health_monitor", "health_monitor"), ("scaler", "scaler"),
+        ("state_broker", "state_broker")]
+    assert ("scaler", "scaler-s2") in ServiceSupervisor.instances(2)
+    assert len(ServiceSupervisor.instances(2)) == 9
+
+
+async def test_status_says_which_instance_is_active(bus):
+    from ops.cli import _leases, _render_status
+
+    lease = Lease(bus, "scaler", "scaler-s1", TTL, log)
+    await lease.start()
+    try:
+        leases = await _leases(bus)
+    finally:
+        await lease.stop()
+    assert leases["scaler"]["active"] == "scaler-s1" and leases["scaler"]["term"] == 1
+    assert leases["health_monitor"] is None  # none ran: no lease
+    st = {"job": "test", "services": {"scaler": {"uptime_s": 1, "dropped": {}},
+                                      "health_monitor": {"uptime_s": 1, "dropped": {}}},
+          "leases": leases}
+    text = _render_status(st)
+    assert "service scaler: up 1s, dropped 0; active: scaler-s1 (term 1)" in text
+    assert "service health_monitor: up 1s, dropped 0; no active instance" in text
