@@ -228,3 +228,50 @@ async def test_status_says_which_instance_is_active(bus):
     text = _render_status(st)
     assert "service scaler: up 1s, dropped 0; active: scaler-s1 (term 1)" in text
     assert "service health_monitor: up 1s, dropped 0; no active instance" in text
+
+
+async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decided(
+        nats_server, bus):
+    """The standby broker decides each generation too but publishes nothing; taking over
+    it publishes the current generation's transfer (with its higher term) unless the stream
+    holds it."""
+    from schemas.messages import AgentState, Heartbeat, Role
+    from services.state_broker import StateBroker
+
+    out: list = []
+
+    async def on_out(m, _e):
+        out.append(m)
+    await bus.subscribe(bus.subjects.transfer, Transfer, on_out)
+    made = []
+    for name in ("br-a", "br-b"):
+        b = await Bus.connect(nats_server.url, "test", "state_broker", nats_server.creds)
+        br = StateBroker(b, instance_id=name, lease_ttl=TTL)
+        await br.start()
+        made.append((br, b))
+    (a, _), (b_, _) = made
+    try:
+        assert [a.acting, b_.acting] == [True, False]
+
+        async def generation(g):
+            plan = make_plan(["w0", "w1"]).model_copy(update={"generation": g})
+            await (await bus.kv()).put(PLAN_KEY, plan.model_dump_json().encode())
+            await bus.publish(bus.subjects.plan, plan)
+            for i, pod in enumerate(("w0", "w1")):
+                await bus.publish(bus.subjects.heartbeat(pod), Heartbeat(
+                    pod=pod, role=Role.worker, generation=g, step=5, digest="aa", rank=i,
+                    state=AgentState.recovering))
+        await generation(1)
+        await until(lambda: out, what="the generation-1 transfer")
+        await until(lambda: b_.handled_generation == 1, what="the standby decided it too")
+        assert [(t.generation, t.term) for t in out] == [(1, a.lease.term)]
+        crash(a)
+        await generation(2)  # while nobody acts: the standby decides, holds it back
+        await until(lambda: any(t.generation == 2 for t in out), timeout=10,
+                    what="the new broker's transfer of generation 2")
+        assert [(t.generation, t.term) for t in out] == [(1, 1), (2, 2)]
+        assert b_.acting and b_.lease.term == 2
+    finally:
+        for br, b in made:
+            await br.stop()
+            await b.close()
