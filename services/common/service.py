@@ -185,10 +185,10 @@ async def serve(service_cls: type[Service], args: argparse.Namespace, **kwargs: 
         telemetry.init(service_cls.name, run_dir=args.run_dir, job=args.job)
     except Exception as e:  # tracing is an aid, never a reason not to run
         logs.get(service_cls.name).warning("telemetry disabled", error=str(e)[:200])
-    creds = Credentials.load(args.creds) if args.creds else None
-    bus = await Bus.connect(args.nats, args.job, service_cls.name, creds)
     if args.lease_ttl <= 0:
         raise SystemExit(f"--lease-ttl must be positive, got {args.lease_ttl}")
+    creds = Credentials.load(args.creds) if args.creds else None
+    bus = await Bus.connect(args.nats, args.job, service_cls.name, creds)
     kwargs.setdefault("instance_id", args.instance_id)
     kwargs.setdefault("lease_ttl", args.lease_ttl)
     svc = service_cls(bus, **kwargs)
