@@ -95,6 +95,9 @@ class Lease:
         self.holder: str | None = None   # who holds it, as last read
         self.expires = 0.0
         self.acquired = 0                # how many times this instance took it
+        # the last try failed (the bus did not answer): a take right after an outage, which
+        # ``on_acquired`` may want to know (the health monitor's silence was its own)
+        self.outage = False
         self._kv: Any = None
         self._task: asyncio.Task | None = None
 
@@ -126,9 +129,11 @@ class Lease:
     async def _try(self) -> None:
         try:
             await self.tick()
+            self.outage = False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the bus is down: stop acting, keep trying
+            self.outage = True
             self._to(LeaseState.STANDBY)
             self.log.warning("lease check failed", key=self.key, error=str(e)[:200])
 

@@ -178,6 +178,12 @@ class HealthMonitor(Service):
                       fault_timeout=self.fault_timeout, stall_timeout=self.stall_timeout,
                       suspect_timeout=self.suspect_timeout)
 
+    def on_lease_acquired(self, term: int) -> None:
+        """After an outage of the bus (its renewals failed, so its checks stopped) every
+        pod's silence was the monitor's own, as when the link check fails."""
+        if self.lease.outage:
+            self._grace(time.monotonic(), "the bus did not answer the lease renewals")
+
     # ------------------------------------------------------------------ plan
     @property
     def plan(self) -> Plan | None:
