@@ -9,7 +9,8 @@ life as one explicit state (``vocab.StepLife``: IDLE, COMPUTING, REDUCING, moved
 ``end_step`` along ``vocab.STEP_MOVES``), and a typed heartbeat (``update``). It never
 blocks the training thread. A plan arriving during a step is judged by
 ``vocab.plan_arrival`` against the step's life; the runtime applies the verdict: the abort
-flag, or Membership's ``start_prejoin`` (resume in place, ``prejoin.py``).
+flag, or Membership's ``start_prejoin`` (resume in place, ``prejoin.py``). A deposed
+service instance's plan or transfer (an older lease term) is ignored (``terms.py``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan,
 from plumbing import logs
 from plumbing.aio import cancel_all
 from plumbing.bus import Bus, Credentials, Envelope, watch_key
+from plumbing.terms import NewestTerm
 
 from .buckets import Bucket
 from .catchup import CatchUp
@@ -65,16 +67,15 @@ class Runtime:
         self._plan_at = 0.0  # wall time the current plan arrived
         self._abort_at = 0.0  # wall time the abort flag was last set (a newer plan arrived)
         self._joined_generation = 0
-        # The training thread's step, one explicit state (vocab.StepLife: IDLE, COMPUTING a
-        # step, REDUCING it) changed only by the handshakes below. A planned plan whose
-        # boundary this pod already passed aborts the step in flight: its peers entered the
-        # new plan at the boundary, so its collective would only wait for the timeout.
+        # The training thread's step (vocab.StepLife: IDLE, COMPUTING, REDUCING), moved only
+        # by the handshakes below. A planned plan whose boundary this pod already passed
+        # aborts the step in flight (its peers entered the new plan at the boundary).
         self._life = StepLife()
-        # Plans for the training thread, each consumed once (take_plans): the runtime
-        # records the newest (``_plan``, for its own verdicts), Membership takes them.
+        # Plans for the training thread, each consumed once (take_plans); ``_plan`` the newest
         self._inbox: deque[Arrival] = deque(maxlen=64)
         self._transfers: dict[int, tuple[Transfer, otel_context.Context]] = {}
         self._lost: dict[int, StateLost] = {}
+        self._scaler, self._broker = NewestTerm("scaler", log), NewestTerm("state_broker", log)
         self._done: dict | None = None
         self.injections = Inbox(cfg)  # accepted injections until their step (own lock)
         self._prejoin: Any = None  # the next generation joined while a step is computed
@@ -176,11 +177,9 @@ class Runtime:
         except Exception:
             pass
         await bus.close()
-        # Whatever else still runs on this loop is cancelled and awaited, as asyncio.run
-        # does: a c10d store's KV watcher (NatsStore._watch_loop: the last group is never
-        # closed), a watch_store task, nats-py's ordered-consumer checks. Left pending, each
-        # was destroyed with the loop at exit: "Task was destroyed but it is pending!" at
-        # the end of the pod's log (issue 33).
+        # What else runs on this loop is cancelled and awaited, as asyncio.run does (a store
+        # watcher, nats-py's consumer checks): left pending, each was destroyed with the loop
+        # at exit, "Task was destroyed but it is pending!" in the pod's log (issue 33).
         me = asyncio.current_task()
         await cancel_all([t for t in asyncio.all_tasks() if t is not me])
 
@@ -193,8 +192,9 @@ class Runtime:
 
     def _adopt_plan(self, plan: Plan, ctx: otel_context.Context) -> None:
         with self._cond:
-            if self._plan is not None and plan.generation <= self._plan.generation:
-                return  # stale or replayed
+            if self._plan is not None and plan.generation <= self._plan.generation \
+                    or self._scaler.stale(plan.term, "plan"):
+                return  # stale, replayed, or a deposed scaler's (an older term)
             self._plan, self._plan_ctx, self._plan_at = plan, ctx, time.time()
             self._inbox.append(Arrival("plan", plan=plan, ctx=ctx, at=self._plan_at))
             life = self._life
@@ -281,11 +281,9 @@ class Runtime:
     def end_collective(self) -> None:
         """Training thread: the step's gradient all-reduce is over (summed or failed). The
         step is no longer in flight either: it commits in this generation or is discarded,
-        so a fault plan arriving from here aborts instead of resuming. (Between the end of
-        the all-reduce and the commit's heartbeat, a plan used to be taken for resumable:
-        the prejoin reported the step before, the broker restored it, and the member, which
-        had committed one more, failed to resume and waited for a plan that never came, its
-        peers waiting for it: found by `bench recovery`, 1 run in 6.)"""
+        so a fault plan arriving from here aborts instead of resuming. (Taken for resumable
+        here, the prejoin reported the step before, the broker restored it, and the member,
+        which had committed one more, waited for a plan that never came: `bench recovery`.)"""
         with self._cond:
             self._move(StepPhase.IDLE)
 
@@ -308,26 +306,29 @@ class Runtime:
             self._progress()
 
     def note_commit(self) -> None:
-        """Training thread: a step committed in the joined generation (the watchdog spares a
-        generation's first step: compilation, warm-up)."""
+        """Training thread: a step committed (the watchdog spares a generation's first)."""
         with self._cond:
             self._watchdog.committed()
 
     async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
         with self._cond:
-            self._transfers.setdefault(t.generation, (t, env.ctx))
+            if self._broker.stale(t.term, "transfer"):
+                return  # the newest broker's transfer of a generation counts
+            self._transfers[t.generation] = (t, env.ctx)
             for g in [g for g in self._transfers if g < t.generation - 4]:
                 del self._transfers[g]
             self._cond.notify_all()
 
     async def _on_lost(self, m: StateLost, env: Envelope) -> None:
         with self._cond:
-            self._lost[m.generation] = m
+            if not self._broker.stale(m.term, "state_lost"):
+                self._lost[m.generation] = m
             self._cond.notify_all()
 
     async def _on_inject(self, inj: Inject, env: Envelope) -> None:
-        if inj.rank is not None and (self.plan is None or self.plan.pod_of(inj.rank) is None):
-            await self._load_plan()  # the scaler writes the KV before it publishes a plan
+        plan = self.plan
+        if inj.rank is not None and self._catch and (plan is None or plan.pod_of(inj.rank) is None):
+            await self._catch.read_plan()  # the scaler writes the KV before it publishes a plan
         d = self.injections.offer(inj, self.plan, self._hb)
         if d is not None and d.accepted and inj.action == InjectAction.preempt and self.on_preempt:
             self.on_preempt(inj.deadline_s)  # a notice now, not at a step's sync

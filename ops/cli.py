@@ -68,7 +68,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                      bus_host=args.bus_host, shard_size=args.shard_size,
                      straggler_factor=args.straggler_factor, verify_every=args.verify_every,
                      straggler_window=args.straggler_window,
-                     on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike)
+                     on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike,
+                     standbys=args.standbys)
+    if opts.standbys < 0:
+        print("ceaseless up: --standbys must be at least 0", file=sys.stderr)
+        return 2
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -148,6 +152,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
                 out["services"][name] = json.loads(r.data)
             except Exception as e:
                 out["services"][name] = {"error": f"no answer ({type(e).__name__})"}
+        out["leases"] = await _leases(bus)
         try:
             kv = await bus.js.key_value(bus.subjects.kv_bucket)
             entry = await kv.get("plan")
@@ -163,6 +168,29 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         return out
     finally:
         await bus.close()
+
+
+async def _leases(bus: Any) -> dict[str, Any]:
+    """Which instance of each service is active (its lease in KV: holder, term, seconds
+    left); None for a service whose lease is absent or ran out (no instance acts)."""
+    from services.common.lease import parse_lease
+    from schemas.subjects import lease_key
+
+    out: dict[str, Any] = {}
+    try:
+        kv = await bus.js.key_value(bus.subjects.kv_bucket)
+    except Exception:
+        return out
+    for name in SERVICE_NAMES:
+        try:
+            cur = parse_lease((await kv.get(lease_key(name))).value)
+        except Exception:
+            out[name] = None
+            continue
+        left = cur.expires - time.time()
+        out[name] = ({"active": cur.holder, "term": cur.term, "expires_in_s": round(left, 3)}
+                     if cur.holder and left > 0 else None)
+    return out
 
 
 def _ledger(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -232,8 +260,13 @@ def _render_status(st: dict[str, Any]) -> str:
                      + ", ".join(f"{p} {t:.1f}s" for p, t in list(waiting.items())[:8])
                      + f" (a live member not among them is declared hung at "
                        f"{mon.get('config', {}).get('collective_timeout', '?')}s)")
+    leases = st.get("leases") or {}
     for name, s in st["services"].items():
         state = s.get("error") or f"up {s.get('uptime_s', 0):.0f}s, dropped {sum(s.get('dropped', {}).values())}"
+        if name in leases:
+            ls = leases[name]
+            state += (f"; active: {ls['active']} (term {ls['term']})" if ls
+                      else "; no active instance (lease expired)")
         lines.append(f"service {name}: {state}")
     sc = st["services"].get("scaler", {})
     if sc.get("policy"):
@@ -428,6 +461,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from schemas.timeouts import DEFAULTS
 
     up.add_argument("--fault-timeout", type=float, default=DEFAULTS["fault_timeout"])
+    up.add_argument("--standbys", type=int, default=0, metavar="K",
+                    help="K standby instances of each service (health monitor, scaler, state "
+                         "broker): one acts, by lease; a standby takes over within the fault "
+                         "timeout of the active one's loss (default %(default)s)")
     up.add_argument("--stall-timeout", type=float, default=DEFAULTS["collective_timeout"],
                     help="(default: the agents' collective timeout, %(default)s s)")
     up.add_argument("--verify-every", type=int, default=100, metavar="N",

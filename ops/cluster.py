@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from services.actuator.local import record_pid
 from services.actuator.prefork import Prefork
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
+from services.common.lease import ttl_for
 from services.common.natsserver import NatsServer
 from services.common.permissions import role_permissions, write_role_credentials
 from plumbing.tlsgen import CA_ENV
@@ -89,6 +91,9 @@ class UpOptions:
     # Ranks per replica of a sharded model (issue 21; FSDP inside a replica): ``workers``
     # counts ranks (a multiple of it), replica counts count replicas of this many ranks.
     shard_size: int = 1
+    # Standby instances of each service (issue 42): K more per service, each with a lease
+    # TTL that lets it take over within the fault timeout (services/common/lease.py).
+    standbys: int = 0
 
     @property
     def batch_given(self) -> bool:
@@ -106,25 +111,40 @@ DEFAULT_BATCH = (32, 4)  # the example's, and the first plan's until the script'
 
 
 class ServiceSupervisor:
-    """Runs each control-plane service as a child process; restarts one that dies."""
+    """Runs each control-plane service as a child process; restarts one that dies. With
+    ``standbys`` K, K more instances of each (``<name>-s1`` .. ``-sK``: their log and
+    pids.txt name); one acts per service, by lease. Every instance gets a fixed
+    ``--instance-id``, so one restarted in place takes its own lease back at once."""
 
-    def __init__(self, base: list[str], log_dir: Path, flags: dict[str, list[str]]) -> None:
+    def __init__(self, base: list[str], log_dir: Path, flags: dict[str, list[str]],
+                 standbys: int = 0, lease_ttl: float | None = None) -> None:
         self.base, self.log_dir, self.flags = base, log_dir, flags
+        self.standbys, self.lease_ttl = standbys, lease_ttl
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self.stopping = False
 
-    def start(self, name: str) -> None:
-        out = open(self.log_dir / f"{name}.log", "ab")
-        argv = [sys.executable, "-m", f"services.{name}", *self.base, *self.flags.get(name, [])]
-        self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=out,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+    @staticmethod
+    def instances(standbys: int) -> list[tuple[str, str]]:
+        """(service, instance name) of every instance, the first of each named as before."""
+        return [(name, name if i == 0 else f"{name}-s{i}")
+                for name in SERVICES for i in range(standbys + 1)]
+
+    def start(self, instance: str) -> None:
+        name = re.sub(r"-s\d+$", "", instance)
+        out = open(self.log_dir / f"{instance}.log", "ab")
+        argv = [sys.executable, "-m", f"services.{name}", *self.base, *self.flags.get(name, []),
+                "--instance-id", instance,
+                *([] if self.lease_ttl is None else ["--lease-ttl", f"{self.lease_ttl:g}"])]
+        self.procs[instance] = subprocess.Popen(argv, stdout=out, stderr=out,
+                                                stdin=subprocess.DEVNULL,
+                                                start_new_session=True)
         out.close()
-        record_pid(self.log_dir.parent, name, self.procs[name].pid)
+        record_pid(self.log_dir.parent, instance, self.procs[instance].pid)
 
     def start_all(self) -> None:
-        for name in SERVICES:
-            self.start(name)
+        for _, instance in self.instances(self.standbys):
+            self.start(instance)
 
     async def watch(self) -> None:
         while not self.stopping:
@@ -373,7 +393,8 @@ async def run(opts: UpOptions) -> int:
     }
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
-    sup = ServiceSupervisor(base, log_dir, flags)
+    sup = ServiceSupervisor(base, log_dir, flags, standbys=opts.standbys,
+                            lease_ttl=ttl_for(opts.fault_timeout) if opts.standbys else None)
     sup.start_all()
     sup_task = asyncio.create_task(sup.watch())
     from services.actuator.gpus import GpuAssigner, visible_gpus

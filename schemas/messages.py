@@ -47,6 +47,8 @@ def _version_required(schema: dict[str, Any]) -> None:
         req.insert(0, "schema_version")
 
 
+Term = Annotated[int, Field(ge=0, le=2**53)]  # a service lease term (services/common/lease.py)
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False,
                               json_schema_extra=_version_required)
@@ -265,6 +267,10 @@ class Fault(Message):
     # its share of micro-batches by when no spare can take its place). Added 2026-12-06
     # (issue 32), optional: older services ignore it.
     slowness: Annotated[float, Field(ge=1, le=1e6)] | None = None
+    # The lease term of the service instance that published it (issue 42, added 2026-12-06,
+    # optional: None from an older publisher, accepted as before). Receivers ignore a term
+    # older than the newest they saw from that service: a deposed instance's message.
+    term: Term | None = None
 
 
 class JobFailedKind(str, Enum):
@@ -285,6 +291,7 @@ class JobFailed(Message):
     error: Text               # the script's error with its traceback, or what hung
     hint: Text = ""
     ts: Timestamp = Field(default_factory=now)
+    term: Term | None = None  # the publisher's lease term (issue 42): see Fault.term
 
 
 class Member(BaseModel):
@@ -314,6 +321,7 @@ class Plan(Message):
     # rank ``r`` holds shard ``r % k`` of the model and optimizer (docs/sharded.md). 1: every
     # rank holds the whole model. Added 2026-12-05 (issue 21), optional: older plans validate.
     shard_size: Annotated[int, Field(ge=1, le=MAX_MEMBERS)] = 1
+    term: Term | None = None  # the publisher's lease term (issue 42): see Fault.term
     ts: Timestamp = Field(default_factory=now)
 
     @property
@@ -376,6 +384,7 @@ class Transfer(Message):
     steps: dict[Rank, Step] = {}
     digest: Digest = ""
     incident: Annotated[str, Field(max_length=128)] | None = None
+    term: Term | None = None  # the publisher's lease term (issue 42): see Fault.term
     ts: Timestamp = Field(default_factory=now)
 
     @model_validator(mode="after")
@@ -395,6 +404,7 @@ class StateLost(Message):
     incident: Annotated[str, Field(max_length=128)] | None = None
     reason: Text
     best_step: Step = -1
+    term: Term | None = None  # the publisher's lease term (issue 42): see Fault.term
     ts: Timestamp = Field(default_factory=now)
 
 

@@ -152,3 +152,9 @@ class Subjects:
 PLAN_KEY = "plan"
 LEASE_KEY = "scaler_lease"
 COMMITTED_KEY = "committed"  # schemas.messages.HighWater, written by the state broker only
+
+
+def lease_key(service: str) -> str:
+    """The KV key of a service's lease (issue 42): ``{holder, expires, term}``, written only
+    by that service's instances (services/common/lease.py). The scaler's keeps its old name."""
+    return LEASE_KEY if service == "scaler" else f"{service}_lease"

@@ -49,8 +49,10 @@ class ViewPublisher:
     table, so a pod it stops watching is out of the view with nothing to keep in step.
     ``note(prev, hb)`` on every accepted heartbeat marks a changed pod for sending at once."""
 
-    def __init__(self, bus: Bus, log: Any, heard: Heard, interval: float = VIEW_INTERVAL) -> None:
+    def __init__(self, bus: Bus, log: Any, heard: Heard, interval: float = VIEW_INTERVAL,
+                 active: Callable[[], bool] = lambda: True) -> None:
         self.bus, self.log, self.heard, self.interval = bus, log, heard, interval
+        self.active = active  # a standby monitor publishes no view (issue 42)
         self.id = new_id()
         self.urgent: set[str] = set()
         self._wake = asyncio.Event()
@@ -69,6 +71,10 @@ class ViewPublisher:
             if left > 0 and not self._wake.is_set():
                 await wait_event(self._wake, left)
             self._wake.clear()
+            if not self.active():
+                self.urgent.clear()
+                next_full, rounds = time.monotonic() + self.interval, 0
+                continue
             try:
                 if time.monotonic() >= next_full:
                     if rounds % COMPLETE_EVERY == 0:

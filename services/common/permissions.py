@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.policy import DEPARTURES_KEY, SCALE_KEY
-from schemas.subjects import COMMITTED_KEY, LEASE_KEY, PLAN_KEY, Subjects
+from schemas.subjects import COMMITTED_KEY, LEASE_KEY, PLAN_KEY, Subjects, lease_key
 
 from plumbing.bus import Credentials
 
@@ -69,7 +69,8 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
         sub = _COMMON_SUB + [s.plan, s.transfer, s.state_lost, s.inject, s.all]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     # the KV keys each service alone writes
-    keys = {"health_monitor": [], "state_broker": [COMMITTED_KEY],
+    keys = {"health_monitor": [lease_key("health_monitor")],
+            "state_broker": [COMMITTED_KEY, lease_key("state_broker")],
             "scaler": [PLAN_KEY, LEASE_KEY, SCALE_KEY, DEPARTURES_KEY]}
     own = {
         "health_monitor": [s.fault, s.health, s.job_failed],

@@ -9,11 +9,13 @@ import json
 import os
 import signal
 import time
+import uuid
 from typing import Any, Awaitable, Callable, Protocol
 
 import nats.micro
 
 from schemas import check_id
+from services.common.lease import LEASE_TTL, Lease
 
 from plumbing import logs
 from plumbing.aio import cancel_all, wait_event  # noqa: F401  (re-exported)
@@ -35,15 +37,24 @@ class Service:
     """Base class: subclasses set ``name``, implement ``status`` and describe their start as
     data: ``parts()`` (started in order, stopped in reverse), ``subscriptions()``, then
     ``on_start()`` (spawn loops, log). ``stop`` undoes it all in reverse: subscriptions,
-    spawned tasks, the micro service, the parts, then ``on_stop()``."""
+    spawned tasks, the micro service, the parts, then ``on_stop()``.
+
+    Every service holds a lease (services/common/lease.py, issue 42): several instances may
+    run, only the holder acts (``acting``) and stamps what it publishes with ``term``; the
+    others are standbys that keep their view fresh. ``on_lease_acquired`` /
+    ``on_lease_lost`` are the subclass's hooks. A clean stop gives the lease back first."""
 
     name: str = "service"
     version: str = "0.1.0"
     description: str = ""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, *, instance_id: str | None = None,
+                 lease_ttl: float | None = None) -> None:
         self.bus = bus
-        self.log = logs.get(self.name)
+        self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:8]}"
+        self.log = logs.get(self.name).bind(instance=self.instance_id)
+        self.lease = Lease(bus, self.name, self.instance_id, lease_ttl or LEASE_TTL, self.log,
+                           self.on_lease_acquired, self.on_lease_lost)
         self.started_at = time.time()
         self._micro: Any = None
         self._tasks: list[asyncio.Task] = []
@@ -60,7 +71,23 @@ class Service:
         """After the parts and the subscriptions: spawn loops, say it started."""
 
     async def on_stop(self) -> None:
-        """After everything else stopped (the scaler gives its lease back)."""
+        """After everything else stopped."""
+
+    def on_lease_acquired(self, term: int) -> None:
+        """This instance became the active one (term ``term``): rebuild what only the
+        active one keeps (called on the event loop, must not block)."""
+
+    def on_lease_lost(self, holder: str | None) -> None:
+        """This instance is a standby again (``holder`` holds the lease, if known)."""
+
+    @property
+    def acting(self) -> bool:
+        return self.lease.acting
+
+    @property
+    def term(self) -> int | None:
+        """The term to stamp on what this instance publishes (None while a standby)."""
+        return self.lease.term if self.acting else None
 
     async def start(self) -> None:
         try:
@@ -72,6 +99,7 @@ class Service:
             self._started.append(part)
         for subject, cls, handler in self.subscriptions():
             self._subs.append(await self.bus.subscribe(subject, cls, handler))
+        await self.lease.start()
         await self.on_start()
 
     def status(self) -> dict[str, Any]:
@@ -85,6 +113,7 @@ class Service:
             "received": dict(self.bus.received),
             "dropped": {f"{k}:{r}": n for (k, r), n in self.bus.dropped.items()},
             "handler_errors": self.bus.handler_errors,
+            "lease": self.lease.status(),
         }
 
     def spawn(self, coro) -> asyncio.Task:
@@ -112,6 +141,7 @@ class Service:
         await self.bus.round_trip(5.0)  # its SUB confirmed: a request right after is answered
 
     async def stop(self) -> None:
+        await self.lease.stop()  # a standby takes over now, not at expiry
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -137,6 +167,12 @@ def common_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--job", default=os.environ.get("CEASELESS_JOB", "demo"))
     p.add_argument("--run-dir", default=os.environ.get("CEASELESS_RUN_DIR"))
     p.add_argument("--log-level", default=os.environ.get("CEASELESS_LOG_LEVEL", "info"))
+    p.add_argument("--instance-id", default=None,
+                   help="this instance's lease holder id; a restart with the same id takes "
+                        "its lease back at once (default: random)")
+    p.add_argument("--lease-ttl", type=float, default=LEASE_TTL,
+                   help="seconds the service's lease lasts unrenewed: a standby takes over "
+                        "within about 4/3 of it (default %(default)g)")
     return p
 
 
@@ -149,8 +185,12 @@ async def serve(service_cls: type[Service], args: argparse.Namespace, **kwargs: 
         telemetry.init(service_cls.name, run_dir=args.run_dir, job=args.job)
     except Exception as e:  # tracing is an aid, never a reason not to run
         logs.get(service_cls.name).warning("telemetry disabled", error=str(e)[:200])
+    if args.lease_ttl <= 0:
+        raise SystemExit(f"--lease-ttl must be positive, got {args.lease_ttl}")
     creds = Credentials.load(args.creds) if args.creds else None
     bus = await Bus.connect(args.nats, args.job, service_cls.name, creds)
+    kwargs.setdefault("instance_id", args.instance_id)
+    kwargs.setdefault("lease_ttl", args.lease_ttl)
     svc = service_cls(bus, **kwargs)
     await svc.start()
     await svc.register_micro()

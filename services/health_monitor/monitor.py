@@ -121,10 +121,11 @@ class HealthMonitor(Service):
                  check_interval: float = CHECK_INTERVAL,
                  view_interval: float | None = VIEW_INTERVAL,
                  straggler_factor: float = STRAGGLER_FACTOR,
-                 straggler_window: float = STRAGGLER_WINDOW_S) -> None:
+                 straggler_window: float = STRAGGLER_WINDOW_S,
+                 instance_id: str | None = None, lease_ttl: float | None = None) -> None:
         check_timeouts(True, suspect_timeout=suspect_timeout, fault_timeout=fault_timeout,
                        stall_timeout=stall_timeout, collective_timeout=collective_timeout)
-        super().__init__(bus)  # (a contradictory configuration was refused above)
+        super().__init__(bus, instance_id=instance_id, lease_ttl=lease_ttl)  # (a contradictory configuration was refused above)
         self.fault_timeout = fault_timeout
         self.stall_timeout = stall_timeout
         self.collective_timeout = collective_timeout  # the agents': the absent-member rule
@@ -155,7 +156,8 @@ class HealthMonitor(Service):
         self.job_failed: JobFailed | None = None
         self.held: dict[str, Held] = {}  # exception reports not declared yet (watched pods)
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
-        self.view = (ViewPublisher(bus, self.log, self._heard, view_interval)
+        self.view = (ViewPublisher(bus, self.log, self._heard, view_interval,
+                                   active=lambda: self.acting)
                      if view_interval else None)
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,6 +177,12 @@ class HealthMonitor(Service):
         self.log.info("health monitor started", generation=self.plans.generation,
                       fault_timeout=self.fault_timeout, stall_timeout=self.stall_timeout,
                       suspect_timeout=self.suspect_timeout)
+
+    def on_lease_acquired(self, term: int) -> None:
+        """After an outage of the bus (its renewals failed, so its checks stopped) every
+        pod's silence was the monitor's own, as when the link check fails."""
+        if self.lease.outage:
+            self._grace(time.monotonic(), "the bus did not answer the lease renewals")
 
     # ------------------------------------------------------------------ plan
     @property
@@ -495,6 +503,8 @@ class HealthMonitor(Service):
         return True
 
     async def check(self) -> None:
+        if not self.acting:  # a standby: it watches (heartbeats, plans) but declares nothing
+            return
         now = time.monotonic()
         if self.held:
             await self._release_held(now)
@@ -645,7 +655,7 @@ class HealthMonitor(Service):
         once per job on ``job_failed`` (True when said now); the launcher stops the job (no
         more pods burnt)."""
         first = self.repeats.observe(f)
-        if first is None or self.job_failed is not None:
+        if first is None or self.job_failed is not None or not self.acting:
             return False
         hang = f.kind == "hang"
         kind = JobFailedKind.repeated_hang if hang else JobFailedKind.script_error
@@ -656,7 +666,8 @@ class HealthMonitor(Service):
                 f"{first.pod} and {f.pod} raised the same error at step {f.step + 1}: a bug in "
                 "the script, not a fault to recover from")
         msg = JobFailed(kind=kind, step=f.step, generation=self.generation,
-                        pods=[first.pod, f.pod], error=f.error[-2048:], hint=hint[:2048])
+                        pods=[first.pod, f.pod], error=f.error[-2048:], hint=hint[:2048],
+                        term=self.term)
         self.job_failed = msg
         self.log.error("the failure is the script's: the job should stop", kind=kind.value,
                        step=f.step, pods=[first.pod, f.pod], error=f.error[:300])
@@ -672,6 +683,8 @@ class HealthMonitor(Service):
         gen = self.generation
         incident = f"inc-{pod}-g{gen}"
         if incident in self.incidents or pod in self.faulted:
+            return False
+        if not self.acting:  # a standby declares nothing (the same incident id if it takes over)
             return False
         if self.job_failed is not None:  # the job stops: a replacement meets the same bug
             self.faulted.add(pod)
@@ -698,7 +711,8 @@ class HealthMonitor(Service):
         fault = Fault(incident=incident, pod=pod, kind=kind, detected_at=detected,
                       last_seen=max(0.0, last_seen), generation=gen, rank=rank, role=role,
                       detection_latency=latency, reason=reason[:2048],
-                      slowness=None if slowness is None else min(1e6, max(1.0, slowness)))
+                      slowness=None if slowness is None else min(1e6, max(1.0, slowness)),
+                      term=self.term)
         attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.incident": incident,
                  "ceaseless.generation": gen, "ceaseless.pod": pod,
                  "ceaseless.reason": f"{kind.value}: {reason}"[:512],

@@ -10,7 +10,7 @@ from schemas.policy import ScalingPolicy, load_policy
 from schemas.timeouts import DEFAULTS
 
 from .policy import PolicyConfig
-from .scaler import FENCE_TIMEOUT, LEASE_TTL, START_TIMEOUT, Scaler
+from .scaler import FENCE_TIMEOUT, START_TIMEOUT, Scaler
 
 POLICY_FLAGS = ("min_replicas", "max_replicas", "replica_increment_step", "scale_up_snooze_s",
                 "scaling_timeout_s", "graceful_shutdown_timeout_s", "transition_lead_s",
@@ -70,8 +70,6 @@ def parser():
                         "script's own is known (KV `script`, written by rank 0 at its first "
                         "step); later plans take the script's (`ceaseless up` without "
                         "--global-batch-size / --micro-batch-size)")
-    p.add_argument("--lease-ttl", type=float, default=LEASE_TTL,
-                   help="scaler lease TTL in seconds")
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT,
                    help="seconds to wait for --workers workers before starting with "
                         ">= --min-replicas (default %(default)g)")
@@ -79,7 +77,8 @@ def parser():
                    help="a pod is alive if it heartbeated within this many seconds")
     p.add_argument("--fence-timeout", type=float, default=FENCE_TIMEOUT,
                    help="timeout of the actuator kill request (best effort)")
-    p.add_argument("--scaler-id", default=None, help="lease holder id (default: random)")
+    p.add_argument("--scaler-id", dest="instance_id", default=None,
+                   help="the same as --instance-id (its older name)")
     return p
 
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                       global_batch_size=args.global_batch_size,
                       micro_batch_size=args.micro_batch_size, lease_ttl=args.lease_ttl,
                       start_timeout=args.start_timeout, fault_timeout=args.fault_timeout,
-                      fence_timeout=args.fence_timeout, scaler_id=args.scaler_id,
+                      fence_timeout=args.fence_timeout, scaler_id=args.instance_id,
                       shard_size=args.shard_size, batch_from_script=args.batch_from_script))
 
 

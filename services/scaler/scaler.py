@@ -1,8 +1,8 @@
 """The scaler: the only writer of membership plans.
 
-* Lease ``scaler_lease`` in the job's KV bucket (``{holder, expires}``), taken by create
-  when absent or by compare-and-set when expired, renewed every ``lease_ttl / 3``. Only the
-  holder acts; a standby tracks heartbeats and faults and keeps trying.
+* Lease ``scaler_lease`` in the job's KV bucket (services/common/lease.py: ``{holder,
+  expires, term}``, renewed every ``lease_ttl / 3``). Only the holder acts; a standby tracks
+  heartbeats and faults and keeps trying; the plans it writes carry its term.
 * The plan lives in KV key ``plan``. It advances only by compare-and-set on the revision
   the decision was based on (the first plan by create) and is published on the ``plan``
   subject only after the write succeeded. A lost race reloads the plan and decides again,
@@ -32,7 +32,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
-from schemas import LEASE_KEY, PLAN_KEY
+from schemas import PLAN_KEY
 from schemas.policy import (DEPARTURES_KEY, SCALE_KEY, SCRIPT_KEY, Departure, Departures,
                             PendingRelease, ScaleState, ScalingPolicy,
                             ScriptInfo)
@@ -44,17 +44,19 @@ from plumbing import telemetry
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope, watch_key
 from services.common.heartbeats import HeartbeatFeed
+from plumbing.terms import NewestTerm
+from services.common.lease import LeaseState
 from services.common.plans import PlanFollower
 from services.common.service import Service, wait_event
 
 from . import policy
 from .policy import PolicyConfig, Wait
+from .replay import unplanned_faults
 
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
 MAX_TRACKED = 16384
 ELASTIC_PERIOD_S = 0.25  # the elastic pass when nothing kicked it (it scans every pod)
-LEASE_TTL = 3.0       # the scaler lease's TTL (s)
 START_TIMEOUT = 30.0  # wait this long for the desired workers, then start with >= min_replicas
 FENCE_TIMEOUT = 0.5   # the actuator kill request (best effort)
 
@@ -88,13 +90,15 @@ class Scaler(Service):
 
     def __init__(self, bus: Bus, *, workers: int = 2, min_replicas: int = 1,
                  max_replicas: int = 64, global_batch_size: int = 64, micro_batch_size: int = 8,
-                 lease_ttl: float = LEASE_TTL, start_timeout: float = START_TIMEOUT,
+                 lease_ttl: float | None = None, start_timeout: float = START_TIMEOUT,
                  fault_timeout: float = DEFAULTS["fault_timeout"],
                  fence_timeout: float = FENCE_TIMEOUT, tick_interval: float = 0.05,
                  scaler_id: str | None = None, policy: ScalingPolicy | None = None,
                  actuator_timeout: float = 5.0, shard_size: int = 1,
-                 batch_from_script: bool = False) -> None:
-        super().__init__(bus)
+                 batch_from_script: bool = False, instance_id: str | None = None) -> None:
+        super().__init__(bus, instance_id=scaler_id or instance_id or
+                         f"scaler-{uuid.uuid4().hex[:8]}",
+                         lease_ttl=lease_ttl)
         # shard_size k > 1 (issue 21): ``workers`` counts ranks, every replica count (target,
         # min/max_replicas, request counts) counts replicas of k ranks (plan.replicas).
         if policy is None:
@@ -115,23 +119,24 @@ class Scaler(Service):
         self.script: ScriptInfo | None = None
         self.scale: ScaleState | None = None   # cache of KV ``scale``
         self.scale_revision: int | None = None
-        self.lease_ttl = lease_ttl
         self.start_timeout = start_timeout
         self.fault_timeout = fault_timeout
         self.fence_timeout = fence_timeout
         self.tick_interval = tick_interval
-        self.scaler_id = scaler_id or f"scaler-{uuid.uuid4().hex[:8]}"
+        self.scaler_id = self.instance_id
         self.log = self.log.bind(scaler_id=self.scaler_id)
         self.plans = PlanFollower(bus, self.log, poll_interval=1.0)
         self.kv: Any = None
         # the monitor's verdict that the failure is the script's: no plan after it (a
         # promoted spare would meet the same bug while the launcher stops the job)
         self.job_failed: JobFailed | None = None
+        # the newest health monitor term seen: a deposed monitor's faults are ignored
+        self.monitor_term = NewestTerm("health_monitor")
+        self.replayed = 0  # faults read back from the job stream on taking the lease
+        self._replaying = False  # the lease was just taken: faults being read back
         self.t0 = time.monotonic()
-        # lease
-        self.holder = False
-        self.lease_holder: str | None = None
-        self.lease_expires = 0.0
+        # lease (Service, services/common/lease.py): only its holder acts; a standby tracks
+        # heartbeats and faults
         self.holder_since: float | None = None
         self._reconciled = False
         # liveness, rebuilt from heartbeats / lifecycle
@@ -181,6 +186,9 @@ class Scaler(Service):
                 (s.job_failed, JobFailed, self._on_job_failed)]
 
     async def _on_job_failed(self, m: JobFailed, env: Envelope) -> None:
+        if self.monitor_term.stale(m.term, "job_failed"):
+            self._ignore(env.subject, "job_failed of a deposed monitor (older term)")
+            return
         if self.job_failed is None:
             self.job_failed = m
             self.log.warning("the job failed (the script's bug): no more plans",
@@ -188,7 +196,6 @@ class Scaler(Service):
 
     async def on_start(self) -> None:
         self.t0 = time.monotonic()
-        self.spawn(self._lease_loop())
         self.spawn(self._tick_loop())
         # the script's batch (with --batch-from-script) and a DDP script's fixed world size
         self.spawn(self._watch_script())
@@ -196,75 +203,53 @@ class Scaler(Service):
                       workers=self.cfg.workers, min_replicas=self.cfg.min_replicas,
                       shard_size=self.cfg.shard_size)
 
-    async def on_stop(self) -> None:
-        await self._release_lease()
-
     # ------------------------------------------------------------------ lease
-    async def _lease_loop(self) -> None:
-        while True:
-            try:
-                await self._lease_tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._set_holder(False)
-                self.log.warning("lease check failed", error=str(e)[:200])
-            await asyncio.sleep(self.lease_ttl / 3)
+    def on_lease_acquired(self, term: int) -> None:
+        self.holder_since = time.monotonic()
+        self._reconciled = False
+        self._departures_loaded = False
+        self._replaying = True  # no decision before the faults are read back
+        self.spawn(self._replay_faults(term))
+        self._kick.set()
 
-    def _set_holder(self, value: bool) -> None:
-        if value and not self.holder:
-            self.holder_since = time.monotonic()
-            self._reconciled = False
-            self._departures_loaded = False
-            self.log.info("lease acquired", lease_ttl=self.lease_ttl)
-            self._kick.set()
-        elif not value and self.holder:
-            self.holder_since = None
-            self.log.info("lease lost", holder=self.lease_holder)
-        self.holder = value
+    async def _replay_faults(self, term: int) -> None:
+        """Taking the lease: the faults since the current plan, read back from the job
+        stream (a standby started after them, or a restart, never heard them). The tick
+        decides nothing in this term before they are in."""
+        plan, faults = self.plans.plan, []
+        try:
+            if plan is not None:
+                faults = await unplanned_faults(self.bus, plan, self.log)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # no stream (yet): the monitor's next declarations count
+            self.log.warning("faults not replayed", error=str(e)[:200])
+        async with self._lock:
+            for f, env in faults:
+                self.monitor_term.note(f.term)
+                try:
+                    await self._fault(f, env)
+                except Exception as e:  # one bad fault must not block the term
+                    self.log.warning("replayed fault not handled", pod=f.pod,
+                                     error=str(e)[:200])
+            self._replaying = False
+        self.replayed += len(faults)
+        if faults:
+            self.log.info("faults replayed", term=term, faults=len(faults),
+                          generation=plan.generation if plan else None,
+                          pending=sorted(self.pending))
+        self._kick.set()
 
-    async def _lease_tick(self) -> None:
-        now = time.time()
-        mine = json.dumps({"holder": self.scaler_id, "expires": now + self.lease_ttl}).encode()
-        try:
-            entry = await self.kv.get(LEASE_KEY)
-        except (KeyNotFoundError, NotFoundError):
-            entry = None
-        try:
-            if entry is None or entry.value is None:
-                await self.kv.create(LEASE_KEY, mine)
-            else:
-                holder, expires = _parse_lease(entry.value)
-                self.lease_holder = holder
-                if holder != self.scaler_id and expires > now:
-                    self._set_holder(False)
-                    return
-                await self.kv.update(LEASE_KEY, mine, last=entry.revision)
-        except KeyWrongLastSequenceError:
-            self._set_holder(False)  # somebody else took or renewed it first
-            return
-        self.lease_holder = self.scaler_id
-        self.lease_expires = now + self.lease_ttl
-        self._set_holder(True)
+    def on_lease_lost(self, holder: str | None) -> None:
+        self.holder_since = None
 
     @property
-    def acting(self) -> bool:
-        return self.holder and time.time() < self.lease_expires
+    def holder(self) -> bool:
+        return self.lease.state is LeaseState.ACTIVE
 
-    async def _release_lease(self) -> None:
-        if not self.holder or self.kv is None:
-            return
-        self.holder = False
-        try:
-            entry = await self.kv.get(LEASE_KEY)
-            holder, _ = _parse_lease(entry.value or b"")
-            if holder == self.scaler_id:
-                await self.kv.update(
-                    LEASE_KEY, json.dumps({"holder": None, "expires": 0}).encode(),
-                    last=entry.revision)
-                self.log.info("lease released")
-        except Exception as e:
-            self.log.warning("lease release failed", error=str(e)[:200])
+    @property
+    def lease_holder(self) -> str | None:
+        return self.lease.holder
 
     # ------------------------------------------------------------------ inputs
     def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
@@ -433,6 +418,16 @@ class Scaler(Service):
             await self._commit(d, self.plans.revision, [])
 
     async def _on_fault(self, f: Fault, env: Envelope) -> None:
+        if self.monitor_term.stale(f.term, "fault"):
+            self._ignore(env.subject, f"fault of monitor term {f.term} < "
+                         f"{self.monitor_term.term}: a deposed monitor's", pod=f.pod,
+                         incident=f.incident)
+            return
+        await self._fault(f, env)
+
+    async def _fault(self, f: Fault, env: Envelope) -> None:
+        """A fault, live or replayed (a replayed one was true when its monitor declared it:
+        no term check)."""
         plan = self.plans.plan
         if plan is not None and f.generation > plan.generation:
             await self.plans.refresh()
@@ -740,7 +735,7 @@ class Scaler(Service):
         while True:
             kicked = await wait_event(self._kick, self.tick_interval)
             self._kick.clear()
-            if not self.acting:
+            if not self.acting or self._replaying:
                 continue
             try:
                 async with self._lock:
@@ -1032,7 +1027,12 @@ class Scaler(Service):
         if self.job_failed is not None:
             self._note_wait("the job failed (the script's bug): no more plans")
             return False
-        new = new.model_copy(update={"ts": time.time()})
+        term, cur = self.term, self.plans.plan
+        if term is None or (cur is not None and cur.term is not None and cur.term > term):
+            # the lease ran out (or a newer scaler wrote): a deposed scaler plans nothing
+            self._note_wait("not the lease holder: no plan")
+            return False
+        new = new.model_copy(update={"ts": time.time(), "term": term})
         parent = pend[0].ctx if pend and pend[0].ctx is not None else None
         links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())
                  for p in pend[1:] if p.ctx is not None]
@@ -1095,7 +1095,7 @@ class Scaler(Service):
         return {
             "scaler_id": self.scaler_id,
             "lease_holder": self.acting,
-            "lease": {"holder": self.lease_holder, "ttl": self.lease_ttl},
+            "lease": self.lease.status(),
             "plan": None if plan is None else {
                 "generation": plan.generation, "revision": self.plans.revision,
                 "members": {m.rank: m.pod for m in plan.members},
@@ -1141,13 +1141,3 @@ class Scaler(Service):
 def now_alive(seen: PodSeen, fault_timeout: float) -> bool:
     return time.monotonic() - seen.last <= fault_timeout
 
-
-def _parse_lease(value: bytes) -> tuple[str | None, float]:
-    """(holder, expires); a lease value that does not parse counts as expired."""
-    try:
-        obj = json.loads(value)
-        holder = obj.get("holder")
-        expires = float(obj.get("expires", 0))
-        return (holder if isinstance(holder, str) else None), expires
-    except Exception:
-        return None, 0.0

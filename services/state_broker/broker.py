@@ -191,10 +191,11 @@ class StateBroker(Service):
     description = "committed state per pod -> transfer plans"
 
     def __init__(self, bus: Bus, *, member_wait: float = MEMBER_WAIT,
-                 state_wait: float = STATE_WAIT, live_s: float = 2.0) -> None:
+                 state_wait: float = STATE_WAIT, live_s: float = 2.0,
+                 instance_id: str | None = None, lease_ttl: float | None = None) -> None:
         if not (0 < member_wait <= state_wait):
             raise ValueError("member_wait must be positive and at most state_wait")
-        super().__init__(bus)
+        super().__init__(bus, instance_id=instance_id, lease_ttl=lease_ttl)
         self.member_wait = member_wait
         self.state_wait = state_wait
         self.live_s = live_s
@@ -209,6 +210,7 @@ class StateBroker(Service):
         self._task_gen = 0
         self._changed = asyncio.Event()
         self._published: set[int] = set()
+        self._unpublished = 0  # a generation decided while a standby: redone on taking over
         self.transfers_published = 0
         self.state_lost_published = 0
         # heartbeats from the monitor's health view, or read directly while there is none
@@ -225,6 +227,21 @@ class StateBroker(Service):
     async def on_start(self) -> None:
         self.log.info("state broker started", generation=self.plans.generation,
                       member_wait=self.member_wait, high_water=self.high_water)
+
+    def on_lease_acquired(self, term: int) -> None:
+        """Taking over: the current generation's outcome, unless the job stream holds it
+        (the previous broker published it), is decided again from fresh heartbeats."""
+        plan = self.plans.plan  # (a decision still in flight publishes at its end)
+        if plan is not None and self._unpublished == plan.generation:
+            self.spawn(self._take_over(plan))
+
+    async def _take_over(self, plan: Plan) -> None:
+        if await self._already_published(plan) or self.plans.generation != plan.generation:
+            return
+        self.log.info("taking over the generation's transfer", generation=plan.generation,
+                      term=self.term)
+        self.handled_generation = min(self.handled_generation, plan.generation - 1)
+        await self._on_plan(None, plan)
 
     async def stop(self) -> None:
         if self._task is not None:  # the transfer in flight
@@ -396,7 +413,15 @@ class StateBroker(Service):
         g = plan.generation
         if g in self._published:
             return
+        term = self.term
+        if term is None:  # a standby: the active broker publishes (or we, on taking over)
+            self._unpublished = g
+            self.log.info("standby: transfer not published", generation=g)
+            return
         self._published.add(g)
+        # stamped with this broker's term: an agent takes the newest broker's transfer of a
+        # generation, and the message ids of two terms differ (no deduplication between them)
+        result = result.model_copy(update={"term": term})
         parent: otel_context.Context | None = self.plans.contexts.get(g)
         attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": g,
                  "ceaseless.world_size": plan.world_size}
@@ -413,7 +438,8 @@ class StateBroker(Service):
                                high_water=self.high_water)
                 self.last_result = {"generation": g, "kind": "state_lost",
                                     "reason": result.reason, "missing": missing}
-                await self.bus.publish(s.state_lost, result, msg_id=f"state_lost-g{g}", ctx=ctx)
+                await self.bus.publish(s.state_lost, result, msg_id=f"state_lost-g{g}-t{term}",
+                                       ctx=ctx)
                 self.state_lost_published += 1
                 return
             span.set_attribute("ceaseless.restore_step", result.restore_step)
@@ -426,7 +452,7 @@ class StateBroker(Service):
                 "digest": result.digest, "missing": missing, "ts": result.ts}
             self.log.info("transfer plan", generation=g, restore_step=result.restore_step,
                           sources=result.sources, steps=result.steps, missing=missing or None)
-            await self.bus.publish(s.transfer, result, msg_id=f"transfer-g{g}", ctx=ctx)
+            await self.bus.publish(s.transfer, result, msg_id=f"transfer-g{g}-t{term}", ctx=ctx)
             self.transfers_published += 1
         for old in [x for x in self._published if x < g - 16]:
             self._published.discard(old)

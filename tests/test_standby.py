@@ -1,0 +1,277 @@
+"""Services with standbys (issue 42) on a real nats-server: the lease (one holder, a term
+that only rises, a standby that takes over when the holder's lease runs out), two health
+monitors of which one declares, a scaler and an agent runtime that ignore a deposed
+instance's older term, and a scaler that reads back the faults no plan handled yet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from agent.config import AgentConfig
+from agent.runtime import Runtime
+from plumbing import logs
+from plumbing.bus import Bus, Envelope
+from plumbing.terms import NewestTerm
+from schemas import PLAN_KEY
+from schemas.messages import Fault, FaultKind, StateLost, Transfer
+from services.common.lease import TICKS_PER_TTL, Lease, LeaseState, parse_lease, ttl_for
+from services.health_monitor import HealthMonitor
+from services.scaler.scaler import Scaler
+from harness import until
+from test_health_monitor import Beater, make_plan
+
+FT = 0.3
+TTL = 0.3
+log = logs.get("test")
+
+
+def crash(svc) -> None:
+    """As SIGKILL does to its lease: renewals stop, nothing is given back (the KV still
+    names it until the lease expires)."""
+    svc.lease._task.cancel()
+    svc.lease.state = LeaseState.STANDBY
+
+
+async def test_a_lease_has_one_holder_and_a_term_that_only_rises(bus):
+    a = Lease(bus, "health_monitor", "a", TTL, log)
+    b = Lease(bus, "health_monitor", "b", TTL, log)
+    a._kv = b._kv = await bus.kv()
+    await a.tick()
+    await b.tick()
+    assert a.acting and not b.acting and a.term == 1 and b.holder == "a"
+    await a.tick()  # a renewal keeps the term
+    assert a.term == 1
+    # a dies without giving the lease back: b takes it once it ran out, with a higher term
+    await until(lambda: time.time() > a.expires, what="the lease to run out")
+    assert not a.acting  # its own clock stops it before anybody else can take over
+    await b.tick()
+    assert b.acting and b.term == 2
+    await a.tick()  # a comes back: a standby, it sees b's term
+    assert a.state is LeaseState.STANDBY and a.term == 2 and not a.acting
+    await b.release()  # a clean stop: the next taker needs no expiry, and its term is higher
+    await a.tick()
+    assert a.acting and a.term == 3
+    stored = parse_lease((await (await bus.kv()).get("health_monitor_lease")).value)
+    assert (stored.holder, stored.term) == ("a", 3)
+
+
+def test_a_lease_value_that_does_not_parse_counts_as_expired():
+    assert parse_lease(b"{not json") == parse_lease(None) == parse_lease(b"[]")
+    assert parse_lease(b'{"holder": "x", "expires": 5}').term == 0  # before terms
+    assert parse_lease(b'{"holder": "x", "expires": 5, "term": -3}').term == 0
+
+
+def test_the_standby_ttl_fits_the_fault_timeout():
+    """Expiry (at most a TTL after the last renewal) plus one standby tick."""
+    for ft in (0.5, 1.5, 10.0):
+        ttl = ttl_for(ft)
+        assert ttl + ttl / TICKS_PER_TTL == pytest.approx(ft)
+
+
+def test_newest_term():
+    t = NewestTerm("scaler")
+    assert not t.stale(None) and not t.stale(2) and not t.stale(2) and t.stale(1)
+    assert not t.stale(None) and not t.stale(3) and t.stale(2) and t.ignored == 2
+
+
+@pytest.fixture
+async def monitors(nats_server, bus):
+    made: list = []
+    faults: list[Fault] = []
+
+    async def on_fault(f, _e):
+        faults.append(f)
+    await bus.subscribe(bus.subjects.fault, Fault, on_fault)
+    await (await bus.kv()).put(PLAN_KEY, make_plan(["w0", "w1", "w2"]).model_dump_json()
+                               .encode())
+
+    async def start(instance: str) -> HealthMonitor:
+        b = await Bus.connect(nats_server.url, "test", "health_monitor", nats_server.creds)
+        m = HealthMonitor(b, fault_timeout=FT, suspect_timeout=0.1, stall_timeout=5.0,
+                          check_interval=0.02, instance_id=instance, lease_ttl=TTL)
+        await m.start()
+        made.append((m, b))
+        return m
+
+    start.faults = faults
+    try:
+        yield start
+    finally:
+        for m, b in reversed(made):
+            await m.stop()
+            await b.close()
+
+
+async def test_two_monitors_one_declares_and_the_standby_takes_over(monitors, bus):
+    a, b = await monitors("mon-a"), await monitors("mon-b")
+    beaters = [Beater(bus, p, rank=i) for i, p in enumerate(["w0", "w1", "w2"])]
+    try:
+        await until(lambda: all(len(m.pods) == 3 for m in (a, b)), what="both watch")
+        assert [a.acting, b.acting].count(True) == 1
+        active, standby = (a, b) if a.acting else (b, a)
+        beaters[1].alive = False
+        await until(lambda: monitors.faults, what="the fault of w1")
+        await asyncio.sleep(3 * FT)  # (the standby, had it declared, would have by now)
+        assert [(f.pod, f.term) for f in monitors.faults] == [("w1", active.lease.term)]
+        assert "w1" not in standby.faulted  # a standby declares nothing
+        crash(active)
+        await until(lambda: standby.acting, timeout=10, what="the standby takes over")
+        assert standby.lease.term > active.lease.term
+        beaters[2].alive = False
+        await until(lambda: any(f.pod == "w2" for f in monitors.faults), what="w2's fault")
+        f2 = [f for f in monitors.faults if f.pod == "w2"]
+        assert len(f2) == 1 and f2[0].term == standby.lease.term
+    finally:
+        for bt in beaters:
+            await bt.stop()
+
+
+async def test_the_scaler_ignores_a_deposed_monitors_fault_and_replays_unplanned_ones(
+        nats_server, bus):
+    """A fault of an older monitor term than one already seen is ignored; a scaler taking
+    the lease reads back the faults declared since the current plan (the previous holder
+    knew them, the new one never heard them)."""
+    plan = make_plan(["w0", "w1", "w2"], spares=["s0"])
+    await (await bus.kv()).put(PLAN_KEY, plan.model_dump_json().encode())
+    now = time.time()
+
+    def fault(pod, term):
+        return Fault(incident=f"inc-{pod}-g1", pod=pod, kind=FaultKind.lost, detected_at=now,
+                     last_seen=now, generation=1, term=term)
+    await bus.publish(bus.subjects.fault, fault("w1", 2), msg_id="inc-w1-g1")
+    b = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    sc = Scaler(b, workers=3, fault_timeout=FT, lease_ttl=TTL, tick_interval=0.02,
+                scaler_id="sc", start_timeout=60.0)
+    async def no_decisions(kicked=True):  # what it knows is looked at; no plan is made
+        return None
+    sc._decide = no_decisions
+    try:
+        await sc.start()
+        # w1's fault was published before this scaler existed: read back from the stream
+        await until(lambda: "w1" in sc.pending, what="the replayed fault")
+        assert sc.replayed == 1
+        env = Envelope(subject=bus.subjects.fault, headers={}, raw=None)
+        await sc._on_fault(fault("w2", 1), env)  # a deposed monitor's (term 1 < 2)
+        assert "w2" not in sc.pending and sc.monitor_term.ignored == 1
+        await sc._on_fault(fault("w0", 3), env)
+        assert "w0" in sc.pending
+    finally:
+        await sc.stop()
+        await b.close()
+
+
+async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
+    b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    s1 = Scaler(b1, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="one")
+    s2 = Scaler(b2, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="two")
+    try:
+        await s1.start()
+        await s2.start()
+        assert s1.acting and not s2.acting
+        assert s1.status()["lease"]["state"] == "active"
+        assert s2.status()["lease"]["state"] == "standby"
+        crash(s1)
+        await until(lambda: s2.acting, timeout=10, what="the standby scaler takes over")
+        assert s2.term == s1.lease.term + 1 and s1.term is None
+    finally:
+        for s, b in ((s1, b1), (s2, b2)):
+            await s.stop()
+            await b.close()
+
+
+async def test_the_agent_runtime_takes_the_newest_brokers_transfer(nats_server):
+    rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod="w0",
+                             creds_path=str(nats_server.creds_path)))
+    env = Envelope(subject="t", headers={}, raw=None)
+
+    def transfer(term, restore_step):
+        return Transfer(generation=2, restore_step=restore_step, sources={1: [0]}, term=term)
+    await rt._on_transfer(transfer(3, 10), env)
+    await rt._on_transfer(transfer(2, 99), env)  # a deposed broker's: ignored
+    assert rt.wait_transfer(2, 0.1).transfer.restore_step == 10
+    await rt._on_transfer(transfer(4, 11), env)  # a newer broker's replaces it
+    assert rt.wait_transfer(2, 0.1).transfer.restore_step == 11
+    await rt._on_lost(StateLost(generation=3, reason="x", term=1), env)
+    assert rt.wait_transfer(3, 0.05) is None
+    await rt._on_transfer(transfer(None, 12), env)  # an older broker's (no term): taken
+    assert rt.wait_transfer(2, 0.1).transfer.restore_step == 12
+
+
+def test_up_names_each_instance_and_keeps_the_first_as_before():
+    from ops.cluster import ServiceSupervisor
+
+    assert ServiceSupervisor.instances(0) == [
+        ("health_monitor", "health_monitor"), ("scaler", "scaler"),
+        ("state_broker", "state_broker")]
+    assert ("scaler", "scaler-s2") in ServiceSupervisor.instances(2)
+    assert len(ServiceSupervisor.instances(2)) == 9
+
+
+async def test_status_says_which_instance_is_active(bus):
+    from ops.cli import _leases, _render_status
+
+    lease = Lease(bus, "scaler", "scaler-s1", TTL, log)
+    await lease.start()
+    try:
+        leases = await _leases(bus)
+    finally:
+        await lease.stop()
+    assert leases["scaler"]["active"] == "scaler-s1" and leases["scaler"]["term"] == 1
+    assert leases["health_monitor"] is None  # none ran: no lease
+    st = {"job": "test", "services": {"scaler": {"uptime_s": 1, "dropped": {}},
+                                      "health_monitor": {"uptime_s": 1, "dropped": {}}},
+          "leases": leases}
+    text = _render_status(st)
+    assert "service scaler: up 1s, dropped 0; active: scaler-s1 (term 1)" in text
+    assert "service health_monitor: up 1s, dropped 0; no active instance" in text
+
+
+async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decided(
+        nats_server, bus):
+    """The standby broker decides each generation too but publishes nothing; taking over
+    it publishes the current generation's transfer (with its higher term) unless the stream
+    holds it."""
+    from schemas.messages import AgentState, Heartbeat, Role
+    from services.state_broker import StateBroker
+
+    out: list = []
+
+    async def on_out(m, _e):
+        out.append(m)
+    await bus.subscribe(bus.subjects.transfer, Transfer, on_out)
+    made = []
+    for name in ("br-a", "br-b"):
+        b = await Bus.connect(nats_server.url, "test", "state_broker", nats_server.creds)
+        br = StateBroker(b, instance_id=name, lease_ttl=TTL)
+        await br.start()
+        made.append((br, b))
+    (a, _), (b_, _) = made
+    try:
+        assert [a.acting, b_.acting] == [True, False]
+
+        async def generation(g):
+            plan = make_plan(["w0", "w1"]).model_copy(update={"generation": g})
+            await (await bus.kv()).put(PLAN_KEY, plan.model_dump_json().encode())
+            await bus.publish(bus.subjects.plan, plan)
+            for i, pod in enumerate(("w0", "w1")):
+                await bus.publish(bus.subjects.heartbeat(pod), Heartbeat(
+                    pod=pod, role=Role.worker, generation=g, step=5, digest="aa", rank=i,
+                    state=AgentState.recovering))
+        await generation(1)
+        await until(lambda: out, what="the generation-1 transfer")
+        await until(lambda: b_.handled_generation == 1, what="the standby decided it too")
+        assert [(t.generation, t.term) for t in out] == [(1, a.lease.term)]
+        crash(a)
+        await generation(2)  # while nobody acts: the standby decides, holds it back
+        await until(lambda: any(t.generation == 2 for t in out), timeout=10,
+                    what="the new broker's transfer of generation 2")
+        assert [(t.generation, t.term) for t in out] == [(1, 1), (2, 2)]
+        assert b_.acting and b_.lease.term == 2
+    finally:
+        for br, b in made:
+            await br.stop()
+            await b.close()
