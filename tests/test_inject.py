@@ -212,3 +212,21 @@ async def test_the_supervisor_answers_what_it_signals_and_what_no_pod_can(bus, t
                         10, "the refusal logged")
     finally:
         await act.shutdown(grace_s=1.0)
+
+
+async def test_an_injection_by_rank_before_the_plan_message_reads_the_stored_plan(
+        nats_server, bus):
+    """The plan is in KV but its message has not reached the pod yet (here: never sent):
+    an injection by rank reads the stored plan at once and is answered."""
+    rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod="w1",
+                             creds_path=str(nats_server.creds_path), allow_inject=True))
+    await asyncio.to_thread(rt.start)
+    try:
+        q = await _decisions(bus)
+        await (await bus.kv()).put("plan", _plan(["w0", "w1"]).model_dump_json().encode())
+        inj = Inject(action=InjectAction.exception, rank=1, at_step=3)
+        await bus.publish(bus.subjects.inject, inj)
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.accepted and d.request_id == inj.request_id and d.pods == ["w1"], d
+    finally:
+        await asyncio.to_thread(rt.stop)
