@@ -27,7 +27,7 @@ from services.actuator.local import record_pid
 from services.actuator.prefork import Prefork
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
-from services.common.natsserver import NatsServer
+from services.common.natsserver import BusServers
 from services.common.permissions import role_permissions, write_role_credentials
 from plumbing.tlsgen import CA_ENV
 
@@ -35,6 +35,8 @@ from .runinfo import ClusterInfo, new_run_dir
 
 log = logs.get("up")
 SERVICES = ("health_monitor", "scaler", "state_broker")
+# A bound on a clustered bus's first JetStream meta-leader election (about a second when idle)
+BUS_READY_S = 30.0
 
 
 @dataclass
@@ -86,6 +88,7 @@ class UpOptions:
     ray_address: str | None = "auto"
     ray_cpus_per_pod: float = 0.1
     bus_host: str | None = None  # None: 127.0.0.1, with Ray this machine's Ray node IP
+    bus_servers: int = 1  # nats-servers of the bus; several: clustered, JetStream replicated
     # Ranks per replica of a sharded model (issue 21; FSDP inside a replica): ``workers``
     # counts ranks (a multiple of it), replica counts count replicas of this many ranks.
     shard_size: int = 1
@@ -287,8 +290,11 @@ async def run(opts: UpOptions) -> int:
         tls = generate(run_dir / "tls", hosts=tuple(dict.fromkeys(
             ("127.0.0.1", "localhost", bus_host))))
         os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
-    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users, tls=tls, host=bus_host)
-    record_pid(run_dir, "nats-server", srv.proc.pid)
+    # one nats-server, or several clustered: every client is given every URL (comma-separated)
+    srv = BusServers.start(run_dir / "nats", opts.bus_servers, creds=creds, users=users,
+                           tls=tls, host=bus_host)
+    for s in srv.servers:
+        record_pid(run_dir, "nats-server", s.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time(),
                        tls_ca=str(tls.ca) if tls else None)
@@ -345,9 +351,12 @@ async def run(opts: UpOptions) -> int:
     prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
                     if ray_act is None and opts.prefork else None)
     bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
-    await bus.ensure_stream()
-    await bus.kv()
-    await bus.store_kv()
+    if len(srv.servers) == 1:
+        await bus.ensure_stream()
+        await bus.kv()
+        await bus.store_kv()
+    else:  # a cluster answers JetStream once its servers have elected a meta leader
+        await bus.ensure_job_storage(BUS_READY_S)
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = {
         "scaler": ["--workers", str(opts.workers),
@@ -441,16 +450,17 @@ async def run(opts: UpOptions) -> int:
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
-            if srv.proc.poll() is not None:
-                # The bus died: restart it on the same port and store (the file store keeps
-                # the plan and the audit stream); every client reconnects by itself. The
-                # in-memory c10d store bucket is recreated empty (old generations' keys
-                # are not needed).
+            codes = [s.proc.returncode for s in srv.servers if s.proc.poll() is not None]
+            if codes:
+                # A server died: restart it on the same ports and store (the file store keeps
+                # the plan and the audit stream; a clustered one catches up from its peers);
+                # every client reconnects by itself, to any server it was given. A lone
+                # server's in-memory c10d store bucket is recreated empty (old generations'
+                # keys are not needed); a cluster's lives on in the other replicas.
                 print(f"[{time.time() - info.started:7.2f}s] nats-server exited "
-                      f"({srv.proc.returncode}); restarting it", file=out, flush=True)
-                srv = NatsServer.start(run_dir / "nats", creds=creds, port=srv.port, users=users,
-                                       tls=tls, host=bus_host)
-                record_pid(run_dir, "nats-server", srv.proc.pid)
+                      f"({', '.join(map(str, codes))}); restarting it", file=out, flush=True)
+                for i in srv.restart_dead():
+                    record_pid(run_dir, "nats-server", srv.servers[i].proc.pid)
                 try:
                     await asyncio.wait_for(bus.store_kv(), 10)
                 except Exception as e:
