@@ -72,16 +72,28 @@ class ClusterSpec:
         # an outgoing route presents the user info of its URL (the conf is 0600); hex
         # passwords need no escaping in a URL
         who = f"{self.creds.user}:{self.creds.password}@"
-        routes = ", ".join(_quote(f"nats-route://{who}{r}") for r in self.routes)
-        inner = [f"name: {_quote(self.name)}", f"listen: {host}:{self.port}",
-                 "authorization { user: %s, password: %s, timeout: 2 }"
-                 % (_quote(self.creds.user), _quote(self.creds.password)),
-                 f"routes: [{routes}]"]
+        tls_block = None
         if tls is not None:
-            inner.append(f'tls {{ cert_file: "{tls.cert}", key_file: "{tls.key}", '
+            tls_block = (f'tls {{ cert_file: "{tls.cert}", key_file: "{tls.key}", '
                          f'ca_file: "{tls.ca}", timeout: 2 }}')
         return [f"server_name: {_quote(self.server_name)}",
-                "cluster {\n  " + "\n  ".join(inner) + "\n}"]
+                cluster_block(_quote(self.name), f"{host}:{self.port}", _quote(self.creds.user),
+                              _quote(self.creds.password),
+                              [_quote(f"nats-route://{who}{r}") for r in self.routes], tls_block)]
+
+
+def cluster_block(name: str, listen: str, user: str, password: str, routes: list[str],
+                  tls: str | None = None) -> str:
+    """nats-server's ``cluster`` block from config tokens (quoted strings or ``$VAR``s): the
+    one generator of it, for ``up`` (``ClusterSpec``) and for compose (deploy/nats_conf.py).
+    Routes authenticate as ``user`` (a route URL carries its user info: nats-server does not
+    fill it in from ``authorization``)."""
+    inner = [f"name: {name}", f"listen: {listen}",
+             f"authorization {{ user: {user}, password: {password}, timeout: 2 }}",
+             "routes: [" + ", ".join(routes) + "]"]
+    if tls is not None:
+        inner.append(tls)
+    return "cluster {\n  " + "\n  ".join(inner) + "\n}"
 
 
 @dataclass
