@@ -141,21 +141,26 @@ CLUSTER_HEADER = """\
 # server's URL, create them with {n} replicas) and the bus survives the loss of one server.
 # Routes log in as the user `{user}` with $CEASELESS_NATS_PASSWORD_ROUTE (no client role can
 # open a route); each route URL is $CEASELESS_NATS_ROUTE_<K> (compose.yaml builds it, with that
-# password, for nats-K), each server's name comes from its command line (--name nats-K). With
-# TLS, add to the cluster block the tls block of nats.conf: nats-server verifies route peers
-# both ways, so the certificate must allow client authentication too (`ceaseless up --tls`'s
-# does) and name every server.
+# password, for nats-K), each server's name comes from its command line (--name nats-K).
+# With TLS (`python deploy/nats_conf.py conf --cluster-tls`: routes over TLS too), nats-server
+# verifies route peers both ways: the certificate must allow client authentication as well
+# (`ceaseless up --tls`'s does) and name every server.
 
 include ./nats.conf
 
 """
 
 
-def render_cluster(servers: int = CLUSTER_SERVERS) -> str:
+ROUTE_TLS = ("tls { cert_file: /etc/nats/tls/server.pem, key_file: /etc/nats/tls/server-key.pem, "
+             "ca_file: /etc/nats/tls/ca.pem, timeout: 2 }")
+
+
+def render_cluster(servers: int = CLUSTER_SERVERS, tls: bool = False) -> str:
     routes = [f"${route_var(k)}" for k in range(1, servers + 1)]
     return (CLUSTER_HEADER.format(n=servers, user=ROUTE_USER)
             + cluster_block("ceaseless", "0.0.0.0:6222", ROUTE_USER,
-                            f"${password_var(ROUTE_USER)}", routes) + "\n")
+                            f"${password_var(ROUTE_USER)}", routes,
+                            ROUTE_TLS if tls else None) + "\n")
 
 
 def parse_users(text: str) -> dict[str, dict]:
@@ -189,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--cluster-out", default=str(CLUSTER_CONF))
     c.add_argument("--servers", type=int, default=CLUSTER_SERVERS,
                    help="servers of the cluster (the routes' variables)")
+    c.add_argument("--cluster-tls", action="store_true",
+                   help="routes over TLS (/etc/nats/tls/, as nats.conf's commented tls block)")
     e = sub.add_parser("env", help="write an env file with fresh passwords (mode 0600)")
     e.add_argument("path")
     args = p.parse_args(argv)
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.servers < 1:
             p.error("--servers must be at least 1")
         Path(args.out).write_text(render(args.job))
-        Path(args.cluster_out).write_text(render_cluster(args.servers))
+        Path(args.cluster_out).write_text(render_cluster(args.servers, args.cluster_tls))
         print(f"wrote {args.out} (job {args.job}) and {args.cluster_out} "
               f"({args.servers} servers)")
     else:

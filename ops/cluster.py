@@ -35,7 +35,7 @@ from .runinfo import ClusterInfo, new_run_dir
 
 log = logs.get("up")
 SERVICES = ("health_monitor", "scaler", "state_broker")
-# A bound on a clustered bus's first JetStream meta-leader election (about a second when idle)
+# A bound on a clustered bus's first JetStream meta-leader election (a loaded machine is slower)
 BUS_READY_S = 30.0
 
 
