@@ -91,6 +91,17 @@ async def test_three_servers_replicate_and_a_client_fails_over(tmp_path, tls):
         victim.proc.wait(10)
         await until(lambda: agent.nc.is_connected and agent.nc.connected_url.port != port,
                     READY_S, "the agent's failover to another server")
+        # a new client (the CLI: few reconnect attempts) whose first URL is the dead server
+        # connects to another one
+        urls = split_urls(servers.url)
+        dead_first = ",".join(sorted(urls, key=lambda u: not u.endswith(f":{port}")))
+        cli = await Bus.connect(dead_first, JOB, "cli", roles["operator"][1],
+                                max_reconnect_attempts=2, dont_randomize=True, **options)
+        try:
+            assert cli.nc.connected_url.port != port
+            assert cli.nc.connected_url.port in {srv.port for srv in servers.servers}
+        finally:
+            await cli.close()
         # the replicated bucket keeps what it had and takes new writes (once its group has
         # a leader again, if the dead server led it)
         await _until_async(lambda: _kv_round_trip(store, "k2", b"after"), READY_S,
@@ -116,3 +127,10 @@ async def test_three_servers_replicate_and_a_client_fails_over(tmp_path, tls):
             if b is not None:
                 await b.close()
         servers.stop()
+
+
+def test_up_refuses_a_bus_of_no_server(capsys):
+    from ops.cli import main
+
+    assert main(["up", "--bus-servers", "0"]) == 2
+    assert "--bus-servers must be at least 1" in capsys.readouterr().err
