@@ -346,17 +346,28 @@ async def run(opts: UpOptions) -> int:
         env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    bus = None
+    if len(srv.servers) > 1:
+        # a cluster answers JetStream once its servers have elected a meta leader: wait for
+        # it before anything else starts, so that a cluster that never forms leaves nothing
+        bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
+        try:
+            await bus.ensure_job_storage(BUS_READY_S)
+        except Exception as e:
+            await bus.close()
+            srv.stop()
+            raise SystemExit(f"ceaseless up: the {len(srv.servers)} nats-servers formed no "
+                             f"JetStream cluster in {BUS_READY_S:.0f}s ({type(e).__name__}: "
+                             f"{str(e)[:200]}); see {run_dir / 'nats'}/s*/nats-server.log")
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
     # services come up: every pod, a replacement spare's too, then starts as a fork.
     prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
                     if ray_act is None and opts.prefork else None)
-    bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
-    if len(srv.servers) == 1:
+    if bus is None:
+        bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
         await bus.ensure_stream()
         await bus.kv()
         await bus.store_kv()
-    else:  # a cluster answers JetStream once its servers have elected a meta leader
-        await bus.ensure_job_storage(BUS_READY_S)
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = {
         "scaler": ["--workers", str(opts.workers),
