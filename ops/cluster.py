@@ -472,10 +472,12 @@ async def run(opts: UpOptions) -> int:
                       f"({', '.join(map(str, codes))}); restarting it", file=out, flush=True)
                 for i in srv.restart_dead():
                     record_pid(run_dir, "nats-server", srv.servers[i].proc.pid)
-                try:
-                    await asyncio.wait_for(bus.store_kv(), 10)
-                except Exception as e:
-                    print(f"  could not recreate the store bucket yet: {e}", file=out, flush=True)
+                if len(srv.servers) == 1:
+                    try:
+                        await asyncio.wait_for(bus.store_kv(), 10)
+                    except Exception as e:
+                        print(f"  could not recreate the store bucket yet: {e}", file=out,
+                              flush=True)
             if obs.script is None and time.monotonic() - script_polled > 1.0:
                 script_polled = time.monotonic()
                 await _read_script(bus, obs, opts)

@@ -57,6 +57,21 @@ async def _until_async(pred, timeout: float, what: str):
         raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
+async def _retry(call, timeout: float, what: str):
+    """``await call()`` until it does not raise (bounded): a request to a JetStream group
+    that is electing a leader (just created, or its leader just lost) times out meanwhile."""
+    async def _loop():
+        while True:
+            try:
+                return await call()
+            except Exception:
+                await asyncio.sleep(0.1)
+    try:
+        return await asyncio.wait_for(_loop(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 async def test_three_servers_replicate_and_a_client_fails_over(tmp_path, tls):
     files = None
@@ -78,11 +93,12 @@ async def test_three_servers_replicate_and_a_client_fails_over(tmp_path, tls):
         await op.ensure_job_storage(READY_S)
         s = op.subjects
         for stream in (s.stream, f"KV_{s.kv_bucket}", f"KV_{s.store_bucket}"):
-            assert await _replicas(op.js, stream) == 3, stream
+            assert await _retry(lambda: _replicas(op.js, stream), READY_S, stream) == 3, stream
         # the agent's identity: its permissions hold on every server
         agent = await Bus.connect(servers.url, JOB, "agent", roles["agent"][1], **options)
-        store = await agent.store_kv()
-        assert await _kv_round_trip(store, "k", b"before")
+        store = await _retry(agent.store_kv, READY_S, "the store bucket")
+        await _until_async(lambda: _kv_round_trip(store, "k", b"before"), READY_S,
+                           "a first KV write")
 
         # kill the server the agent is connected to, without warning
         port = urlparse(str(agent.nc.connected_url.geturl())).port
@@ -106,8 +122,8 @@ async def test_three_servers_replicate_and_a_client_fails_over(tmp_path, tls):
         # a leader again, if the dead server led it)
         await _until_async(lambda: _kv_round_trip(store, "k2", b"after"), READY_S,
                            "a KV write after the failover")
-        assert (await store.get("k")).value == b"before"
-        plan_kv = await op.kv()
+        assert (await _retry(lambda: store.get("k"), READY_S, "a KV read")).value == b"before"
+        plan_kv = await _retry(op.kv, READY_S, "the plan bucket")
         await _until_async(lambda: _kv_round_trip(plan_kv, "probe", b"1"), READY_S,
                            "the plan bucket after the failover")
         # the server restarted in place rejoins as itself: the stream has 3 current peers
