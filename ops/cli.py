@@ -20,7 +20,8 @@ SERVICE_NAMES = ("health_monitor", "scaler", "state_broker")
 # ----------------------------------------------------------------------------- connection
 def _add_conn(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="a `ceaseless up` run dir (default: the most recent run)")
-    p.add_argument("--nats", help="bus URL (instead of --run-dir)")
+    p.add_argument("--nats", help="bus URL (instead of --run-dir); several servers: "
+                   "comma-separated URLs")
     p.add_argument("--creds", help="credentials JSON file (with --nats)")
     p.add_argument("--job", help="job name (default: the run's, else demo)")
 
@@ -65,7 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                      save_params=args.save_params, start_timeout=args.start_timeout,
                      gpus_per_pod=args.gpus_per_pod, actuator=args.actuator,
                      ray_address=args.ray_address, ray_cpus_per_pod=args.ray_cpus_per_pod,
-                     bus_host=args.bus_host, shard_size=args.shard_size,
+                     bus_host=args.bus_host, bus_servers=args.bus_servers, shard_size=args.shard_size,
                      straggler_factor=args.straggler_factor, verify_every=args.verify_every,
                      straggler_window=args.straggler_window,
                      on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike,
@@ -75,6 +76,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     if opts.workers < 1:
         print("ceaseless up: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if opts.bus_servers < 1:
+        print("ceaseless up: --bus-servers must be at least 1", file=sys.stderr)
         return 2
     k = opts.shard_size
     if k < 1:
@@ -500,6 +504,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--bus-host", metavar="ADDR",
                     help="the address nats-server listens on and pods connect to (default "
                          "127.0.0.1; with --actuator ray the IP of this machine's Ray node)")
+    up.add_argument("--bus-servers", type=int, default=1, metavar="N",
+                    help="nats-servers of the bus (default 1); several run clustered, every "
+                         "stream and KV bucket replicated on min(N, 3) of them, and every "
+                         "client fails over between them (docs/cluster.md)")
     up.add_argument("--model", default="tiny", help="example model: tiny | small | 10m | mlp10m | 124m | 350m | 1b "
                          "(the last three: GPT-2 shapes on synthetic tokens)")
     up.add_argument("--dtype", default="float32", choices=["float32", "float64"],

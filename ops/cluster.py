@@ -29,7 +29,7 @@ from services.actuator.prefork import Prefork
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
 from services.common.lease import ttl_for
-from services.common.natsserver import NatsServer
+from services.common.natsserver import BusServers
 from services.common.permissions import role_permissions, write_role_credentials
 from plumbing.tlsgen import CA_ENV
 
@@ -37,6 +37,8 @@ from .runinfo import ClusterInfo, new_run_dir
 
 log = logs.get("up")
 SERVICES = ("health_monitor", "scaler", "state_broker")
+# A bound on a clustered bus's first JetStream meta-leader election (a loaded machine is slower)
+BUS_READY_S = 30.0
 
 
 @dataclass
@@ -88,6 +90,7 @@ class UpOptions:
     ray_address: str | None = "auto"
     ray_cpus_per_pod: float = 0.1
     bus_host: str | None = None  # None: 127.0.0.1, with Ray this machine's Ray node IP
+    bus_servers: int = 1  # nats-servers of the bus; several: clustered, JetStream replicated
     # Ranks per replica of a sharded model (issue 21; FSDP inside a replica): ``workers``
     # counts ranks (a multiple of it), replica counts count replicas of this many ranks.
     shard_size: int = 1
@@ -307,8 +310,11 @@ async def run(opts: UpOptions) -> int:
         tls = generate(run_dir / "tls", hosts=tuple(dict.fromkeys(
             ("127.0.0.1", "localhost", bus_host))))
         os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
-    srv = NatsServer.start(run_dir / "nats", creds=creds, users=users, tls=tls, host=bus_host)
-    record_pid(run_dir, "nats-server", srv.proc.pid)
+    # one nats-server, or several clustered: every client is given every URL (comma-separated)
+    srv = BusServers.start(run_dir / "nats", opts.bus_servers, creds=creds, users=users,
+                           tls=tls, host=bus_host)
+    for s in srv.servers:
+        record_pid(run_dir, "nats-server", s.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time(),
                        tls_ca=str(tls.ca) if tls else None)
@@ -360,14 +366,28 @@ async def run(opts: UpOptions) -> int:
         env[CA_ENV] = str(tls.ca)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    bus = None
+    if len(srv.servers) > 1:
+        # a cluster answers JetStream once its servers have elected a meta leader: wait for
+        # it before anything else starts, so that a cluster that never forms leaves nothing
+        bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
+        try:
+            await bus.ensure_job_storage(BUS_READY_S)
+        except Exception as e:
+            await bus.close()
+            srv.stop()
+            raise SystemExit(f"ceaseless up: the {len(srv.servers)} nats-servers formed no "
+                             f"JetStream cluster in {BUS_READY_S:.0f}s ({type(e).__name__}: "
+                             f"{str(e)[:200]}); see {run_dir / 'nats'}/s*/nats-server.log")
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
     # services come up: every pod, a replacement spare's too, then starts as a fork.
     prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
                     if ray_act is None and opts.prefork else None)
-    bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
-    await bus.ensure_stream()
-    await bus.kv()
-    await bus.store_kv()
+    if bus is None:
+        bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
+        await bus.ensure_stream()
+        await bus.kv()
+        await bus.store_kv()
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = {
         "scaler": ["--workers", str(opts.workers),
@@ -462,20 +482,23 @@ async def run(opts: UpOptions) -> int:
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
-            if srv.proc.poll() is not None:
-                # The bus died: restart it on the same port and store (the file store keeps
-                # the plan and the audit stream); every client reconnects by itself. The
-                # in-memory c10d store bucket is recreated empty (old generations' keys
-                # are not needed).
+            codes = [s.proc.returncode for s in srv.servers if s.proc.poll() is not None]
+            if codes:
+                # A server died: restart it on the same ports and store (the file store keeps
+                # the plan and the audit stream; a clustered one catches up from its peers);
+                # every client reconnects by itself, to any server it was given. A lone
+                # server's in-memory c10d store bucket is recreated empty (old generations'
+                # keys are not needed); a cluster's lives on in the other replicas.
                 print(f"[{time.time() - info.started:7.2f}s] nats-server exited "
-                      f"({srv.proc.returncode}); restarting it", file=out, flush=True)
-                srv = NatsServer.start(run_dir / "nats", creds=creds, port=srv.port, users=users,
-                                       tls=tls, host=bus_host)
-                record_pid(run_dir, "nats-server", srv.proc.pid)
-                try:
-                    await asyncio.wait_for(bus.store_kv(), 10)
-                except Exception as e:
-                    print(f"  could not recreate the store bucket yet: {e}", file=out, flush=True)
+                      f"({', '.join(map(str, codes))}); restarting it", file=out, flush=True)
+                for i in srv.restart_dead():
+                    record_pid(run_dir, "nats-server", srv.servers[i].proc.pid)
+                if len(srv.servers) == 1:
+                    try:
+                        await asyncio.wait_for(bus.store_kv(), 10)
+                    except Exception as e:
+                        print(f"  could not recreate the store bucket yet: {e}", file=out,
+                              flush=True)
             if obs.script is None and time.monotonic() - script_polled > 1.0:
                 script_polled = time.monotonic()
                 await _read_script(bus, obs, opts)

@@ -6,7 +6,11 @@
 * typed subscribe that validates on receive: a malformed, oversized, wrong-version or
   unknown message is logged with its subject and reason, counted, and dropped; a handler
   that raises is logged and the subscription goes on;
-* idempotent creation of the job's audit stream and KV buckets.
+* idempotent creation of the job's audit stream and KV buckets, replicated over the bus's
+  servers (at most 3) when it has several.
+
+A URL may name several servers, comma-separated (``nats://a:4222,nats://b:4222``): the
+client connects to one and fails over to another by itself.
 """
 
 from __future__ import annotations
@@ -122,6 +126,17 @@ def _check_pod(msg: Message, subject: str) -> None:
             raise DropError(f"subject names pod {tokens[3]!r} but payload says {pod!r}")
 
 
+MAX_REPLICAS = 3  # JetStream's limit per stream; R3 keeps quorum over one lost server
+
+
+def split_urls(url: str) -> list[str]:
+    """The servers of a bus URL (comma-separated), or ValueError for none."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no nats-server URL in {url!r}")
+    return servers
+
+
 _FLUSH_BACKSTOP_S = 120.0  # past nats-py's stale-connection detection (3 pings x 5 s)
 
 
@@ -164,6 +179,9 @@ class Bus:
     handler_errors: int = 0
     # set by close(): the disconnect that follows is this client's own, not a warning
     closing: bool = False
+    # copies of each stream and bucket this client creates: one per server it was given,
+    # at most MAX_REPLICAS (every client is given every server, so all agree)
+    replicas: int = 1
 
     # ------------------------------------------------------------------ connection
     @classmethod
@@ -197,13 +215,15 @@ class Bus:
         )
         if creds is not None:
             opts.update(user=creds.user, password=creds.password)
-        if url.startswith("tls://") and "tls" not in options:
+        servers = split_urls(url)
+        if any(u.startswith("tls://") for u in servers) and "tls" not in options:
             from .tlsgen import client_context
 
             opts["tls"] = client_context()  # verifies against CEASELESS_TLS_CA if set
         opts.update(options)
-        nc = await nats.connect(servers=[url], **opts)
-        bus.append(cls(nc=nc, subjects=Subjects(job), name=name))
+        nc = await nats.connect(servers=servers, **opts)
+        bus.append(cls(nc=nc, subjects=Subjects(job), name=name,
+                       replicas=min(MAX_REPLICAS, len(servers))))
         return bus[0]
 
     async def close(self) -> None:
@@ -302,11 +322,16 @@ class Bus:
             max_msgs=1_000_000,
             max_msg_size=MAX_PAYLOAD_BYTES,
             duplicate_window=120.0,
+            num_replicas=self.replicas,
         )
         try:
             await self.js.add_stream(cfg)
         except BadRequestError:
-            await self.js.update_stream(cfg)  # exists with another config: converge
+            # exists with another config: converge, never to fewer copies than it has (a
+            # client given one server of several must not shrink the cluster's stream)
+            have = (await self.js.stream_info(cfg.name)).config.num_replicas or 1
+            cfg.num_replicas = max(self.replicas, have)
+            await self.js.update_stream(cfg)
 
     async def kv(self, storage: StorageType = StorageType.FILE) -> KeyValue:
         return await self._bucket(self.subjects.kv_bucket, history=16, ttl=None, storage=storage)
@@ -325,6 +350,22 @@ class Bus:
         try:
             return await self.js.create_key_value(KeyValueConfig(
                 bucket=bucket, history=history, ttl=ttl, storage=storage,
-                max_value_size=MAX_PAYLOAD_BYTES))
+                max_value_size=MAX_PAYLOAD_BYTES, replicas=self.replicas))
         except BadRequestError:
             return await self.js.key_value(bucket)  # lost a creation race
+
+    async def ensure_job_storage(self, timeout: float) -> None:
+        """The audit stream and both buckets, retried until ``timeout``: a clustered bus
+        answers JetStream requests only once its servers have elected a meta leader."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                await self.ensure_stream()
+                await self.kv()
+                await self.store_kv()
+                return
+            except Exception as e:  # no meta leader yet: unavailable, a timeout
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                log.debug("JetStream not ready", error=str(e)[:200], client=self.name)
+                await asyncio.sleep(0.25)

@@ -72,7 +72,11 @@ def generate(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"
             .serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            # client auth too: clustered nats-servers present it to each other on routes,
+            # which nats-server always verifies both ways
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
             .sign(ca_key, hashes.SHA256()))
 
     files = TLSFiles(ca=directory / "ca.pem", cert=directory / "server.pem",

@@ -13,7 +13,7 @@ from services.common.natsserver import NatsServer, write_credentials
 # against a real nats-server where it needs a bus, never a whole `ceaseless up`. Everything
 # else (clusters, real faults, benchmarks' smoke runs) is the full suite's.
 UNIT_FILES = {
-    "test_bus.py", "test_checkpoint.py", "test_collectives.py", "test_data_loader.py",
+    "test_bus.py", "test_bus_cluster.py", "test_checkpoint.py", "test_collectives.py", "test_data_loader.py",
     "test_data_prepare.py", "test_dropin.py", "test_gpus.py", "test_grad_sync.py", "test_health_monitor.py",
     "test_heartbeat_feed.py", "test_layers.py", "test_membership.py", "test_permissions.py",
     "test_policy_file.py", "test_policy_properties.py", "test_ports.py", "test_repeats.py",

@@ -30,8 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 NATS_CONF = ROOT / "deploy" / "nats.conf"
 ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
-SERVICES = {"nats", "jaeger", "health_monitor", "scaler", "state_broker", "trainer", "spare"}
+NATS_SERVERS = ("nats-1", "nats-2", "nats-3")   # compose's NATS cluster
+NATS_URLS = ",".join(f"nats://{n}:4222" for n in NATS_SERVERS)
+SERVICES = {*NATS_SERVERS, "jaeger", "health_monitor", "scaler", "state_broker", "trainer", "spare"}
 PASSWORD = "pTest_only-0123456789abcdef"
+ROUTE_PASSWORD = "pRoute_test-0123456789abcdef"
 ROLE_OF = {"health_monitor": "health_monitor", "scaler": "scaler", "state_broker": "state_broker",
            "trainer": "agent", "spare": "agent"}
 
@@ -44,6 +47,11 @@ from services.common.permissions import ROLES, role_permissions  # noqa: E402
 def _role_passwords() -> dict[str, str]:
     """A distinct test password per role, by env var name."""
     return {nats_conf.password_var(r): f"{PASSWORD}-{r}" for r in ROLES}
+
+
+def _compose_passwords() -> dict[str, str]:
+    """What compose needs: every role's password and the routes' (its NATS cluster)."""
+    return {**_role_passwords(), nats_conf.password_var(nats_conf.ROUTE_USER): ROUTE_PASSWORD}
 
 
 def _compose_cmd() -> list[str] | None:
@@ -66,7 +74,7 @@ needs_compose = pytest.mark.skipif(
 @needs_compose
 def test_compose_config_is_valid_and_has_the_services():
     cmd = _compose_cmd() + ["-f", str(COMPOSE)]
-    env = _compose_env(**_role_passwords())
+    env = _compose_env(**_compose_passwords())
     r = subprocess.run(cmd + ["config", "-q"], env=env, capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -80,12 +88,17 @@ def test_compose_config_is_valid_and_has_the_services():
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)["services"]
-    nats = cfg["nats"]
-    assert re.match(r"nats:2\.(1\d|[2-9]\d)", nats["image"])       # 2.10+
-    cmdline = " ".join(nats["command"])
-    assert "-js" in cmdline and "-sd /data" in cmdline
-    assert any(str(v).endswith(":/data") or ":/data:" in str(v) for v in nats["volumes"])
-    assert "8222/healthz" in " ".join(nats["healthcheck"]["test"])
+    routes = {nats_conf.route_var(k + 1): f"nats-route://{nats_conf.ROUTE_USER}:{ROUTE_PASSWORD}"
+              f"@{n}:6222" for k, n in enumerate(NATS_SERVERS)}
+    for name in NATS_SERVERS:   # three servers of one cluster, each its own name and store
+        nats = cfg[name]
+        assert re.match(r"nats:2\.(1\d|[2-9]\d)", nats["image"])       # 2.10+
+        cmdline = " ".join(nats["command"])
+        assert "-js" in cmdline and "-sd /data" in cmdline and f"--name {name}" in cmdline
+        assert "/etc/nats/nats-cluster.conf" in cmdline
+        assert any(f"{name}-data" in str(v) and ":/data" in str(v) for v in nats["volumes"])
+        assert "8222/healthz" in " ".join(nats["healthcheck"]["test"])
+        assert nats["environment"] == {**_compose_passwords(), **routes}, name
     assert cfg["jaeger"]["image"].startswith("jaegertracing/all-in-one")
     assert cfg["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     assert any("16686" in str(p) for p in cfg["jaeger"]["ports"])
@@ -93,18 +106,18 @@ def test_compose_config_is_valid_and_has_the_services():
         c = cfg[svc]
         assert c["command"][:3] == ["python", "-m", f"services.{svc}"]
         line = " ".join(c["command"])
-        assert "--nats nats://nats:4222" in line and "--job demo" in line
+        assert f"--nats {NATS_URLS}" in line and "--job demo" in line
         assert c["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-        assert c["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert all(c["depends_on"][n]["condition"] == "service_healthy" for n in NATS_SERVERS)
     for svc, role, n in (("trainer", "worker", 4), ("spare", "spare", 1)):
         c = cfg[svc]
         assert c["command"][:3] == ["python", "-m", "examples.train_gpt"]
         assert c["deploy"]["replicas"] == n
         e = c["environment"]
         assert e["CEASELESS_ROLE"] == role and e["CEASELESS_JOB"] == "demo"
-        assert e["CEASELESS_NATS_URL"] == "nats://nats:4222"
+        assert e["CEASELESS_NATS_URL"] == NATS_URLS          # every server: failover
         assert "CEASELESS_POD" not in e                  # the agent falls back to HOSTNAME
-        assert c["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert all(c["depends_on"][n]["condition"] == "service_healthy" for n in NATS_SERVERS)
     # One identity per role: each Ceaseless container gets its own role's user and password
     # only; nats-server gets every role's password (deploy/nats.conf resolves them).
     for svc, role in ROLE_OF.items():
@@ -112,13 +125,12 @@ def test_compose_config_is_valid_and_has_the_services():
         assert e["CEASELESS_NATS_USER"] == role, svc
         assert e["CEASELESS_NATS_PASSWORD"] == f"{PASSWORD}-{role}", svc
         assert not any(k.startswith("CEASELESS_NATS_PASSWORD_") for k in e), svc
-    assert cfg["nats"]["environment"] == _role_passwords()
 
 
 @needs_compose
 def test_compose_refuses_to_run_without_every_role_password():
     for missing in ROLES:
-        env = _compose_env(**{k: v for k, v in _role_passwords().items()
+        env = _compose_env(**{k: v for k, v in _compose_passwords().items()
                               if k != nats_conf.password_var(missing)})
         r = subprocess.run(_compose_cmd() + ["-f", str(COMPOSE), "config", "-q"], env=env,
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -151,8 +163,9 @@ def test_nats_conf_env_file(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     vals = dict(line.split("=", 1) for line in path.read_text().splitlines()
                 if line and not line.startswith("#"))
-    assert set(vals) == {nats_conf.password_var(r) for r in ROLES}
-    assert len(set(vals.values())) == len(ROLES)
+    # a password per role, and the routes' own (compose's cluster)
+    assert set(vals) == {nats_conf.password_var(r) for r in (*ROLES, nats_conf.ROUTE_USER)}
+    assert len(set(vals.values())) == len(ROLES) + 1
     for v in vals.values():   # a bare nats-server config token: starts with a letter
         assert re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{31,}", v), v
 
@@ -362,3 +375,66 @@ def test_nats_jetstream_in_a_container():
                 await nc.close()
 
         asyncio.run(check())
+
+
+
+@pytest.fixture
+def cluster_conf_servers(tmp_path):
+    """deploy/nats-cluster.conf, as compose runs its three servers (each --name nats-K, the
+    routes from $CEASELESS_NATS_ROUTE_<K>), on free loopback ports."""
+    n = nats_conf.CLUSTER_SERVERS
+    ports, routes = [free_port() for _ in range(n)], [free_port() for _ in range(n)]
+    env = {**os.environ, **_role_passwords(),
+           nats_conf.password_var(nats_conf.ROUTE_USER): ROUTE_PASSWORD,
+           **{nats_conf.route_var(k + 1):
+              f"nats-route://{nats_conf.ROUTE_USER}:{ROUTE_PASSWORD}@127.0.0.1:{routes[k]}"
+              for k in range(n)}}
+    conf = str(nats_conf.CLUSTER_CONF)
+    t = subprocess.run([find_binary(), "-c", conf, "-t"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert t.returncode == 0, t.stderr + t.stdout
+    procs = []
+    try:
+        for k in range(n):
+            procs.append(subprocess.Popen(
+                [find_binary(), "-c", conf, "-js", "-sd", str(tmp_path / f"js{k}"),
+                 "-a", "127.0.0.1", "-p", str(ports[k]), "-m", str(free_port()),
+                 "--name", f"nats-{k + 1}",
+                 "--cluster", f"nats://127.0.0.1:{routes[k]}"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for k in range(n):
+            _wait_port(ports[k], procs[k])
+        yield ports
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_nats_cluster_conf_is_generated():
+    text = nats_conf.CLUSTER_CONF.read_text()
+    assert text == nats_conf.render_cluster(), "run: python deploy/nats_conf.py conf"
+    assert "include ./nats.conf" in text
+
+
+async def test_nats_cluster_conf_replicates_over_authenticated_routes(cluster_conf_servers):
+    """The three compose servers form one cluster over routes that log in with the route
+    password: a client given every URL creates the job's stream and buckets with 3 replicas,
+    as the scaler's role keeps its permissions on every server."""
+    from plumbing.bus import Bus, Credentials
+
+    url = ",".join(f"nats://127.0.0.1:{p}" for p in cluster_conf_servers)
+    op = await Bus.connect(url, "demo", "op", Credentials("operator", f"{PASSWORD}-operator"))
+    try:
+        assert op.replicas == 3
+        await op.ensure_job_storage(30.0)
+        for stream in (op.subjects.stream, f"KV_{op.subjects.kv_bucket}"):
+            info = await op.js.stream_info(stream)
+            assert info.config.num_replicas == 3, stream
+            assert len(info.cluster.replicas or []) == 2, info.cluster   # the other two
+    finally:
+        await op.close()
