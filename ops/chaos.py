@@ -286,16 +286,17 @@ class Chaos:
         return time.time() - h.ts < FRESH
 
     def spares(self) -> list[Any]:
-        now, (members, _) = time.time(), self._members_committed()
+        now, (members, committed) = time.time(), self._members_committed()
         return [h for h in self.c.hb.values()
-                if self._not_a_ready_spare(h, members, now) is None]
+                if self._not_a_ready_spare(h, members, committed, now) is None]
 
     def _members_committed(self) -> tuple[set[str], int]:
         plan = self.plan()
         members = {m.pod for m in plan.members} if plan else set()
         return members, max((h.step for p, h in self.c.hb.items() if p in members), default=-1)
 
-    def _not_a_ready_spare(self, h: Any, members: set[str], now: float) -> str | None:
+    def _not_a_ready_spare(self, h: Any, members: set[str], committed: int,
+                           now: float) -> str | None:
         """Why the pod of heartbeat ``h`` is not a ready spare (None: it is one)."""
         plan = self.plan()
         if h.role.value != "spare" or h.pod in members:
@@ -318,6 +319,10 @@ class Chaos:
         # and not confirmed): it follows again only at the next plan, and none comes while
         # this tool waits, so requiring step >= 0 here waited for ever (issue 41 item 10a:
         # "not healthy with 1 spare(s) after 120s" while the job trained on to its end).
+        # Only a job of one replica needs its spares to hold the state: a fault of that
+        # replica leaves no other holder (a total loss if the spare holds nothing).
+        if plan is not None and plan.replicas <= 1 and h.step < 0 <= committed:
+            return f"holds no step, and the job's one replica committed {committed}"
         return None
 
     def unready(self, need: int) -> str:
@@ -337,7 +342,7 @@ class Chaos:
         for h in sorted(self.c.hb.values(), key=lambda h: h.pod):
             if h.pod in members or h.role.value != "spare":
                 continue
-            why = self._not_a_ready_spare(h, members, now)
+            why = self._not_a_ready_spare(h, members, committed, now)
             if why is None:
                 ready.append(h.pod)
             else:

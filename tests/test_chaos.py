@@ -240,3 +240,21 @@ def test_a_waiting_spare_that_holds_no_step_is_ready():
     assert "spare w1 (g6, step 480): fenced in plan g7" in why
     ch.c.hb["s3"] = hbs[1].model_copy(update={"generation": 6})
     assert not ch.healthy() and "member s3 (rank 1): in generation 6" in ch.unready(1)
+
+
+def test_a_job_of_one_replica_needs_a_spare_that_holds_its_state():
+    """With one replica the spare is the only other holder of the state: a fault of the
+    replica with spares that hold nothing is a total loss, so such spares are not ready."""
+    from schemas.messages import AgentState, Heartbeat, Member, Plan, Role
+
+    plan = Plan(generation=3, members=[Member(pod="w0", rank=0)], world_size=1,
+                global_batch_size=8, micro_batch_size=8, shares={0: 1})
+    hbs = [Heartbeat(pod="w0", role=Role.worker, generation=3, rank=0, step=40,
+                     state=AgentState.training),
+           Heartbeat(pod="s1", role=Role.spare, generation=3, step=-1,
+                     state=AgentState.waiting),
+           Heartbeat(pod="s2", role=Role.spare, generation=3, step=40,
+                     state=AgentState.waiting)]
+    ch = _view(hbs, plan)
+    assert [h.pod for h in ch.spares()] == ["s2"]
+    assert "spare s1 (g3, step -1): holds no step, and the job's one replica" in ch.unready(2)
