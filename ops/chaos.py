@@ -14,7 +14,8 @@
    and priority release on the bus.
    Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
    fast this machine is), each once the job is healthy again (every member of the latest plan
-   training, enough spares; ``ceaseless up`` replaces every failed pod by itself, and only
+   training, enough spares as the scaler counts them, holding the state if the job has one
+   replica; ``ceaseless up`` replaces every failed pod by itself, and only
    elastic scale-ups make the chaos tool ask the actuator for more). Each fault must be *survived*: a new plan without the victim and every member
    past the step the fault interrupted (worker faults), or the service back and training on
    (control-plane faults), within a bounded time. A schedule with ``kill_all`` runs ``up``
