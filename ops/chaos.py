@@ -14,7 +14,8 @@
    and priority release on the bus.
    Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
    fast this machine is), each once the job is healthy again (every member of the latest plan
-   training, enough spares; ``ceaseless up`` replaces every failed pod by itself, and only
+   training, enough spares as the scaler counts them, holding the state if the job has one
+   replica; ``ceaseless up`` replaces every failed pod by itself, and only
    elastic scale-ups make the chaos tool ask the actuator for more). Each fault must be *survived*: a new plan without the victim and every member
    past the step the fault interrupted (worker faults), or the service back and training on
    (control-plane faults), within a bounded time. A schedule with ``kill_all`` runs ``up``
@@ -267,6 +268,9 @@ class Chaos:
                 continue
             self.victims.clear()  # the restarted job names its pods w0.., s0.. again
             self.faulted.clear()
+            # spares asked of the old job's actuator never register in the new one: else
+            # they count as coming for a minute and the pool is not refilled
+            self.requested.clear()
             self.trained_plans += plans
             self.killed_gen = None
             self.restarts.append({"run_dir": str(d), "checkpoint": str(found) if found else None,
@@ -283,16 +287,89 @@ class Chaos:
         return time.time() - h.ts < FRESH
 
     def spares(self) -> list[Any]:
+        now, (members, committed) = time.time(), self._members_committed()
+        return [h for h in self.c.hb.values()
+                if self._not_a_ready_spare(h, members, committed, now) is None]
+
+    def _members_committed(self) -> tuple[set[str], int]:
         plan = self.plan()
         members = {m.pod for m in plan.members} if plan else set()
-        # a ready spare holds the job's state (it follows rank 0: step >= 0 once the job
-        # committed one); a pod killed a moment ago still looks fresh: it is excluded
-        committed = max((h.step for p, h in self.c.hb.items() if p in members), default=-1)
-        return [h for h in self.c.hb.values()
-                if h.role.value == "spare" and h.pod not in members and self.fresh(h)
-                and h.state.value == "waiting" and h.pod not in self.victims
-                and h.pod not in self.faulted
-                and (h.step >= 0 or committed < 0)]
+        return members, max((h.step for p, h in self.c.hb.items() if p in members), default=-1)
+
+    def _not_a_ready_spare(self, h: Any, members: set[str], committed: int,
+                           now: float) -> str | None:
+        """Why the pod of heartbeat ``h`` is not a ready spare (None: it is one)."""
+        plan = self.plan()
+        if h.role.value != "spare" or h.pod in members:
+            return "a member" if h.pod in members else f"role {h.role.value}"
+        if plan is not None and h.pod in plan.fenced:
+            return f"fenced in plan g{plan.generation}"
+        if now - h.ts >= FRESH:
+            return f"last heartbeat {now - h.ts:.1f}s ago"
+        if h.state.value != "waiting":
+            return f"state {h.state.value}"
+        # a pod killed a moment ago still looks fresh: it is excluded
+        if h.pod in self.victims:
+            return "this tool's victim"
+        if h.pod in self.faulted:
+            return "declared faulted by the health monitor"
+        # The scaler's view (Scaler.alive_spares): alive, waiting, not a member. A spare
+        # need not hold the job's state: one at step -1 is promoted all the same and
+        # receives it by transfer. Its shadow stream from rank 0 ends, for the rest of the
+        # generation, when it lags or diverges (a rollback after a bitflip, a step applied
+        # and not confirmed): it follows again only at the next plan, and none comes while
+        # this tool waits, so requiring step >= 0 here waited for ever (issue 41 item 10a:
+        # "not healthy with 1 spare(s) after 120s" while the job trained on to its end).
+        # Only a job of one replica needs its spares to hold the state: a fault of that
+        # replica leaves no other holder (a total loss if the spare holds nothing).
+        if plan is not None and plan.replicas <= 1 and h.step < 0 <= committed:
+            return f"holds no step, and the job's one replica committed {committed}"
+        return None
+
+    def unready(self, need: int) -> str:
+        """Why the job is not ready for an event that needs ``need`` spares, in one line:
+        each member that is not training in the latest plan, each spare-role pod this tool
+        does not count and why, and the spares asked of the actuator and not seen yet."""
+        plan = self.plan()
+        if plan is None:
+            return "no plan"
+        now, (members, committed) = time.time(), self._members_committed()
+        parts = [f"plan g{plan.generation} (committed step {committed})"]
+        for m in plan.members:
+            why = self._member_problem(m.pod, plan, now)
+            if why:
+                parts.append(f"member {m.pod} (rank {m.rank}): {why}")
+        ready = []
+        for h in sorted(self.c.hb.values(), key=lambda h: h.pod):
+            if h.pod in members or h.role.value != "spare":
+                continue
+            why = self._not_a_ready_spare(h, members, committed, now)
+            if why is None:
+                ready.append(h.pod)
+            else:
+                parts.append(f"spare {h.pod} (g{h.generation}, step {h.step}): {why}")
+        parts.append(f"ready spares {len(ready)} of {need} needed"
+                     + (f" ({', '.join(ready)})" if ready else ""))
+        if self.requested:
+            parts.append(f"asked of the actuator, not seen ready: {', '.join(sorted(self.requested))}")
+        return "; ".join(parts)
+
+    def _member_problem(self, pod: str, plan: Any, now: float, past: int | None = None) -> str | None:
+        """Why member ``pod`` of ``plan`` keeps the job from being healthy (None: it does not)."""
+        h = self.c.hb.get(pod)
+        if h is None:
+            return "no heartbeat seen"
+        if h.state.value == "done" or h.step >= self.steps - 1:
+            return None  # finished: nothing left to recover
+        if now - h.ts >= FRESH:
+            return f"last heartbeat {now - h.ts:.1f}s ago"
+        if h.generation != plan.generation:
+            return f"in generation {h.generation}"
+        if h.state.value != "training":
+            return f"state {h.state.value}"
+        if past is not None and h.step <= past:
+            return f"at step {h.step}, not past {past}"
+        return None
 
     def step(self) -> int:
         plan = self.plan()
@@ -308,16 +385,8 @@ class Chaos:
             return False
         if any(m.pod in exclude for m in plan.members):
             return False
-        for m in plan.members:
-            h = self.c.hb.get(m.pod)
-            if h is None:
-                return False
-            if h.state.value == "done" or h.step >= self.steps - 1:
-                continue  # finished: nothing left to recover
-            if (not self.fresh(h) or h.generation != plan.generation
-                    or h.state.value != "training" or (past is not None and h.step <= past)):
-                return False
-        return True
+        now = time.time()
+        return not any(self._member_problem(m.pod, plan, now, past) for m in plan.members)
 
     def finished(self) -> bool:
         return self.c.proc.poll() is not None or self.step() >= self.steps - 1
@@ -399,6 +468,7 @@ class Chaos:
     async def ready(self, need: int) -> None:
         """Every member training in the latest plan and ``need`` spares registered."""
         deadline = time.monotonic() + READY_TIMEOUT
+        next_why = time.monotonic() + READY_TIMEOUT / 4
         last_top = 0.0
         while True:
             if self.finished():
@@ -413,7 +483,10 @@ class Chaos:
                 raise ChaosFailure(f"the cluster exited ({self.c.proc.returncode})")
             if time.monotonic() > deadline:
                 raise ChaosFailure(f"job not healthy with {need} spare(s) after "
-                                   f"{READY_TIMEOUT:.0f}s")
+                                   f"{READY_TIMEOUT:.0f}s: {self.unready(need)}")
+            if time.monotonic() > next_why:  # what keeps it, while it lasts
+                next_why = time.monotonic() + READY_TIMEOUT / 4
+                self.say(f"  waiting to be ready: {self.unready(need)}")
             await asyncio.sleep(0.1)
 
     # ------------------------------------------------------------------ faults

@@ -277,6 +277,45 @@ async def _zygote(env: dict[str, str], cmd: list[str], log_dir: Path,
     return await Prefork.start(env, PRELOAD, log_dir / "zygote.log", run_dir)
 
 
+class StoreKeeper:
+    """The in-memory c10d store bucket, recreated after `up` restarted nats-server (it dies
+    with the server). Pods may not create it (their permissions): without it a new pod cannot
+    start ("agent could not start: nats: timeout", replaced, failing again) and no new
+    generation can rendezvous. The first try races `up`'s own reconnect, so it is tried again
+    every round until it is there (issue 41 item 10a: one try that timed out left a job whose
+    members trained on while every spare asked for failed at start)."""
+
+    def __init__(self, timeout: float = 5.0, every: float = 1.0) -> None:
+        self.timeout, self.every = timeout, every
+        self.missing_since: float | None = None   # monotonic; None: the bucket is there
+        self._next = 0.0
+        self._told = False
+
+    def lost(self) -> None:
+        self.missing_since, self._next, self._told = time.monotonic(), 0.0, False
+
+    async def keep(self, bus: Bus, out: Any, started: float) -> bool:
+        """One try if one is due; True when the bucket is there."""
+        if self.missing_since is None:
+            return True
+        if time.monotonic() < self._next:
+            return False
+        try:
+            await asyncio.wait_for(bus.store_kv(), self.timeout)
+        except Exception as e:
+            self._next = time.monotonic() + self.every
+            if not self._told:
+                self._told = True
+                print(f"  could not recreate the store bucket yet ({type(e).__name__}: "
+                      f"{str(e)[:200]}); trying again", file=out, flush=True)
+            return False
+        print(f"[{time.time() - started:7.2f}s] store bucket recreated "
+              f"({time.monotonic() - self.missing_since:.1f}s after the restart)",
+              file=out, flush=True)
+        self.missing_since = None
+        return True
+
+
 async def run(opts: UpOptions) -> int:
     run_dir = Path(opts.run_dir) if opts.run_dir else new_run_dir(opts.job)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -479,6 +518,7 @@ async def run(opts: UpOptions) -> int:
     code, reason = 1, "unknown"
     finished_w, after = 0, ""   # set when every member finished
     tty = out.isatty() and opts.live
+    store = StoreKeeper()
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
@@ -494,11 +534,8 @@ async def run(opts: UpOptions) -> int:
                 for i in srv.restart_dead():
                     record_pid(run_dir, "nats-server", srv.servers[i].proc.pid)
                 if len(srv.servers) == 1:
-                    try:
-                        await asyncio.wait_for(bus.store_kv(), 10)
-                    except Exception as e:
-                        print(f"  could not recreate the store bucket yet: {e}", file=out,
-                              flush=True)
+                    store.lost()  # recreated empty, tried every second until it is there
+            await store.keep(bus, out, info.started)
             if obs.script is None and time.monotonic() - script_polled > 1.0:
                 script_polled = time.monotonic()
                 await _read_script(bus, obs, opts)

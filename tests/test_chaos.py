@@ -191,3 +191,70 @@ def test_chaos_guards_pass(tmp_path):
     assert rep["nan_steps"] and rep["skipped_steps"] == rep["nan_steps"]
     assert rep["check"] == "bitwise parameters" and rep["param_sha256"] == rep["reference_sha256"]
     assert rep["goodput"]["effective_ratio"] is not None
+
+
+def _view(hbs, plan, steps=1000):
+    """A ``Chaos`` over synthetic heartbeats and plans (its views read only ``c.hb``,
+    ``c.plans`` and whether ``c.proc`` still runs)."""
+    from types import SimpleNamespace
+
+    from ops.chaos import Chaos, ChaosOptions
+
+    c = SimpleNamespace(hb={h.pod: h for h in hbs}, plans=[plan],
+                        proc=SimpleNamespace(poll=lambda: None))
+    return Chaos(c, ChaosOptions(), steps)
+
+
+def test_a_waiting_spare_that_holds_no_step_is_ready():
+    """Issue 41 item 10(a): a spare whose shadow stream ended in this generation (it lagged,
+    or a rollback made it diverge) holds step -1 until the next plan; the scaler promotes it
+    all the same (the state comes by transfer). The tool required step >= 0, so with no new
+    plan coming it waited "not healthy with 1 spare(s) after 120s" while the job trained on."""
+    from schemas.messages import AgentState, Heartbeat, Member, Plan, Role
+
+    plan = Plan(generation=7, members=[Member(pod="w0", rank=0), Member(pod="s3", rank=1)],
+                world_size=2, global_batch_size=8, micro_batch_size=4, shares={0: 1, 1: 1},
+                spares=["s5"], fenced=["w1"])
+    hbs = [Heartbeat(pod="w0", role=Role.worker, generation=7, rank=0, step=500,
+                     state=AgentState.training),
+           Heartbeat(pod="s3", role=Role.worker, generation=7, rank=1, step=500,
+                     state=AgentState.training),
+           Heartbeat(pod="s5", role=Role.spare, generation=7, step=-1,
+                     state=AgentState.waiting),
+           Heartbeat(pod="s6", role=Role.spare, generation=7, step=-1,
+                     state=AgentState.starting),
+           Heartbeat(pod="s7", role=Role.spare, generation=7, step=-1,
+                     state=AgentState.waiting),
+           Heartbeat(pod="w1", role=Role.spare, generation=6, step=480,
+                     state=AgentState.waiting)]
+    ch = _view(hbs, plan)
+    ch.faulted.add("s7")
+    assert ch.healthy()
+    assert [h.pod for h in ch.spares()] == ["s5"]
+    # and when it is not ready, the tool says why, member by member and spare by spare
+    ch.faulted.add("s5")
+    why = ch.unready(1)
+    assert "ready spares 0 of 1" in why
+    assert "spare s5 (g7, step -1): declared faulted" in why
+    assert "spare s6 (g7, step -1): state starting" in why
+    assert "spare w1 (g6, step 480): fenced in plan g7" in why
+    ch.c.hb["s3"] = hbs[1].model_copy(update={"generation": 6})
+    assert not ch.healthy() and "member s3 (rank 1): in generation 6" in ch.unready(1)
+
+
+def test_a_job_of_one_replica_needs_a_spare_that_holds_its_state():
+    """With one replica the spare is the only other holder of the state: a fault of the
+    replica with spares that hold nothing is a total loss, so such spares are not ready."""
+    from schemas.messages import AgentState, Heartbeat, Member, Plan, Role
+
+    plan = Plan(generation=3, members=[Member(pod="w0", rank=0)], world_size=1,
+                global_batch_size=8, micro_batch_size=8, shares={0: 1})
+    hbs = [Heartbeat(pod="w0", role=Role.worker, generation=3, rank=0, step=40,
+                     state=AgentState.training),
+           Heartbeat(pod="s1", role=Role.spare, generation=3, step=-1,
+                     state=AgentState.waiting),
+           Heartbeat(pod="s2", role=Role.spare, generation=3, step=40,
+                     state=AgentState.waiting)]
+    ch = _view(hbs, plan)
+    assert [h.pod for h in ch.spares()] == ["s2"]
+    assert "spare s1 (g3, step -1): holds no step, and the job's one replica" in ch.unready(2)
