@@ -100,6 +100,7 @@ class Lease:
         self.outage = False
         self._kv: Any = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     @property
     def acting(self) -> bool:
@@ -108,21 +109,24 @@ class Lease:
     async def start(self) -> None:
         """The first try before returning: a lone instance acts from its first message."""
         self._kv = await self.bus.kv()
+        self._stopping = False
         await self._try()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            # Bounded, and the loop checks the flag: on Python 3.11 asyncio.wait_for (inside
+            # nats-py's request) swallows a cancel that lands as the reply does, and a loop
+            # that renews several times a second then never ends (a service's stop hung
+            # for ever in the test suite under load)
+            await asyncio.wait({self._task}, timeout=self.ttl + 5.0)
             self._task = None
         await self.release()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.ttl / TICKS_PER_TTL)
             await self._try()
 
