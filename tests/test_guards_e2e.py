@@ -87,15 +87,17 @@ async def test_preemption_notices_are_planned_departures_not_faults(tmp_path, re
 
 
 def _straggle(slow: list[str]):
-    """The fault: rank 1 computes 6x slower from step 8 (``inject slow``); its pod into
-    ``slow``."""
+    """The fault: rank 1 computes 6x slower from the step it is at when the injection
+    arrives (``inject slow``; slowness does not change the trajectory, so no step is named:
+    an injection whose step has passed is refused, and the harness sees a step a heartbeat
+    late); its pod into ``slow``."""
     async def straggle(c):
         from schemas.messages import Inject, InjectAction
 
         await c.wait_rank_step(1, 5)
         slow.append(c.member(1).pod)
         await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.slow, rank=1,
-                                                          at_step=8, factor=6))
+                                                          factor=6))
     return straggle
 
 
