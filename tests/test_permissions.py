@@ -110,7 +110,12 @@ async def test_an_agent_reads_the_last_transfer_plan_of_the_stream(role_server):
             await asyncio.wait_for(agent.js.get_last_msg(s.stream, s.transfer), 5.0)
         await broker.publish(s.transfer, Transfer(generation=3, restore_step=7, sources={}))
         await broker.nc.flush()
-        msg = await asyncio.wait_for(agent.js.get_last_msg(s.stream, s.transfer), 5.0)
+        for _ in range(50):  # a plain publish reaches the stream a moment after the flush
+            try:
+                msg = await asyncio.wait_for(agent.js.get_last_msg(s.stream, s.transfer), 5.0)
+                break
+            except NotFoundError:
+                await asyncio.sleep(0.1)
         assert Transfer.model_validate_json(msg.data).generation == 3
         with pytest.raises(Exception):  # still no publishing there
             await asyncio.wait_for(agent.js.publish(s.transfer, b"{}"), 2.0)

@@ -569,6 +569,7 @@ async def test_concurrent_writers_cas(env, bus, monkeypatch):
     """Even with both scalers acting at once (lease bypassed) the compare-and-set lets only
     one plan per generation through; the loser reloads and agrees."""
     monkeypatch.setattr(Scaler, "acting", property(lambda self: True))
+    monkeypatch.setattr(Scaler, "warm_up", 0.0)  # both decide from the start: the race
     for pod in ("w0", "w1", "w2"):
         await env.agent(pod)
     for pod in ("s0", "s1"):

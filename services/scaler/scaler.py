@@ -87,6 +87,7 @@ class Pending:
 class Scaler(Service):
     name = "scaler"
     description = "single writer of membership plans (faults, capacity, priority)"
+    warm_up = 1.0  # fault timeouts a started scaler listens before it replays faults
 
     def __init__(self, bus: Bus, *, workers: int = 2, min_replicas: int = 1,
                  max_replicas: int = 64, global_batch_size: int = 64, micro_batch_size: int = 8,
@@ -134,6 +135,7 @@ class Scaler(Service):
         self.monitor_term = NewestTerm("health_monitor")
         self.replayed = 0  # faults read back from the job stream on taking the lease
         self._replaying = False  # the lease was just taken: faults being read back
+        self._listening_since = time.monotonic()  # its view of the pods is built from here
         self.t0 = time.monotonic()
         # lease (Service, services/common/lease.py): only its holder acts; a standby tracks
         # heartbeats and faults
@@ -216,6 +218,11 @@ class Scaler(Service):
         """Taking the lease: the faults since the current plan, read back from the job
         stream (a standby started after them, or a restart, never heard them). The tick
         decides nothing in this term before they are in."""
+        # A scaler that just started (a restart in place takes its own lease back at once)
+        # has heard no heartbeat yet: it listens a fault timeout first, or a replayed fault
+        # finds "no live spare" and shrinks the job while the spare is alive
+        await asyncio.sleep(max(0.0, self._listening_since + self.warm_up * self.fault_timeout
+                                - time.monotonic()))
         plan, faults = self.plans.plan, []
         try:
             if plan is not None:
