@@ -10,21 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from nats.errors import TimeoutError as NatsTimeout
-
 from plumbing import logs
 
 log = logs.get("agent")
-WATCH_RECHECK_S = 1.0  # how often a watch checks for a reconnect (on the runtime's loop)
-
-
-def _client(kv: Any) -> Any:
-    """The NATS connection under a nats.py ``KeyValue`` (None if it has none)."""
-    return getattr(getattr(kv, "_js", None), "_nc", None)
-
-
-def _reconnects(nc: Any) -> int:
-    return int(nc.stats.get("reconnects", 0)) if nc is not None else 0
 
 
 class Bucket:
@@ -58,41 +46,27 @@ class Bucket:
 
     def watch(self, prefix: str, on_put: Callable[[str, bytes], None]) -> Callable[[], None]:
         """Call ``on_put(key after prefix, value)`` (on the loop's thread) for every key put
-        under ``prefix``, the ones already there first; returns a function that stops.
-
-        After a reconnect the watch is opened again (the keys already there come again:
-        ``on_put`` must take a repeat): nats-server restarted loses the in-memory store
-        bucket, ``up`` recreates it empty, and a watch opened before sees nothing put in the
-        new one (its consumer resumes past the old stream's sequence). Rank 0 then never
-        heard the spares that asked to follow after a nats-server restart (issue 41 10a)."""
+        under ``prefix``, the ones already there first; returns a function that stops."""
         task: list[asyncio.Task] = []
 
         async def watch() -> None:
-            while True:
-                w, nc = None, _client(self._kv)
-                seen = _reconnects(nc)
-                try:
-                    w = await self._kv.watch(prefix + ">")
-                    while _reconnects(nc) == seen:
-                        try:
-                            e = await w.updates(timeout=WATCH_RECHECK_S)
-                        except NatsTimeout:
-                            continue
-                        if e is None or e.operation is not None:  # initial-values marker, deletes
-                            continue
-                        on_put(e.key[len(prefix):], bytes(e.value or b""))
-                    log.info("KV watch opened again after a reconnect", prefix=prefix)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # e.g. the bucket not recreated yet: try again
-                    log.info("KV watch failed; trying again", prefix=prefix, error=str(e)[:200])
-                    await asyncio.sleep(WATCH_RECHECK_S)
-                finally:
-                    if w is not None:
-                        try:
-                            await w.stop()
-                        except Exception:
-                            pass
+            w = None
+            try:
+                w = await self._kv.watch(prefix + ">")
+                async for e in w:
+                    if e is None or e.operation is not None:  # initial-values marker, deletes
+                        continue
+                    on_put(e.key[len(prefix):], bytes(e.value or b""))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.info("KV watch ended", prefix=prefix, error=str(e)[:200])
+            finally:
+                if w is not None:
+                    try:
+                        await w.stop()
+                    except Exception:
+                        pass
 
         self._loop.call_soon_threadsafe(lambda: task.append(asyncio.ensure_future(watch())))
         return lambda: self._loop.call_soon_threadsafe(lambda: task and task[0].cancel())
