@@ -505,6 +505,10 @@ class ActuatorCommand(Message):
     role: Role = Role.spare
     count: Annotated[int, Field(ge=1, le=1024)] = 1
     reason: Text = ""
+    # The lease term of the scaler that sent it (issue 42, added 2026-12-06, optional: None
+    # from an older sender or an operator's tool, always acted on). The actuator refuses a
+    # command of an older term than one it has acted on: a deposed scaler's.
+    term: Term | None = None
 
 
 class ActuatorReply(Message):

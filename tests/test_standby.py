@@ -16,7 +16,8 @@ from plumbing import logs
 from plumbing.bus import Bus, Envelope
 from plumbing.terms import NewestTerm
 from schemas import PLAN_KEY
-from schemas.messages import Fault, FaultKind, StateLost, Transfer
+from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Fault,
+                              FaultKind, StateLost, Transfer)
 from services.common.lease import TICKS_PER_TTL, Lease, LeaseState, parse_lease, ttl_for
 from services.health_monitor import HealthMonitor
 from services.scaler.scaler import Scaler
@@ -163,6 +164,74 @@ async def test_the_scaler_ignores_a_deposed_monitors_fault_and_replays_unplanned
         await b.close()
 
 
+async def test_a_new_scaler_rebuilds_dead_pods_dropped_spares_and_the_jobs_failure(
+        nats_server, bus):
+    """What the previous scaler knew from faults older than the current plan, read back
+    from the job stream when the lease is taken: a spare dropped from the pool is never
+    promoted (it may heartbeat on until killed), a spare whose fault raced the plan that
+    promoted it is faulted (the monitor declares a pod once: the job would wait for it for
+    ever), and a script's failure stops all plans."""
+    from schemas.messages import AgentState, JobFailed, JobFailedKind, Role
+
+    now = time.time()
+
+    def spare_fault(pod):
+        return Fault(incident=f"inc-{pod}-g1", pod=pod, kind=FaultKind.lost, detected_at=now,
+                     last_seen=now, generation=1, role=Role.spare, term=1)
+    for pod in ("s0", "s1"):
+        await bus.publish(bus.subjects.fault, spare_fault(pod), msg_id=f"inc-{pod}-g1")
+    await bus.publish(bus.subjects.job_failed, JobFailed(
+        kind=JobFailedKind.script_error, step=3, generation=1, pods=["w1", "w2"], error="boom",
+        hint="a bug", term=1))
+    # generation 2 promoted s0 in place of w1 (its writer had not heard s0's fault yet)
+    plan = make_plan(["w0", "s0"], generation=2, fenced=["w1"])
+    await (await bus.kv()).put(PLAN_KEY, plan.model_dump_json().encode())
+    s1 = Beater(bus, "s1", role=Role.spare, generation=2, state=AgentState.waiting,
+                advance=False)
+    b = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    sc = Scaler(b, workers=2, fault_timeout=FT, lease_ttl=TTL, tick_interval=0.02,
+                scaler_id="sc", start_timeout=60.0)
+
+    async def no_decisions(kicked=True):  # what it knows is looked at; no plan is made
+        return None
+    sc._decide = no_decisions
+    try:
+        await sc.start()
+        await until(lambda: not sc._replaying and sc.holder, what="the read-back")
+        assert {"s0", "s1"} <= set(sc.dead) and {"s0", "s1"} <= set(sc.dropped)
+        assert sc.job_failed is not None and sc.job_failed.step == 3
+        await asyncio.sleep(3 * s1.interval)  # s1 heartbeats on: still no spare
+        assert sc.alive_spares(sc.plans.plan) == []
+        sc._dead_members(sc.plans.plan, time.monotonic())
+        assert "s0" in sc.pending and "w0" not in sc.pending
+    finally:
+        await s1.stop()
+        await sc.stop()
+        await b.close()
+
+
+async def test_a_new_monitor_does_not_declare_a_pod_again(monitors, bus):
+    """The standby never noted the pods the active one declared; taking over, it reads them
+    back from the job stream: a pod is declared once."""
+    a, b = await monitors("mon-a"), await monitors("mon-b")
+    beaters = [Beater(bus, p, rank=i) for i, p in enumerate(["w0", "w1", "w2"])]
+    try:
+        await until(lambda: all(len(m.pods) == 3 for m in (a, b)), what="both watch")
+        active, standby = (a, b) if a.acting else (b, a)
+        beaters[1].alive = False
+        await until(lambda: monitors.faults, what="the fault of w1")
+        crash(active)
+        read = getattr(standby, "_inherited", None)  # (None: a monitor that reads nothing)
+        await until(lambda: standby.acting and (read is None or read.is_set()), timeout=10,
+                    what="the standby takes over")
+        assert "w1" in standby.faulted
+        await asyncio.sleep(3 * FT)  # (it would have declared w1 again by now)
+        assert [f.pod for f in monitors.faults] == ["w1"]
+    finally:
+        for bt in beaters:
+            await bt.stop()
+
+
 async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
     b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
     b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
@@ -177,6 +246,18 @@ async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
         crash(s1)
         await until(lambda: s2.acting, timeout=10, what="the standby scaler takes over")
         assert s2.term == s1.lease.term + 1 and s1.term is None
+        # its actuator commands carry its term; the deposed one sends none
+        got: list = []
+
+        async def actuator(cmd, env):
+            got.append(cmd)
+            await bus.nc.publish(env.raw.reply, ActuatorReply(ok=True, pods=["s9"])
+                                 .model_dump_json().encode())
+        await bus.subscribe(bus.subjects.actuator, ActuatorCommand, actuator)
+        start = ActuatorCommand(action=ActuatorAction.start)
+        assert await s2._actuate(start) == (["s9"], "")
+        assert await s1._actuate(start) == ([], "not the lease holder")
+        assert [c.term for c in got] == [s2.term]
     finally:
         for s, b in ((s1, b1), (s2, b2)):
             await s.stop()

@@ -51,7 +51,7 @@ from services.common.service import Service, wait_event
 
 from . import policy
 from .policy import PolicyConfig, Wait
-from .replay import unplanned_faults
+from .replay import Inherited, inherit
 
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
@@ -215,24 +215,26 @@ class Scaler(Service):
         self._kick.set()
 
     async def _replay_faults(self, term: int) -> None:
-        """Taking the lease: the faults since the current plan, read back from the job
-        stream (a standby started after them, or a restart, never heard them). The tick
+        """Taking the lease: what the previous holder knew, read back from the job stream
+        (a standby started after it, or a restart, never heard it): the faults since the
+        current plan, the dead pods and dropped spares, the script's failure. The tick
         decides nothing in this term before they are in."""
         # A scaler that just started (a restart in place takes its own lease back at once)
         # has heard no heartbeat yet: it listens a fault timeout first, or a replayed fault
         # finds "no live spare" and shrinks the job while the spare is alive
         await asyncio.sleep(max(0.0, self._listening_since + self.warm_up * self.fault_timeout
                                 - time.monotonic()))
-        plan, faults = self.plans.plan, []
+        plan, got = self.plans.plan, Inherited()
         try:
             if plan is not None:
-                faults = await unplanned_faults(self.bus, plan, self.log)
+                got = await inherit(self.bus, plan, self.log)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # no stream (yet): the monitor's next declarations count
             self.log.warning("faults not replayed", error=str(e)[:200])
         async with self._lock:
-            for f, env in faults:
+            self._inherit(got)
+            for f, env in got.unplanned:
                 self.monitor_term.note(f.term)
                 try:
                     await self._fault(f, env)
@@ -240,12 +242,30 @@ class Scaler(Service):
                     self.log.warning("replayed fault not handled", pod=f.pod,
                                      error=str(e)[:200])
             self._replaying = False
-        self.replayed += len(faults)
-        if faults:
-            self.log.info("faults replayed", term=term, faults=len(faults),
+        self.replayed += len(got.unplanned)
+        if got.unplanned or got.dropped or got.dead:
+            self.log.info("faults replayed", term=term, faults=len(got.unplanned),
+                          dropped=len(got.dropped), dead=len(got.dead),
                           generation=plan.generation if plan else None,
                           pending=sorted(self.pending))
         self._kick.set()
+
+    def _inherit(self, got: Inherited) -> None:
+        """The dead pods and dropped spares read back (under the lock): never planned with
+        again; a dropped spare the current plan made a member is faulted at the next tick
+        (``_dead_members``)."""
+        for pod in got.dead:
+            self.dead.add(pod)
+        for pod in got.dropped:
+            self.dead.add(pod)
+            if pod not in self.dropped:
+                self.dropped.add(pod)
+                self._dropped_n += 1
+            self.pods.pop(pod, None)
+        if got.job_failed is not None and self.job_failed is None:
+            self.job_failed = got.job_failed
+            self.log.warning("the job failed (the script's bug), read back: no more plans",
+                             kind=got.job_failed.kind.value, step=got.job_failed.step)
 
     def on_lease_lost(self, holder: str | None) -> None:
         self.holder_since = None
@@ -597,8 +617,14 @@ class Scaler(Service):
             pods=pods or []))
 
     async def _actuate(self, cmd: ActuatorCommand) -> tuple[list[str], str]:
+        """A command stamped with this scaler's lease term: the actuator refuses an older
+        term than one it has acted on (a deposed scaler's)."""
+        term = self.term
+        if term is None:
+            return [], "not the lease holder"
         try:
-            reply = await self.bus.request(self.bus.subjects.actuator, cmd, ActuatorReply,
+            reply = await self.bus.request(self.bus.subjects.actuator,
+                                           cmd.model_copy(update={"term": term}), ActuatorReply,
                                            timeout=self.actuator_timeout)
         except asyncio.CancelledError:
             raise
@@ -1083,7 +1109,10 @@ class Scaler(Service):
         return True
 
     async def _fence(self, pod: str, incident: str) -> None:
-        cmd = ActuatorCommand(action=ActuatorAction.kill, pod=pod, reason=f"fenced: {incident}")
+        if self.term is None:  # deposed meanwhile: the holder fences
+            return
+        cmd = ActuatorCommand(action=ActuatorAction.kill, pod=pod, reason=f"fenced: {incident}",
+                              term=self.term)
         try:
             reply = await self.bus.request(self.bus.subjects.actuator, cmd, ActuatorReply,
                                            timeout=self.fence_timeout)
