@@ -17,7 +17,7 @@ from plumbing.bus import Bus, Envelope
 from plumbing.terms import NewestTerm
 from schemas import PLAN_KEY
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Fault,
-                              FaultKind, StateLost, Transfer)
+                              FaultKind, Plan, StateLost, Transfer)
 from services.common.lease import TICKS_PER_TTL, Lease, LeaseState, parse_lease, ttl_for
 from services.health_monitor import HealthMonitor
 from services.scaler.scaler import Scaler
@@ -280,6 +280,17 @@ async def test_the_agent_runtime_takes_the_newest_brokers_transfer(nats_server):
     assert rt.wait_transfer(3, 0.05) is None
     await rt._on_transfer(transfer(None, 12), env)  # an older broker's (no term): taken
     assert rt.wait_transfer(2, 0.1).transfer.restore_step == 12
+    # a verdict carries the plan it was decided for: one for another plan of the agent's
+    # generation (a stale broker instance's, an earlier run's) is ignored, whatever its term
+    rt._plan = make_plan(["w0", "w1"], generation=2)
+    other = transfer(9, 13).model_copy(update={"plan_ts": rt._plan.ts - 5})
+    await rt._on_transfer(other, env)
+    await rt._on_lost(StateLost(generation=2, reason="x", term=9, plan_ts=other.plan_ts), env)
+    got = rt.wait_transfer(2, 0.1)
+    assert got.kind == "transfer" and got.transfer.restore_step == 12
+    mine = transfer(5, 14).model_copy(update={"plan_ts": rt._plan.ts})
+    await rt._on_transfer(mine, env)  # (the term 9 above was not noted as the newest)
+    assert rt.wait_transfer(2, 0.1).transfer.restore_step == 14
 
 
 def test_up_names_each_instance_and_keeps_the_first_as_before():
@@ -351,6 +362,8 @@ async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decid
         await until(lambda: any(t.generation == 2 for t in out), timeout=10,
                     what="the new broker's transfer of generation 2")
         assert [(t.generation, t.term) for t in out] == [(1, 1), (2, 2)]
+        stored = (await (await bus.kv()).get(PLAN_KEY)).value
+        assert out[-1].plan_ts == Plan.model_validate_json(stored).ts  # the plan's identity
         assert b_.acting and b_.lease.term == 2
     finally:
         for br, b in made:

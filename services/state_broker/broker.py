@@ -420,8 +420,9 @@ class StateBroker(Service):
             return
         self._published.add(g)
         # stamped with this broker's term: an agent takes the newest broker's transfer of a
-        # generation, and the message ids of two terms differ (no deduplication between them)
-        result = result.model_copy(update={"term": term})
+        # generation, and the message ids of two terms differ (no deduplication between them);
+        # and with the plan's identity: an agent ignores one decided for another plan
+        result = result.model_copy(update={"term": term, "plan_ts": plan.ts})
         parent: otel_context.Context | None = self.plans.contexts.get(g)
         attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": g,
                  "ceaseless.world_size": plan.world_size}
