@@ -146,7 +146,6 @@ class HealthMonitor(Service):
         self.incidents = BoundedSet(MAX_PODS)   # incident ids declared (dedupe)
         self.faults: deque[dict[str, Any]] = deque(maxlen=200)
         self.latencies: deque[float] = deque(maxlen=1000)
-        self.ignored: dict[str, int] = {}
         self._stale_logged: set[tuple[str, int]] = set()
         self._link_down_since: float | None = None
         self._last_stall_check = 0.0
@@ -263,11 +262,6 @@ class HealthMonitor(Service):
                       members={m.rank: m.pod for m in new.members})
 
     # ------------------------------------------------------------------ inputs
-    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
-        key = reason.split(":")[0][:60]
-        self.ignored[key] = self.ignored.get(key, 0) + 1
-        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
-
     async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
         if hb.pod in self.faulted or hb.pod in self.gone:
             key = (hb.pod, -1)
