@@ -14,6 +14,11 @@
   ``scale``, with the releases still waiting for their slots); the tick loop moves the
   world size toward it with planned transitions (``Plan.apply_step``: members switch at a
   step boundary, no abort, no lost step), one transition at a time, faults first.
+* Its parts, each with one job (this class feeds them and applies what they decide):
+  ``liveness`` (the pods seen, dead, dropped, done), ``faults`` (what a fault means),
+  ``departures`` (KV ``departures``), ``scale_store`` (KV ``scale``), ``actuation`` (term-
+  stamped actuator requests), ``script`` (the script's batch and world size), ``replay``
+  (what a new lease holder reads back from the job stream).
 """
 
 from __future__ import annotations
@@ -22,18 +27,16 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from nats.js.errors import KeyWrongLastSequenceError
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
 from schemas import PLAN_KEY
 from schemas.policy import SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy, ScriptInfo
 from schemas.messages import (ActuatorAction, ActuatorCommand, Capacity, CapacityChange,
-                              Decision, Fault, FaultKind, Heartbeat, JobFailed, Lifecycle,
+                              Decision, Fault, Heartbeat, JobFailed, Lifecycle,
                               LifecycleEvent, Plan, Priority, Report, ReportKind, Role)
 from plumbing import telemetry
 from plumbing.bounded import BoundedSet
@@ -44,10 +47,11 @@ from services.common.lease import LeaseState
 from services.common.plans import PlanFollower
 from services.common.service import Service, wait_event
 
-from . import policy, script
+from . import faults, policy, script
 from .actuation import Actuation
 from .departures import DepartureBook
-from .liveness import GONE_STATES, MAX_TRACKED, Liveness, PodSeen
+from .faults import Act, Pending
+from .liveness import MAX_TRACKED, Liveness, PodSeen
 from .policy import PolicyConfig, Wait
 from .replay import Inherited, inherit
 from .scale_store import ScaleStore
@@ -56,17 +60,6 @@ tracer = trace.get_tracer("ceaseless")
 ELASTIC_PERIOD_S = 0.25  # the elastic pass when nothing kicked it (it scans every pod)
 START_TIMEOUT = 30.0  # wait this long for the desired workers, then start with >= min_replicas
 FENCE_TIMEOUT = 0.5   # the actuator kill request (best effort)
-
-
-@dataclass
-class Pending:
-    """A member fault not yet turned into a plan."""
-
-    pod: str
-    incident: str
-    kind: str
-    ctx: otel_context.Context | None
-    since: float
 
 
 class Scaler(Service):
@@ -370,68 +363,43 @@ class Scaler(Service):
 
     async def _fault(self, f: Fault, env: Envelope) -> None:
         """A fault, live or replayed (a replayed one was true when its monitor declared it:
-        no term check)."""
+        no term check): judged (faults.py), then applied here."""
         plan = self.plans.plan
         if plan is not None and f.generation > plan.generation:
             await self.plans.refresh()
             plan = self.plans.plan
-        if plan is None:
+        v = faults.judge(
+            f, plan, pending=self.pending, preempting=self.preempting,
+            has_spare=lambda: bool(self.alive_spares(plan, time.monotonic())),
+            dropin=self.script is not None and self.script.fixed_world_size is not None,
+            was_spare=f.pod in self.pods or (plan is not None and f.pod in plan.spares),
+            seen=self.pods.get(f.pod), fault_timeout=self.fault_timeout)
+        if v.act is Act.FORGET:
             self.dead.add(f.pod)
             self.pods.pop(f.pod, None)
-            self._ignore(env.subject, "fault before the first plan: pod dropped", pod=f.pod,
-                         incident=f.incident)
-            return
-        if f.generation > plan.generation:
-            self._ignore(env.subject, f"fault of future generation {f.generation} > "
-                         f"{plan.generation}", level="warning", pod=f.pod, incident=f.incident)
-            return
-        if f.pod in plan.fenced or f.pod in self.pending:
-            self._ignore(env.subject, "already handled", pod=f.pod, incident=f.incident)
-            return
-        if f.kind == FaultKind.straggler:  # alive: swapped at a step boundary, if a spare can
-            if plan.rank_of(f.pod) is not None and f.pod not in self.preempting and \
-                    self.alive_spares(plan, time.monotonic()):
-                self.preempting[f.pod] = ("straggler", f.incident)
-                self.log.info("straggler: planning its swap for a spare", pod=f.pod,
-                              incident=f.incident, reason=f.reason[:200])
-                self._kick.set()
-            elif self.script is not None and self.script.fixed_world_size is not None:
-                # a DDP drop-in script splits its micro-batches itself: a plan's shares
-                # would not reach it
-                self._ignore(env.subject, "straggler without a live spare in a drop-in job "
-                             "(the script splits its own micro-batches)", pod=f.pod,
-                             incident=f.incident)
-            elif plan.rank_of(f.pod) is not None and f.slowness:
-                # no spare: its micro-batches are shared out to the others, by the slowness
-                # the monitor measured (the heartbeats the scaler sees are too old for it)
-                self.sharing[f.pod] = (f.slowness, f.incident)
-                self.log.info("straggler without a spare: sharing out its micro-batches",
-                              pod=f.pod, ratio=round(f.slowness, 2), incident=f.incident)
-                self._kick.set()
-            else:
-                self._ignore(env.subject, "straggler: no live spare, and no slowness measured "
-                             "(an older health monitor)", pod=f.pod, incident=f.incident)
-            return
-        if plan.rank_of(f.pod) is None:
-            was_spare = f.pod in self.pods or f.pod in plan.spares
+        elif v.act is Act.DROP:
             self.live.drop(f.pod)
-            self._ignore(env.subject, "spare dropped from the pool" if was_spare
-                         else "not a member", pod=f.pod, incident=f.incident)
-            return
-        seen = self.pods.get(f.pod)
-        if (f.generation < plan.generation and seen is not None
-                and seen.generation >= plan.generation
-                and time.monotonic() - seen.last <= self.fault_timeout):
-            self._ignore(env.subject, f"stale fault: generation {f.generation} but the pod "
-                         f"heartbeats generation {seen.generation}", level="warning",
-                         pod=f.pod, incident=f.incident)
-            return
-        self.dead.add(f.pod)
-        self.pending[f.pod] = Pending(pod=f.pod, incident=f.incident, kind=f.kind.value,
-                                      ctx=env.ctx, since=time.monotonic())
-        self.log.info("fault accepted", subject=env.subject, pod=f.pod, incident=f.incident,
-                      kind=f.kind.value, generation=plan.generation, acting=self.acting)
-        self._kick.set()
+        elif v.act is Act.SWAP:
+            self.preempting[f.pod] = ("straggler", f.incident)
+            self.log.info("straggler: planning its swap for a spare", pod=f.pod,
+                          incident=f.incident, reason=f.reason[:200])
+            self._kick.set()
+        elif v.act is Act.SHARE:
+            self.sharing[f.pod] = (f.slowness or 1.0, f.incident)
+            self.log.info("straggler without a spare: sharing out its micro-batches",
+                          pod=f.pod, ratio=round(f.slowness or 1.0, 2), incident=f.incident)
+            self._kick.set()
+        elif v.act is Act.ACCEPT:
+            assert plan is not None
+            self.dead.add(f.pod)
+            self.pending[f.pod] = Pending(pod=f.pod, incident=f.incident, kind=f.kind.value,
+                                          ctx=env.ctx, since=time.monotonic())
+            self.log.info("fault accepted", subject=env.subject, pod=f.pod,
+                          incident=f.incident, kind=f.kind.value, generation=plan.generation,
+                          acting=self.acting)
+            self._kick.set()
+        if v.reason:
+            self._ignore(env.subject, v.reason, level=v.level, pod=f.pod, incident=f.incident)
 
     async def _on_capacity(self, msg: Capacity, env: Envelope) -> None:
         why = f" ({msg.reason})" if msg.reason else ""
@@ -812,14 +780,10 @@ class Scaler(Service):
         if self._dead_checked == key:  # nothing new since the last look
             return
         self._dead_checked = key
-        for m in plan.members:
-            if m.pod in self.dropped and m.pod not in self.pending \
-                    and m.pod not in plan.fenced:
-                incident = f"inc-{m.pod}-g{plan.generation}"
-                self.log.warning("a member of the new plan had already failed; handled as "
-                                 "faulted", pod=m.pod, rank=m.rank, incident=incident)
-                self.pending[m.pod] = Pending(pod=m.pod, incident=incident, kind="crash",
-                                              ctx=None, since=now)
+        for p in faults.dead_members(plan, self.dropped, self.pending, now):
+            self.log.warning("a member of the new plan had already failed; handled as "
+                             "faulted", pod=p.pod, rank=plan.rank_of(p.pod), incident=p.incident)
+            self.pending[p.pod] = p
 
     def _reconcile(self, plan: Plan, now: float) -> None:
         """Once per lease term, after the grace period: silent members count as faulted."""
@@ -830,20 +794,13 @@ class Scaler(Service):
         self._reconciled = True
         # once a term: after this line a member's silence is the health monitor's to report
         self.log.info("lease term reconciled", generation=plan.generation)
-        for m in plan.members:
-            s = self.pods.get(m.pod)
-            if m.pod in self.pending or m.pod in self.done:
-                continue
-            if s is not None and s.state in GONE_STATES:
-                continue
-            if s is not None and now - s.last <= self.fault_timeout and m.pod not in self.dead:
-                continue
-            incident = f"inc-{m.pod}-g{plan.generation}"
-            self.log.warning("member silent after restart; handled as faulted", pod=m.pod,
-                             rank=m.rank, incident=incident, generation=plan.generation)
-            self.dead.add(m.pod)
-            self.pending[m.pod] = Pending(pod=m.pod, incident=incident, kind="lost", ctx=None,
-                                          since=now)
+        for p in faults.silent_members(plan, self.pods, self.pending, self.done, self.dead,
+                                       self.fault_timeout, now):
+            self.log.warning("member silent after restart; handled as faulted", pod=p.pod,
+                             rank=plan.rank_of(p.pod), incident=p.incident,
+                             generation=plan.generation)
+            self.dead.add(p.pod)
+            self.pending[p.pod] = p
 
     async def _commit(self, new: Plan, revision: int | None, pend: list[Pending]) -> bool:
         if self.job_failed is not None:
