@@ -210,6 +210,28 @@ async def test_a_new_scaler_rebuilds_dead_pods_dropped_spares_and_the_jobs_failu
         await b.close()
 
 
+def test_what_a_new_scaler_makes_of_the_streams_faults():
+    """replay.classify (pure): recent faults are replayed; of older ones a non-member's
+    drops the pod, a fenced member's marks it dead, a member's the scaler of that time
+    judged stale stays ignored, and neither a straggler nor a later generation's (another
+    run's, on a kept bus) counts."""
+    from schemas.messages import Role
+    from services.scaler.replay import classify
+
+    plan = make_plan(["w0", "w1", "s0"], generation=3, fenced=["w2"])
+
+    def fault(pod, gen, *, rank=None, kind=FaultKind.lost, at=plan.ts - 60):
+        return (Fault(incident=f"inc-{pod}-g{gen}", pod=pod, kind=kind, detected_at=at,
+                      last_seen=at, generation=gen, rank=rank,
+                      role=Role.worker if rank is not None else Role.spare), None)
+    got = classify(plan, [fault("s0", 2), fault("s1", 1), fault("w2", 2, rank=2),
+                          fault("w1", 2, rank=1), fault("w0", 2, rank=0,
+                                                        kind=FaultKind.straggler),
+                          fault("s7", 9), fault("w0", 3, rank=0, at=plan.ts + 1)])
+    assert got.dropped == ["s0", "s1"] and got.dead == ["w2"]
+    assert [f.pod for f, _ in got.unplanned] == ["w0"]
+
+
 async def test_a_new_monitor_does_not_declare_a_pod_again(monitors, bus):
     """The standby never noted the pods the active one declared; taking over, it reads them
     back from the job stream: a pod is declared once."""

@@ -44,8 +44,8 @@ def classify(plan: Plan, faults: list[tuple[Fault, Envelope]]) -> Inherited:
         if recent:
             out.unplanned.append((f, env))
             continue
-        if f.kind == FaultKind.straggler:
-            continue
+        if f.kind == FaultKind.straggler or f.generation > plan.generation:
+            continue  # (a later generation before this plan: another run's, on a kept bus)
         was_member = f.rank is not None and f.role == Role.worker
         if not was_member:
             out.dropped.append(f.pod)
@@ -60,6 +60,7 @@ async def inherit(bus: Bus, plan: Plan, log: Any) -> Inherited:
     s = bus.subjects
     out = classify(plan, await read_back(bus, s.fault, Fault, log))
     failed = await read_back(bus, s.job_failed, JobFailed, log, last_only=True)
-    out.job_failed = failed[-1][0] if failed else None
+    if failed and failed[-1][0].generation <= plan.generation:  # (else another run's)
+        out.job_failed = failed[-1][0]
     return out
 
