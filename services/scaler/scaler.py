@@ -18,27 +18,22 @@
   ``liveness`` (the pods seen, dead, dropped, done), ``faults`` (what a fault means),
   ``departures`` (KV ``departures``), ``scale_store`` (KV ``scale``), ``actuation`` (term-
   stamped actuator requests), ``script`` (the script's batch and world size), ``replay``
-  (what a new lease holder reads back from the job stream).
+  (what a new lease holder reads back from the job stream), ``writer`` (KV ``plan``: the
+  compare-and-set, the trace, the message).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
 
-from nats.js.errors import KeyWrongLastSequenceError
-from opentelemetry import trace
-
 from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
-from schemas import PLAN_KEY
 from schemas.policy import SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy, ScriptInfo
 from schemas.messages import (ActuatorAction, ActuatorCommand, Capacity, CapacityChange,
                               Decision, Fault, Heartbeat, JobFailed, Lifecycle,
                               LifecycleEvent, Plan, Priority, Report, ReportKind, Role)
-from plumbing import telemetry
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope, watch_key
 from plumbing.terms import NewestTerm
@@ -55,8 +50,8 @@ from .liveness import MAX_TRACKED, Liveness, PodSeen
 from .policy import PolicyConfig, Wait
 from .replay import Inherited, inherit
 from .scale_store import ScaleStore
+from .writer import PlanWriter
 
-tracer = trace.get_tracer("ceaseless")
 ELASTIC_PERIOD_S = 0.25  # the elastic pass when nothing kicked it (it scans every pod)
 START_TIMEOUT = 30.0  # wait this long for the desired workers, then start with >= min_replicas
 FENCE_TIMEOUT = 0.5   # the actuator kill request (best effort)
@@ -121,14 +116,13 @@ class Scaler(Service):
         self.live = Liveness(fault_timeout, self._ignore, self.log)  # the pods, from heartbeats
         self.departures = DepartureBook(self.log)  # members to plan out at a step boundary
         self.scales = ScaleStore(self.log)         # KV ``scale``: target and releases
+        self.writer = PlanWriter(bus, self.plans, self.log)  # KV ``plan``, then its message
         self.actuation = Actuation(bus, self.log, lambda: self.term,
                                    timeout=actuator_timeout, fence_timeout=fence_timeout)
         self._dead_checked: tuple = ()            # (plan generation, dropped_n) last seen
         self.pending: dict[str, Pending] = {}     # member faults not planned yet
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = BoundedSet(MAX_TRACKED)
-        self.plans_written = 0
-        self.cas_conflicts = 0
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
         self._last_wait_log = ""
@@ -139,7 +133,7 @@ class Scaler(Service):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self.kv = self.departures.kv = self.scales.kv = await self.bus.kv()
+        self.kv = self.departures.kv = self.scales.kv = self.writer.kv = await self.bus.kv()
         await super().start()
 
     # the parts' state, by the names the scaler's tests and status use
@@ -174,6 +168,14 @@ class Scaler(Service):
     @property
     def sharing(self) -> dict[str, tuple[float, str]]:
         return self.departures.sharing
+
+    @property
+    def plans_written(self) -> int:
+        return self.writer.written
+
+    @property
+    def cas_conflicts(self) -> int:
+        return self.writer.cas_conflicts
 
     @property
     def scale(self) -> ScaleState | None:
@@ -750,18 +752,7 @@ class Scaler(Service):
         return r.count * self.cfg.shard_size
 
     async def _last_generation(self) -> int:
-        """The highest plan generation in the KV history of ``plan`` (0 if none)."""
-        try:
-            hist = await self.kv.history(PLAN_KEY)
-        except Exception:  # NoKeysError: no history at all
-            return 0
-        best = 0
-        for e in hist:
-            try:
-                best = max(best, int(json.loads(e.value or b"{}").get("generation", 0)))
-            except Exception:
-                continue
-        return best
+        return await self.writer.last_generation()
 
     def _note_wait(self, reason: str) -> None:
         self.waiting = reason
@@ -812,46 +803,14 @@ class Scaler(Service):
             self._note_wait("not the lease holder: no plan")
             return False
         new = new.model_copy(update={"ts": time.time(), "term": term})
-        parent = pend[0].ctx if pend and pend[0].ctx is not None else None
-        links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())
-                 for p in pend[1:] if p.ctx is not None]
-        attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": new.generation,
-                 "ceaseless.world_size": new.world_size, "ceaseless.reason": new.reason}
-        if new.incident:
-            attrs["ceaseless.incident"] = new.incident
-        if pend:
-            attrs["ceaseless.pod"] = ",".join(p.pod for p in pend)
-        with tracer.start_as_current_span("plan", context=parent, links=links,
-                                          attributes=attrs) as span:
-            data = new.model_dump_json().encode()
-            try:
-                if revision is None:
-                    rev = await self.kv.create(PLAN_KEY, data)
-                else:
-                    rev = await self.kv.update(PLAN_KEY, data, last=revision)
-            except KeyWrongLastSequenceError:
-                self.cas_conflicts += 1
-                span.set_attribute("ceaseless.cas_conflict", True)
-                self.log.warning("plan compare-and-set lost; reloading", generation=new.generation,
-                                 revision=revision)
-                await self.plans.refresh()
-                self._kick.set()
-                return False
-            ctx = trace.set_span_in_context(span)
-            self.plans.set_local(new, rev, ctx)
-            self.plans_written += 1
-            try:  # the scaler is the single writer of membership: it owns the gauge
-                telemetry.instruments().record_membership(new.world_size)
-            except Exception:
-                pass
+
+        def written() -> None:
             for p in pend:
                 self.pending.pop(p.pod, None)
             self.waiting = ""
-            self.log.info("plan committed", generation=new.generation, revision=rev,
-                          world_size=new.world_size, reason=new.reason, incident=new.incident,
-                          members={m.rank: m.pod for m in new.members}, spares=new.spares)
-            await self.bus.publish(self.bus.subjects.plan, new,
-                                   msg_id=f"plan-g{new.generation}-r{rev}", ctx=ctx)
+        if not await self.writer.write(new, revision, pend, written):
+            self._kick.set()  # reloaded: decide again
+            return False
         return True
 
     async def _fence(self, pod: str, incident: str) -> None:
