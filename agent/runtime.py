@@ -30,7 +30,7 @@ from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan,
 from plumbing import logs
 from plumbing.aio import cancel_all
 from plumbing.bus import Bus, Credentials, Envelope, watch_key
-from plumbing.terms import NewestTerm
+from plumbing.terms import NewestTerm, of_plan
 
 from .buckets import Bucket
 from .catchup import CatchUp
@@ -312,8 +312,8 @@ class Runtime:
 
     async def _on_transfer(self, t: Transfer, env: Envelope) -> None:
         with self._cond:
-            if self._broker.stale(t.term, "transfer"):
-                return  # the newest broker's transfer of a generation counts
+            if not of_plan(t, self._plan, log) or self._broker.stale(t.term, "transfer"):
+                return  # the newest broker's transfer for this plan of a generation counts
             self._transfers[t.generation] = (t, env.ctx)
             for g in [g for g in self._transfers if g < t.generation - 4]:
                 del self._transfers[g]
@@ -321,7 +321,7 @@ class Runtime:
 
     async def _on_lost(self, m: StateLost, env: Envelope) -> None:
         with self._cond:
-            if not self._broker.stale(m.term, "state_lost"):
+            if of_plan(m, self._plan, log) and not self._broker.stale(m.term, "state_lost"):
                 self._lost[m.generation] = m
             self._cond.notify_all()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from schemas.messages import Plan, StateLost, Transfer
+
 
 class NewestTerm:
     """(Under the caller's lock, if any.) ``stale(term)``: True for an older term than the
@@ -35,3 +37,17 @@ class NewestTerm:
             return True
         self.term = term
         return False
+
+
+def of_plan(msg: Transfer | StateLost, plan: Plan | None, log: Any = None) -> bool:
+    """False for a broker's verdict decided for another plan of ``plan``'s generation than
+    ``plan`` (its ``plan_ts`` differs: a stale broker instance's, or an earlier run's of the
+    job); logged on ``log``. No ``plan_ts`` (an older broker) or another generation: True."""
+    if msg.plan_ts is None or plan is None or msg.generation != plan.generation \
+            or msg.plan_ts == plan.ts:
+        return True
+    if log is not None:
+        log.info("ignored message", what=type(msg).__name__, generation=msg.generation,
+                 reason=f"decided for the plan of {msg.plan_ts}, not the current one of "
+                        f"{plan.ts}: a stale broker's")
+    return False

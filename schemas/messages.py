@@ -385,6 +385,11 @@ class Transfer(Message):
     digest: Digest = ""
     incident: Annotated[str, Field(max_length=128)] | None = None
     term: Term | None = None  # the publisher's lease term (issue 42): see Fault.term
+    # The ``ts`` of the plan it was decided for (issue 42, added 2026-12-06, optional: None
+    # from an older broker, accepted as before): a plan's identity every agent knows (a KV
+    # revision is not: plans reach agents as messages). An agent ignores a verdict decided
+    # for another plan of its generation (a stale broker instance's, an earlier run's).
+    plan_ts: Timestamp | None = None
     ts: Timestamp = Field(default_factory=now)
 
     @model_validator(mode="after")
@@ -405,6 +410,7 @@ class StateLost(Message):
     reason: Text
     best_step: Step = -1
     term: Term | None = None  # the publisher's lease term (issue 42): see Fault.term
+    plan_ts: Timestamp | None = None  # the plan it was decided for: see Transfer.plan_ts
     ts: Timestamp = Field(default_factory=now)
 
 
@@ -505,6 +511,10 @@ class ActuatorCommand(Message):
     role: Role = Role.spare
     count: Annotated[int, Field(ge=1, le=1024)] = 1
     reason: Text = ""
+    # The lease term of the scaler that sent it (issue 42, added 2026-12-06, optional: None
+    # from an older sender or an operator's tool, always acted on). The actuator refuses a
+    # command of an older term than one it has acted on: a deposed scaler's.
+    term: Term | None = None
 
 
 class ActuatorReply(Message):

@@ -836,3 +836,34 @@ async def test_a_preemption_notice_outlives_a_scaler_restart(env, bus):
     assert members(p2) == {0: "w0", 1: "s0"} and p2.reason.startswith("preempted: w1")
     assert p2.apply_step is not None and p2.fenced == []
     await until(lambda: sc2.preempting == {}, what="the notice done")
+
+
+def test_what_a_fault_means():
+    """services/scaler/faults.py judge (pure): the scaler applies the verdict."""
+    from schemas.messages import Fault, FaultKind, Member
+    from services.scaler.faults import Act, Pending, judge
+
+    plan = Plan(generation=2, members=[Member(pod="w0", rank=0), Member(pod="w1", rank=1)],
+                world_size=2, global_batch_size=16, micro_batch_size=8, shares={0: 1, 1: 1},
+                spares=["s0"], fenced=["w9"], reason="test")
+
+    def f(pod, kind=FaultKind.lost, gen=2, slowness=None):
+        return Fault(incident=f"inc-{pod}", pod=pod, kind=kind, detected_at=1.0, last_seen=1.0,
+                     generation=gen, slowness=slowness)
+
+    def j(fault, plan=plan, pending=None, preempting=None, spare=False, dropin=False):
+        return judge(fault, plan, pending=pending or {}, preempting=preempting or {},
+                     has_spare=lambda: spare, dropin=dropin, was_spare=True, seen=None,
+                     fault_timeout=1.0)
+    assert j(f("w1")).act is Act.ACCEPT
+    assert j(f("w1"), plan=None).act is Act.FORGET
+    assert j(f("s0")).act is Act.DROP and j(f("s0")).reason == "spare dropped from the pool"
+    assert j(f("w9")).reason == "already handled"
+    assert j(f("w1"), pending={"w1": Pending("w1", "i", "lost", None, 0.0)}).act is Act.IGNORE
+    assert j(f("w1", gen=3)).level == "warning"  # a future generation
+    slow = f("w1", FaultKind.straggler, slowness=2.0)
+    assert j(slow, spare=True).act is Act.SWAP
+    assert j(slow).act is Act.SHARE
+    assert j(slow, dropin=True).act is Act.IGNORE
+    assert j(f("w1", FaultKind.straggler)).act is Act.IGNORE  # no slowness measured
+    assert j(slow, spare=True, preempting={"w1": ("straggler", None)}).act is Act.SHARE

@@ -16,7 +16,8 @@ from plumbing import logs
 from plumbing.bus import Bus, Envelope
 from plumbing.terms import NewestTerm
 from schemas import PLAN_KEY
-from schemas.messages import Fault, FaultKind, StateLost, Transfer
+from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Fault,
+                              FaultKind, Plan, StateLost, Transfer)
 from services.common.lease import TICKS_PER_TTL, Lease, LeaseState, parse_lease, ttl_for
 from services.health_monitor import HealthMonitor
 from services.scaler.scaler import Scaler
@@ -163,6 +164,96 @@ async def test_the_scaler_ignores_a_deposed_monitors_fault_and_replays_unplanned
         await b.close()
 
 
+async def test_a_new_scaler_rebuilds_dead_pods_dropped_spares_and_the_jobs_failure(
+        nats_server, bus):
+    """What the previous scaler knew from faults older than the current plan, read back
+    from the job stream when the lease is taken: a spare dropped from the pool is never
+    promoted (it may heartbeat on until killed), a spare whose fault raced the plan that
+    promoted it is faulted (the monitor declares a pod once: the job would wait for it for
+    ever), and a script's failure stops all plans."""
+    from schemas.messages import AgentState, JobFailed, JobFailedKind, Role
+
+    now = time.time()
+
+    def spare_fault(pod):
+        return Fault(incident=f"inc-{pod}-g1", pod=pod, kind=FaultKind.lost, detected_at=now,
+                     last_seen=now, generation=1, role=Role.spare, term=1)
+    for pod in ("s0", "s1"):
+        await bus.publish(bus.subjects.fault, spare_fault(pod), msg_id=f"inc-{pod}-g1")
+    await bus.publish(bus.subjects.job_failed, JobFailed(
+        kind=JobFailedKind.script_error, step=3, generation=1, pods=["w1", "w2"], error="boom",
+        hint="a bug", term=1))
+    # generation 2 promoted s0 in place of w1 (its writer had not heard s0's fault yet)
+    plan = make_plan(["w0", "s0"], generation=2, fenced=["w1"])
+    await (await bus.kv()).put(PLAN_KEY, plan.model_dump_json().encode())
+    s1 = Beater(bus, "s1", role=Role.spare, generation=2, state=AgentState.waiting,
+                advance=False)
+    b = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    sc = Scaler(b, workers=2, fault_timeout=FT, lease_ttl=TTL, tick_interval=0.02,
+                scaler_id="sc", start_timeout=60.0)
+
+    async def no_decisions(kicked=True):  # what it knows is looked at; no plan is made
+        return None
+    sc._decide = no_decisions
+    try:
+        await sc.start()
+        await until(lambda: not sc._replaying and sc.holder, what="the read-back")
+        assert {"s0", "s1"} <= set(sc.dead) and {"s0", "s1"} <= set(sc.dropped)
+        assert sc.job_failed is not None and sc.job_failed.step == 3
+        await asyncio.sleep(3 * s1.interval)  # s1 heartbeats on: still no spare
+        assert sc.alive_spares(sc.plans.plan) == []
+        sc._dead_members(sc.plans.plan, time.monotonic())
+        assert "s0" in sc.pending and "w0" not in sc.pending
+    finally:
+        await s1.stop()
+        await sc.stop()
+        await b.close()
+
+
+def test_what_a_new_scaler_makes_of_the_streams_faults():
+    """replay.classify (pure): recent faults are replayed; of older ones a non-member's
+    drops the pod, a fenced member's marks it dead, a member's the scaler of that time
+    judged stale stays ignored, and neither a straggler nor a later generation's (another
+    run's, on a kept bus) counts."""
+    from schemas.messages import Role
+    from services.scaler.replay import classify
+
+    plan = make_plan(["w0", "w1", "s0"], generation=3, fenced=["w2"])
+
+    def fault(pod, gen, *, rank=None, kind=FaultKind.lost, at=plan.ts - 60):
+        return (Fault(incident=f"inc-{pod}-g{gen}", pod=pod, kind=kind, detected_at=at,
+                      last_seen=at, generation=gen, rank=rank,
+                      role=Role.worker if rank is not None else Role.spare), None)
+    got = classify(plan, [fault("s0", 2), fault("s1", 1), fault("w2", 2, rank=2),
+                          fault("w1", 2, rank=1), fault("w0", 2, rank=0,
+                                                        kind=FaultKind.straggler),
+                          fault("s7", 9), fault("w0", 3, rank=0, at=plan.ts + 1)])
+    assert got.dropped == ["s0", "s1"] and got.dead == ["w2"]
+    assert [f.pod for f, _ in got.unplanned] == ["w0"]
+
+
+async def test_a_new_monitor_does_not_declare_a_pod_again(monitors, bus):
+    """The standby never noted the pods the active one declared; taking over, it reads them
+    back from the job stream: a pod is declared once."""
+    a, b = await monitors("mon-a"), await monitors("mon-b")
+    beaters = [Beater(bus, p, rank=i) for i, p in enumerate(["w0", "w1", "w2"])]
+    try:
+        await until(lambda: all(len(m.pods) == 3 for m in (a, b)), what="both watch")
+        active, standby = (a, b) if a.acting else (b, a)
+        beaters[1].alive = False
+        await until(lambda: monitors.faults, what="the fault of w1")
+        crash(active)
+        read = getattr(standby, "_inherited", None)  # (None: a monitor that reads nothing)
+        await until(lambda: standby.acting and (read is None or read.is_set()), timeout=10,
+                    what="the standby takes over")
+        assert "w1" in standby.faulted
+        await asyncio.sleep(3 * FT)  # (it would have declared w1 again by now)
+        assert [f.pod for f in monitors.faults] == ["w1"]
+    finally:
+        for bt in beaters:
+            await bt.stop()
+
+
 async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
     b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
     b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
@@ -177,6 +268,18 @@ async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
         crash(s1)
         await until(lambda: s2.acting, timeout=10, what="the standby scaler takes over")
         assert s2.term == s1.lease.term + 1 and s1.term is None
+        # its actuator commands carry its term; the deposed one sends none
+        got: list = []
+
+        async def actuator(cmd, env):
+            got.append(cmd)
+            await bus.nc.publish(env.raw.reply, ActuatorReply(ok=True, pods=["s9"])
+                                 .model_dump_json().encode())
+        await bus.subscribe(bus.subjects.actuator, ActuatorCommand, actuator)
+        start = ActuatorCommand(action=ActuatorAction.start)
+        assert await s2._actuate(start) == (["s9"], "")
+        assert await s1._actuate(start) == ([], "not the lease holder")
+        assert [c.term for c in got] == [s2.term]
     finally:
         for s, b in ((s1, b1), (s2, b2)):
             await s.stop()
@@ -199,6 +302,17 @@ async def test_the_agent_runtime_takes_the_newest_brokers_transfer(nats_server):
     assert rt.wait_transfer(3, 0.05) is None
     await rt._on_transfer(transfer(None, 12), env)  # an older broker's (no term): taken
     assert rt.wait_transfer(2, 0.1).transfer.restore_step == 12
+    # a verdict carries the plan it was decided for: one for another plan of the agent's
+    # generation (a stale broker instance's, an earlier run's) is ignored, whatever its term
+    rt._plan = make_plan(["w0", "w1"], generation=2)
+    other = transfer(9, 13).model_copy(update={"plan_ts": rt._plan.ts - 5})
+    await rt._on_transfer(other, env)
+    await rt._on_lost(StateLost(generation=2, reason="x", term=9, plan_ts=other.plan_ts), env)
+    got = rt.wait_transfer(2, 0.1)
+    assert got.kind == "transfer" and got.transfer.restore_step == 12
+    mine = transfer(5, 14).model_copy(update={"plan_ts": rt._plan.ts})
+    await rt._on_transfer(mine, env)  # (the term 9 above was not noted as the newest)
+    assert rt.wait_transfer(2, 0.1).transfer.restore_step == 14
 
 
 def test_up_names_each_instance_and_keeps_the_first_as_before():
@@ -270,6 +384,8 @@ async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decid
         await until(lambda: any(t.generation == 2 for t in out), timeout=10,
                     what="the new broker's transfer of generation 2")
         assert [(t.generation, t.term) for t in out] == [(1, 1), (2, 2)]
+        stored = (await (await bus.kv()).get(PLAN_KEY)).value
+        assert out[-1].plan_ts == Plan.model_validate_json(stored).ts  # the plan's identity
         assert b_.acting and b_.lease.term == 2
     finally:
         for br, b in made:

@@ -26,6 +26,7 @@ from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, De
                               Inject, Lifecycle, LifecycleEvent, Plan, Role)
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
+from plumbing.terms import NewestTerm
 
 from . import podlog
 from .base import PodProcess, PodSpec
@@ -82,6 +83,8 @@ class LocalActuator:
         self.heartbeated: Callable[[str], bool] | None = None
         self.start_failures: list[tuple[str, int, list[str]]] = []
         self.on_start_failure: list[Callable[[str, int, list[str]], None]] = []
+        # the newest scaler term a command was acted on in: an older one is a deposed scaler's
+        self.scaler = NewestTerm("scaler")
 
     # ------------------------------------------------------------------ bus wiring
     async def attach(self) -> None:
@@ -97,7 +100,10 @@ class LocalActuator:
 
     async def _on_command(self, cmd: ActuatorCommand, env: Envelope) -> None:
         try:
-            if cmd.action == ActuatorAction.start:
+            if self._stale(cmd, env):
+                reply = ActuatorReply(ok=False, error=f"term {cmd.term} < {self.scaler.term}: "
+                                      "a deposed scaler's command, not acted on")
+            elif cmd.action == ActuatorAction.start:
                 refused = self.budget.refused(time.monotonic())
                 if refused is not None:  # pods keep failing: starting more would loop
                     log.warning("start refused", role=cmd.role.value, count=cmd.count,
@@ -116,6 +122,18 @@ class LocalActuator:
             reply = ActuatorReply(ok=False, error=str(e)[:500])
         if env.raw.reply:
             await self.bus.nc.publish(env.raw.reply, reply.model_dump_json().encode())
+
+    def _stale(self, cmd: ActuatorCommand, env: Envelope) -> bool:
+        """A command of an older scaler term than one acted on (issue 42): a deposed
+        scaler's, refused and logged. (No await between the check and the note: no lock.)"""
+        if cmd.term is None or self.scaler.term is None or cmd.term >= self.scaler.term:
+            self.scaler.note(cmd.term)
+            return False
+        self.scaler.ignored += 1
+        log.warning("ignored message", subject=env.subject, action=cmd.action.value,
+                    pod=cmd.pod, term=cmd.term,
+                    reason=f"term {cmd.term} < {self.scaler.term}: a deposed scaler's command")
+        return True
 
     # ------------------------------------------------------------------ interface
     def new_pod_id(self, role: Role) -> str:

@@ -60,6 +60,14 @@ class Service:
         self._tasks: list[asyncio.Task] = []
         self._subs: list[Any] = []
         self._started: list[Part] = []
+        self.ignored: dict[str, int] = {}  # messages dropped, by the reason's first words
+
+    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
+        """A message this service drops: counted (``status``'s ``ignored``) and logged with
+        its subject and the reason (the first words, before a colon, are the count's key)."""
+        key = reason.split(":")[0][:60]
+        self.ignored[key] = self.ignored.get(key, 0) + 1
+        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
 
     def parts(self) -> list[Part]:
         return []

@@ -58,6 +58,7 @@ from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, JobFailed
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope
 from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
+from services.common.history import read_back
 from services.common.plans import PlanFollower
 from services.common.service import Service
 
@@ -145,7 +146,6 @@ class HealthMonitor(Service):
         self.incidents = BoundedSet(MAX_PODS)   # incident ids declared (dedupe)
         self.faults: deque[dict[str, Any]] = deque(maxlen=200)
         self.latencies: deque[float] = deque(maxlen=1000)
-        self.ignored: dict[str, int] = {}
         self._stale_logged: set[tuple[str, int]] = set()
         self._link_down_since: float | None = None
         self._last_stall_check = 0.0
@@ -155,6 +155,9 @@ class HealthMonitor(Service):
         self.repeats = RepeatDetector()
         self.job_failed: JobFailed | None = None
         self.held: dict[str, Held] = {}  # exception reports not declared yet (watched pods)
+        # cleared while the lease was just taken and the declared faults are read back
+        self._inherited = asyncio.Event()
+        self._inherited.set()
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = (ViewPublisher(bus, self.log, self._heard, view_interval,
                                    active=lambda: self.acting)
@@ -180,9 +183,48 @@ class HealthMonitor(Service):
 
     def on_lease_acquired(self, term: int) -> None:
         """After an outage of the bus (its renewals failed, so its checks stopped) every
-        pod's silence was the monitor's own, as when the link check fails."""
+        pod's silence was the monitor's own, as when the link check fails. The pods the
+        previous holder declared are read back before this one declares anything: a pod is
+        declared once (a standby declared nothing, so it did not note them)."""
         if self.lease.outage:
             self._grace(time.monotonic(), "the bus did not answer the lease renewals")
+        self._inherited.clear()
+        self.spawn(self._inherit(term))
+
+    async def _inherit(self, term: int) -> None:
+        faults: list = []
+        failed: list = []
+        try:
+            s = self.bus.subjects
+            faults = await read_back(self.bus, s.fault, Fault, self.log)
+            failed = await read_back(self.bus, s.job_failed, JobFailed, self.log,
+                                     last_only=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # no stream (yet): nothing was declared
+            self.log.warning("declared faults not read back", error=str(e)[:200])
+        finally:
+            for f, _env in faults:
+                self.incidents.add(f.incident)
+                if f.kind != FaultKind.straggler:  # (a straggler stays watched)
+                    self.faulted.add(f.pod)
+                    self.pods.pop(f.pod, None)
+            if failed and self.job_failed is None:
+                self.job_failed = failed[-1][0]
+            self._inherited.set()
+        if faults or failed:
+            self.log.info("declared faults read back", term=term, faults=len(faults),
+                          job_failed=bool(failed))
+
+    async def _read_back(self) -> None:
+        """A declaration waits for the read-back of the previous holder's (a one-shot
+        event, an exit, must not be dropped meanwhile); bounded: a duplicate declaration
+        is only ignored by the scaler, a missing one stalls the job."""
+        if not self._inherited.is_set():
+            try:
+                await asyncio.wait_for(self._inherited.wait(), self.fault_timeout)
+            except asyncio.TimeoutError:
+                self.log.warning("declaring before the declared faults were read back")
 
     # ------------------------------------------------------------------ plan
     @property
@@ -220,11 +262,6 @@ class HealthMonitor(Service):
                       members={m.rank: m.pod for m in new.members})
 
     # ------------------------------------------------------------------ inputs
-    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
-        key = reason.split(":")[0][:60]
-        self.ignored[key] = self.ignored.get(key, 0) + 1
-        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
-
     async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
         if hb.pod in self.faulted or hb.pod in self.gone:
             key = (hb.pod, -1)
@@ -655,6 +692,7 @@ class HealthMonitor(Service):
         once per job on ``job_failed`` (True when said now); the launcher stops the job (no
         more pods burnt)."""
         first = self.repeats.observe(f)
+        await self._read_back()
         if first is None or self.job_failed is not None or not self.acting:
             return False
         hang = f.kind == "hang"
@@ -682,6 +720,7 @@ class HealthMonitor(Service):
         ``keep``: the pod stays watched (a straggler: alive, a member until swapped)."""
         gen = self.generation
         incident = f"inc-{pod}-g{gen}"
+        await self._read_back()
         if incident in self.incidents or pod in self.faulted:
             return False
         if not self.acting:  # a standby declares nothing (the same incident id if it takes over)

@@ -14,74 +14,47 @@
   ``scale``, with the releases still waiting for their slots); the tick loop moves the
   world size toward it with planned transitions (``Plan.apply_step``: members switch at a
   step boundary, no abort, no lost step), one transition at a time, faults first.
+* Its parts, each with one job (this class feeds them and applies what they decide):
+  ``liveness`` (the pods seen, dead, dropped, done), ``faults`` (what a fault means),
+  ``departures`` (KV ``departures``), ``scale_store`` (KV ``scale``), ``actuation`` (term-
+  stamped actuator requests), ``script`` (the script's batch and world size), ``replay``
+  (what a new lease holder reads back from the job stream), ``writer`` (KV ``plan``: the
+  compare-and-set, the trace, the message).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import math
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-
 from schemas.timeouts import DEFAULTS, VIEW_INTERVAL
-from schemas import PLAN_KEY
-from schemas.policy import (DEPARTURES_KEY, SCALE_KEY, SCRIPT_KEY, Departure, Departures,
-                            PendingRelease, ScaleState, ScalingPolicy,
-                            ScriptInfo)
-from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, AgentState,
-                              Capacity, CapacityChange, Decision, Fault, FaultKind, Heartbeat,
-                              JobFailed, Lifecycle, LifecycleEvent, Plan, Priority, Report, ReportKind,
-                              Role)
-from plumbing import telemetry
+from schemas.policy import SCRIPT_KEY, PendingRelease, ScaleState, ScalingPolicy, ScriptInfo
+from schemas.messages import (ActuatorAction, ActuatorCommand, Capacity, CapacityChange,
+                              Decision, Fault, Heartbeat, JobFailed, Lifecycle,
+                              LifecycleEvent, Plan, Priority, Report, ReportKind, Role)
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope, watch_key
-from services.common.heartbeats import HeartbeatFeed
 from plumbing.terms import NewestTerm
+from services.common.heartbeats import HeartbeatFeed
 from services.common.lease import LeaseState
 from services.common.plans import PlanFollower
 from services.common.service import Service, wait_event
 
-from . import policy
+from . import faults, policy, script
+from .actuation import Actuation
+from .departures import DepartureBook
+from .faults import Act, Pending
+from .liveness import MAX_TRACKED, Liveness, PodSeen
 from .policy import PolicyConfig, Wait
-from .replay import unplanned_faults
+from .replay import Inherited, inherit
+from .scale_store import ScaleStore
+from .writer import PlanWriter
 
-tracer = trace.get_tracer("ceaseless")
-GONE_STATES = (AgentState.done, AgentState.leaving)
-MAX_TRACKED = 16384
 ELASTIC_PERIOD_S = 0.25  # the elastic pass when nothing kicked it (it scans every pod)
 START_TIMEOUT = 30.0  # wait this long for the desired workers, then start with >= min_replicas
 FENCE_TIMEOUT = 0.5   # the actuator kill request (best effort)
-
-
-@dataclass
-class PodSeen:
-    role: Role
-    generation: int
-    state: AgentState
-    rank: int | None
-    last: float  # monotonic time of the last heartbeat
-    step: int = -1
-    step_time: float | None = None  # the agent's median, or estimated from the view's steps
-    since: float = 0.0  # monotonic time this generation was first heard of
-
-
-@dataclass
-class Pending:
-    """A member fault not yet turned into a plan."""
-
-    pod: str
-    incident: str
-    kind: str
-    ctx: otel_context.Context | None
-    since: float
 
 
 class Scaler(Service):
@@ -118,8 +91,6 @@ class Scaler(Service):
         # every plan made after it arrives (shares, the largest replica count).
         self.batch_from_script = batch_from_script
         self.script: ScriptInfo | None = None
-        self.scale: ScaleState | None = None   # cache of KV ``scale``
-        self.scale_revision: int | None = None
         self.start_timeout = start_timeout
         self.fault_timeout = fault_timeout
         self.fence_timeout = fence_timeout
@@ -141,28 +112,17 @@ class Scaler(Service):
         # heartbeats and faults
         self.holder_since: float | None = None
         self._reconciled = False
-        # liveness, rebuilt from heartbeats / lifecycle
-        self.pods: dict[str, PodSeen] = {}
-        self.dead = BoundedSet(MAX_TRACKED)       # faulted or exited non-zero: never used again
-        self.dropped = BoundedSet(MAX_TRACKED)    # declared faulted while not a member
-        self._dropped_n = 0                       # how many were ever added to dropped
-        self._dead_checked: tuple = ()            # (plan generation, _dropped_n) last seen
-        self.done = BoundedSet(MAX_TRACKED)       # exited 0
-        self.pending: dict[str, Pending] = {}
-        # members to plan out at a step boundary: pod -> (why, the fault's incident or None):
-        # a preemption notice ("preempted"), a straggler ("straggler")
-        self.preempting: dict[str, tuple[str, str | None]] = {}
-        # stragglers without a spare: (slowness, incident), their share cut at a boundary
-        self.sharing: dict[str, tuple[float, str]] = {}
-        # both kept in KV ``departures``: read once per lease term, written when they change
-        self._departures_loaded = False
-        self._departures_saved: Departures | None = None
+        # the parts, each with one job; the data flows through this class's handlers
+        self.live = Liveness(fault_timeout, self._ignore, self.log)  # the pods, from heartbeats
+        self.departures = DepartureBook(self.log)  # members to plan out at a step boundary
+        self.scales = ScaleStore(self.log)         # KV ``scale``: target and releases
+        self.writer = PlanWriter(bus, self.plans, self.log)  # KV ``plan``, then its message
+        self.actuation = Actuation(bus, self.log, lambda: self.term,
+                                   timeout=actuator_timeout, fence_timeout=fence_timeout)
+        self._dead_checked: tuple = ()            # (plan generation, dropped_n) last seen
+        self.pending: dict[str, Pending] = {}     # member faults not planned yet
         self.waiting: str = ""       # why the last decision was Wait
         self.fence_requested = BoundedSet(MAX_TRACKED)
-        self._dead_logged = BoundedSet(MAX_TRACKED)
-        self.plans_written = 0
-        self.cas_conflicts = 0
-        self.ignored: dict[str, int] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
         self._last_wait_log = ""
@@ -173,8 +133,53 @@ class Scaler(Service):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self.kv = await self.bus.kv()
+        self.kv = self.departures.kv = self.scales.kv = self.writer.kv = await self.bus.kv()
         await super().start()
+
+    # the parts' state, by the names the scaler's tests and status use
+    @property
+    def pods(self) -> dict[str, PodSeen]:
+        return self.live.pods
+
+    @property
+    def dead(self) -> BoundedSet:
+        return self.live.dead
+
+    @property
+    def dropped(self) -> BoundedSet:
+        return self.live.dropped
+
+    @property
+    def _dropped_n(self) -> int:
+        return self.live.dropped_n
+
+    @_dropped_n.setter
+    def _dropped_n(self, n: int) -> None:
+        self.live.dropped_n = n
+
+    @property
+    def done(self) -> BoundedSet:
+        return self.live.done
+
+    @property
+    def preempting(self) -> dict[str, tuple[str, str | None]]:
+        return self.departures.preempting
+
+    @property
+    def sharing(self) -> dict[str, tuple[float, str]]:
+        return self.departures.sharing
+
+    @property
+    def plans_written(self) -> int:
+        return self.writer.written
+
+    @property
+    def cas_conflicts(self) -> int:
+        return self.writer.cas_conflicts
+
+    @property
+    def scale(self) -> ScaleState | None:
+        return self.scales.state
 
     def parts(self) -> list:
         return [self.plans, self.feed]
@@ -209,30 +214,32 @@ class Scaler(Service):
     def on_lease_acquired(self, term: int) -> None:
         self.holder_since = time.monotonic()
         self._reconciled = False
-        self._departures_loaded = False
+        self.departures.reset()
         self._replaying = True  # no decision before the faults are read back
         self.spawn(self._replay_faults(term))
         self._kick.set()
 
     async def _replay_faults(self, term: int) -> None:
-        """Taking the lease: the faults since the current plan, read back from the job
-        stream (a standby started after them, or a restart, never heard them). The tick
+        """Taking the lease: what the previous holder knew, read back from the job stream
+        (a standby started after it, or a restart, never heard it): the faults since the
+        current plan, the dead pods and dropped spares, the script's failure. The tick
         decides nothing in this term before they are in."""
         # A scaler that just started (a restart in place takes its own lease back at once)
         # has heard no heartbeat yet: it listens a fault timeout first, or a replayed fault
         # finds "no live spare" and shrinks the job while the spare is alive
         await asyncio.sleep(max(0.0, self._listening_since + self.warm_up * self.fault_timeout
                                 - time.monotonic()))
-        plan, faults = self.plans.plan, []
+        plan, got = self.plans.plan, Inherited()
         try:
             if plan is not None:
-                faults = await unplanned_faults(self.bus, plan, self.log)
+                got = await inherit(self.bus, plan, self.log)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # no stream (yet): the monitor's next declarations count
             self.log.warning("faults not replayed", error=str(e)[:200])
         async with self._lock:
-            for f, env in faults:
+            self._inherit(got)
+            for f, env in got.unplanned:
                 self.monitor_term.note(f.term)
                 try:
                     await self._fault(f, env)
@@ -240,12 +247,26 @@ class Scaler(Service):
                     self.log.warning("replayed fault not handled", pod=f.pod,
                                      error=str(e)[:200])
             self._replaying = False
-        self.replayed += len(faults)
-        if faults:
-            self.log.info("faults replayed", term=term, faults=len(faults),
+        self.replayed += len(got.unplanned)
+        if got.unplanned or got.dropped or got.dead:
+            self.log.info("faults replayed", term=term, faults=len(got.unplanned),
+                          dropped=len(got.dropped), dead=len(got.dead),
                           generation=plan.generation if plan else None,
                           pending=sorted(self.pending))
         self._kick.set()
+
+    def _inherit(self, got: Inherited) -> None:
+        """The dead pods and dropped spares read back (under the lock): never planned with
+        again; a dropped spare the current plan made a member is faulted at the next tick
+        (``_dead_members``)."""
+        for pod in got.dead:
+            self.dead.add(pod)
+        for pod in got.dropped:
+            self.live.drop(pod)
+        if got.job_failed is not None and self.job_failed is None:
+            self.job_failed = got.job_failed
+            self.log.warning("the job failed (the script's bug), read back: no more plans",
+                             kind=got.job_failed.kind.value, step=got.job_failed.step)
 
     def on_lease_lost(self, holder: str | None) -> None:
         self.holder_since = None
@@ -259,72 +280,18 @@ class Scaler(Service):
         return self.lease.holder
 
     # ------------------------------------------------------------------ inputs
-    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
-        key = reason.split(":")[0][:60]
-        self.ignored[key] = self.ignored.get(key, 0) + 1
-        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
-
     async def _on_heartbeat(self, hb: Heartbeat, subject: str, age: float = 0.0) -> None:
-        seen = self.pods.get(hb.pod)
-        if hb.pod in self.dead:
-            if hb.pod not in self._dead_logged:  # it heartbeats until killed: log once
-                self._dead_logged.add(hb.pod)
-                self._ignore(subject, "heartbeat of a faulted pod", pod=hb.pod)
-            return
-        if seen is not None and hb.generation < seen.generation:
-            self._ignore(subject, f"stale generation {hb.generation} < {seen.generation}",
-                         level="debug", pod=hb.pod)
-            return
-        # a pod appeared (capacity may now suffice) or entered a generation / changed state
-        # (a transition in flight may be complete): decide now
-        new = (seen is None or now_alive(seen, self.fault_timeout) is False
-               or seen.generation != hb.generation or seen.state != hb.state)
-        if seen is None and len(self.pods) >= MAX_TRACKED:
-            self._forget_silent()
-        same = seen is not None and seen.generation == hb.generation
-        last = time.monotonic() - age
-        self.pods[hb.pod] = PodSeen(role=hb.role, generation=hb.generation, state=hb.state,
-                                    rank=hb.rank, last=last, step=hb.step,
-                                    step_time=hb.step_time or (seen.step_time if same else None),
-                                    since=seen.since if same else last)
-        if new:
+        if self.live.heartbeat(hb, subject, age):
             self._kick.set()
 
     def _on_beats(self, pods: list[str], gens: list[int], steps: list[int],
                   digests: list[str], ages: list[float]) -> None:
-        """The monitor's compact listing: liveness and steps of pods already known here (a
-        pod in another generation waits for its full heartbeat)."""
-        now, ft, kick = time.monotonic(), self.fault_timeout, False
-        for pod, g, step, age in zip(pods, gens, steps, ages):
-            seen = self.pods.get(pod)
-            if seen is None or seen.generation != g or step < seen.step:
-                continue
-            last = now - age
-            if last > seen.last:
-                kick = kick or now - seen.last > ft  # silent until now: alive again
-                if seen.step_time is None and step > seen.step >= 0:
-                    # full heartbeats (with the agent's step time) come seldom in the view
-                    seen.step_time = (last - seen.last) / (step - seen.step)
-                seen.last, seen.step = last, step
-        if kick:
+        if self.live.beats(pods, gens, steps, ages):
             self._kick.set()
 
-    def _forget_silent(self) -> None:
-        now = time.monotonic()
-        for pod in [p for p, s in self.pods.items() if now - s.last > 10 * self.fault_timeout]:
-            del self.pods[pod]
-
     async def _on_lifecycle(self, ev: Lifecycle, env: Envelope) -> None:
-        if ev.event != LifecycleEvent.exited:
-            return
-        seen = self.pods.pop(ev.pod, None)
-        if ev.exit_code == 0 or (seen is not None and seen.state == AgentState.done):
-            # (a non-zero exit after the pod said it was done is its script's failure after
-            # the loop, not a fault: nothing to plan, as the health monitor decides too)
-            self.done.add(ev.pod)
-        else:
-            self.dead.add(ev.pod)  # the health monitor's fault triggers the plan
-        self.log.info("pod exited", pod=ev.pod, exit_code=ev.exit_code)
+        if ev.event == LifecycleEvent.exited:
+            self.live.exited(ev)
 
     async def _on_report(self, r: Report, env: Envelope) -> None:
         """A preemption notice (the agents' other reports are the health monitor's)."""
@@ -342,44 +309,8 @@ class Scaler(Service):
                       detail=r.error[:200])
         self._kick.set()
 
-    def _departures_now(self) -> Departures:
-        return Departures(
-            leaving=[Departure(pod=p, why=w, incident=i)
-                     for p, (w, i) in sorted(self.preempting.items())],
-            sharing=[Departure(pod=p, why="straggler", incident=i, slowness=max(1.0, r))
-                     for p, (r, i) in sorted(self.sharing.items())])
-
     async def _sync_departures(self) -> None:
-        """KV ``departures``: read once per lease term (a restarted scaler goes on with the
-        notices the last one had not planned yet), written when they change."""
-        if not self._departures_loaded:
-            self._departures_loaded = True
-            try:
-                entry = await self.kv.get(DEPARTURES_KEY)
-                stored = (Departures.model_validate_json(entry.value) if entry.value
-                          else Departures())
-            except (KeyNotFoundError, NotFoundError):
-                stored = Departures()
-            except ValueError as e:
-                self.log.error("KV departures do not validate; ignoring them",
-                               error=str(e)[:300])
-                stored = Departures()
-            for d in stored.leaving:
-                self.preempting.setdefault(d.pod, (d.why, d.incident))
-            for d in stored.sharing:
-                self.sharing.setdefault(d.pod, (d.slowness or 1.0, d.incident or ""))
-            if stored.leaving or stored.sharing:
-                self.log.info("notices taken over from KV", leaving=len(stored.leaving),
-                              sharing=len(stored.sharing))
-            self._departures_saved = stored
-        now = self._departures_now()
-        if now != self._departures_saved:
-            try:
-                await self.kv.put(DEPARTURES_KEY, now.model_dump_json().encode())
-            except Exception as e:  # kept in memory; written again at the next decision
-                self.log.warning("could not write KV departures", error=str(e)[:200])
-                return
-            self._departures_saved = now
+        await self.departures.sync()
 
     async def _share_out(self, plan: Plan, now: float) -> None:
         """A straggler without a spare: a plan with its share cut, at a step boundary."""
@@ -434,71 +365,43 @@ class Scaler(Service):
 
     async def _fault(self, f: Fault, env: Envelope) -> None:
         """A fault, live or replayed (a replayed one was true when its monitor declared it:
-        no term check)."""
+        no term check): judged (faults.py), then applied here."""
         plan = self.plans.plan
         if plan is not None and f.generation > plan.generation:
             await self.plans.refresh()
             plan = self.plans.plan
-        if plan is None:
+        v = faults.judge(
+            f, plan, pending=self.pending, preempting=self.preempting,
+            has_spare=lambda: bool(self.alive_spares(plan, time.monotonic())),
+            dropin=self.script is not None and self.script.fixed_world_size is not None,
+            was_spare=f.pod in self.pods or (plan is not None and f.pod in plan.spares),
+            seen=self.pods.get(f.pod), fault_timeout=self.fault_timeout)
+        if v.act is Act.FORGET:
             self.dead.add(f.pod)
             self.pods.pop(f.pod, None)
-            self._ignore(env.subject, "fault before the first plan: pod dropped", pod=f.pod,
-                         incident=f.incident)
-            return
-        if f.generation > plan.generation:
-            self._ignore(env.subject, f"fault of future generation {f.generation} > "
-                         f"{plan.generation}", level="warning", pod=f.pod, incident=f.incident)
-            return
-        if f.pod in plan.fenced or f.pod in self.pending:
-            self._ignore(env.subject, "already handled", pod=f.pod, incident=f.incident)
-            return
-        if f.kind == FaultKind.straggler:  # alive: swapped at a step boundary, if a spare can
-            if plan.rank_of(f.pod) is not None and f.pod not in self.preempting and \
-                    self.alive_spares(plan, time.monotonic()):
-                self.preempting[f.pod] = ("straggler", f.incident)
-                self.log.info("straggler: planning its swap for a spare", pod=f.pod,
-                              incident=f.incident, reason=f.reason[:200])
-                self._kick.set()
-            elif self.script is not None and self.script.fixed_world_size is not None:
-                # a DDP drop-in script splits its micro-batches itself: a plan's shares
-                # would not reach it
-                self._ignore(env.subject, "straggler without a live spare in a drop-in job "
-                             "(the script splits its own micro-batches)", pod=f.pod,
-                             incident=f.incident)
-            elif plan.rank_of(f.pod) is not None and f.slowness:
-                # no spare: its micro-batches are shared out to the others, by the slowness
-                # the monitor measured (the heartbeats the scaler sees are too old for it)
-                self.sharing[f.pod] = (f.slowness, f.incident)
-                self.log.info("straggler without a spare: sharing out its micro-batches",
-                              pod=f.pod, ratio=round(f.slowness, 2), incident=f.incident)
-                self._kick.set()
-            else:
-                self._ignore(env.subject, "straggler: no live spare, and no slowness measured "
-                             "(an older health monitor)", pod=f.pod, incident=f.incident)
-            return
-        if plan.rank_of(f.pod) is None:
+        elif v.act is Act.DROP:
+            self.live.drop(f.pod)
+        elif v.act is Act.SWAP:
+            self.preempting[f.pod] = ("straggler", f.incident)
+            self.log.info("straggler: planning its swap for a spare", pod=f.pod,
+                          incident=f.incident, reason=f.reason[:200])
+            self._kick.set()
+        elif v.act is Act.SHARE:
+            self.sharing[f.pod] = (f.slowness or 1.0, f.incident)
+            self.log.info("straggler without a spare: sharing out its micro-batches",
+                          pod=f.pod, ratio=round(f.slowness or 1.0, 2), incident=f.incident)
+            self._kick.set()
+        elif v.act is Act.ACCEPT:
+            assert plan is not None
             self.dead.add(f.pod)
-            self.dropped.add(f.pod)
-            self._dropped_n += 1
-            was_spare = f.pod in self.pods or f.pod in plan.spares
-            self.pods.pop(f.pod, None)
-            self._ignore(env.subject, "spare dropped from the pool" if was_spare
-                         else "not a member", pod=f.pod, incident=f.incident)
-            return
-        seen = self.pods.get(f.pod)
-        if (f.generation < plan.generation and seen is not None
-                and seen.generation >= plan.generation
-                and time.monotonic() - seen.last <= self.fault_timeout):
-            self._ignore(env.subject, f"stale fault: generation {f.generation} but the pod "
-                         f"heartbeats generation {seen.generation}", level="warning",
-                         pod=f.pod, incident=f.incident)
-            return
-        self.dead.add(f.pod)
-        self.pending[f.pod] = Pending(pod=f.pod, incident=f.incident, kind=f.kind.value,
-                                      ctx=env.ctx, since=time.monotonic())
-        self.log.info("fault accepted", subject=env.subject, pod=f.pod, incident=f.incident,
-                      kind=f.kind.value, generation=plan.generation, acting=self.acting)
-        self._kick.set()
+            self.pending[f.pod] = Pending(pod=f.pod, incident=f.incident, kind=f.kind.value,
+                                          ctx=env.ctx, since=time.monotonic())
+            self.log.info("fault accepted", subject=env.subject, pod=f.pod,
+                          incident=f.incident, kind=f.kind.value, generation=plan.generation,
+                          acting=self.acting)
+            self._kick.set()
+        if v.reason:
+            self._ignore(env.subject, v.reason, level=v.level, pod=f.pod, incident=f.incident)
 
     async def _on_capacity(self, msg: Capacity, env: Envelope) -> None:
         why = f" ({msg.reason})" if msg.reason else ""
@@ -597,14 +500,7 @@ class Scaler(Service):
             pods=pods or []))
 
     async def _actuate(self, cmd: ActuatorCommand) -> tuple[list[str], str]:
-        try:
-            reply = await self.bus.request(self.bus.subjects.actuator, cmd, ActuatorReply,
-                                           timeout=self.actuator_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            return [], f"no actuator answered: {type(e).__name__}"
-        return (reply.pods, "") if reply.ok else ([], reply.error or "actuator refused")
+        return await self.actuation.actuate(cmd)
 
     async def _stop_spare(self, pod: str, request_id: str) -> None:
         """Stop a released idle spare; the actuator answers once its process has exited,
@@ -612,8 +508,7 @@ class Scaler(Service):
         pods, err = await self._actuate(ActuatorCommand(action=ActuatorAction.stop, pod=pod,
                                                         reason=f"released: {request_id}"))
         self.log.info("spare released", pod=pod, request_id=request_id, error=err or None)
-        self.done.add(pod)  # not a spare any more, whether or not the actuator answered
-        self.pods.pop(pod, None)
+        self.live.released(pod)  # whether or not the actuator answered
         async with self._lock:
             await self._load_scale()
             if self.scale is None:
@@ -638,104 +533,31 @@ class Scaler(Service):
             self.log.warning("KV script does not validate; ignoring it", error=str(e)[:300])
             return
         self.script = info
-        cfg = self.cfg
-        if info.fixed_world_size is not None:
-            cfg = self._fixed_world(cfg, info.fixed_world_size)
-        batch = (info.global_batch_size, info.micro_batch_size)
-        if self.batch_from_script and batch != (cfg.global_batch_size, cfg.micro_batch_size):
-            try:
-                sized = dataclasses.replace(cfg, global_batch_size=batch[0],
-                                            micro_batch_size=batch[1])
-            except ValueError as e:  # e.g. fewer micro-batch rows than min_replicas
-                self.log.warning("cannot size plans with the script's batch; keeping the "
-                                 "current one", script=list(batch), error=str(e)[:300],
-                                 current=[cfg.global_batch_size, cfg.micro_batch_size])
-            else:
-                self.log.info("sizing plans with the script's batch", script=list(batch),
-                              was=[cfg.global_batch_size, cfg.micro_batch_size],
-                              total=info.total, pod=info.pod)
-                cfg = sized
+        cfg = script.adopt(self.cfg, info, self.batch_from_script, self.log)
         if cfg == self.cfg:
             return
         self.cfg = cfg
         self._kick.set()
 
-    def _fixed_world(self, cfg: PolicyConfig, world: int) -> PolicyConfig:
-        """A DDP drop-in script's world size: min = max replicas = that (no shrink, no
-        growth), whatever the flags or the policy file said."""
-        reps = max(1, world // cfg.shard_size)
-        if (cfg.min_replicas, cfg.max_replicas) == (reps, reps):
-            return cfg
-        try:
-            fixed = dataclasses.replace(
-                cfg, min_replicas=reps, max_replicas=reps,
-                scaling=cfg.scaling.model_copy(update={"min_replicas": reps,
-                                                       "max_replicas": reps,
-                                                       "replica_discrete_values": None}))
-        except ValueError as e:
-            self.log.warning("cannot keep the script's world size fixed", world=world,
-                             error=str(e)[:300])
-            return cfg
-        self.log.info("the script keeps its world size: no shrink, no growth (a fault "
-                      "without a live spare waits for a replacement)", replicas=reps,
-                      was=[cfg.min_replicas, cfg.max_replicas])
-        return fixed
-
     # ------------------------------------------------------------------ scale state (KV)
     def _target(self, plan: Plan) -> int:
-        if self.scale is not None:
-            return self.scale.target
-        return max(plan.replicas, self.cfg.target_replicas)
+        return self.scales.target(plan, self.cfg)
 
     async def _load_scale(self) -> None:
-        try:
-            entry = await self.kv.get(SCALE_KEY)
-        except (KeyNotFoundError, NotFoundError):
-            self.scale, self.scale_revision = None, None
-            return
-        if entry.value is None:
-            self.scale, self.scale_revision = None, None
-            return
-        try:
-            self.scale = ScaleState.model_validate_json(entry.value)
-            self.scale_revision = entry.revision
-        except ValueError as e:
-            self.log.error("KV scale state does not validate; ignoring it", error=str(e)[:300])
-            self.scale, self.scale_revision = None, entry.revision
+        await self.scales.load()
 
     async def _store_scale(self, st: ScaleState) -> bool:
-        data = st.model_dump_json().encode()
-        try:
-            if self.scale_revision is None:
-                rev = await self.kv.create(SCALE_KEY, data)
-            else:
-                rev = await self.kv.update(SCALE_KEY, data, last=self.scale_revision)
-        except KeyWrongLastSequenceError:
-            await self._load_scale()
-            return False
-        self.scale, self.scale_revision = st, rev
-        return True
+        return await self.scales.store(st)
 
     # ------------------------------------------------------------------ liveness views
     def _alive(self, pod: str, now: float) -> bool:
-        s = self.pods.get(pod)
-        return (s is not None and pod not in self.dead and pod not in self.done
-                and s.state not in GONE_STATES and now - s.last <= self.fault_timeout)
+        return self.live.alive(pod, now)
 
     def alive_spares(self, plan: Plan | None, now: float | None = None) -> list[str]:
-        now = time.monotonic() if now is None else now
-        members = {m.pod for m in plan.members} if plan else set()
-        fenced = set(plan.fenced) if plan else set()
-        return sorted(
-            p for p, s in self.pods.items()
-            if self._alive(p, now) and p not in members and p not in fenced
-            and s.state == AgentState.waiting
-            and (plan is not None or s.role == Role.spare))
+        return self.live.alive_spares(plan, now)
 
     def alive_waiting_workers(self, now: float) -> list[str]:
-        return sorted(p for p, s in self.pods.items()
-                      if self._alive(p, now) and s.role == Role.worker
-                      and s.state == AgentState.waiting)
+        return self.live.alive_waiting_workers(now)
 
     # ------------------------------------------------------------------ decisions
     async def _tick_loop(self) -> None:
@@ -883,50 +705,13 @@ class Scaler(Service):
         asyncio.get_running_loop().call_later(max(0.01, delay), self._kick.set)
 
     def _not_entered(self, plan: Plan) -> list[str]:
-        """Members of ``plan`` not (yet) training in its generation: a transition in flight."""
-        out = []
-        for m in plan.members:
-            s = self.pods.get(m.pod)
-            if s is None or s.generation < plan.generation or s.state not in (
-                    AgentState.training, AgentState.done):  # done: it trained to the end
-                if m.pod not in self.done:
-                    out.append(m.pod)
-        return out
+        return self.live.not_entered(plan)
 
     def _apply_step(self, plan: Plan, now: float) -> int | None:
-        """The first step of the new generation: after the step the members are computing
-        now, far enough ahead (``transition_lead_s``) for the plan to reach all of them.
-        None while no member's step time is known yet and its generation is young: the
-        heartbeats seen lag, and with fast steps a guess lands in the past (the members
-        then discard the step they were computing; seen in CI as a release at step 2 placed
-        while the members computed step 7)."""
-        best, times, young = -1, [], False
-        for m in plan.members:
-            s = self.pods.get(m.pod)
-            if s is None:
-                continue
-            young = young or now - s.since < 2 * VIEW_INTERVAL + 0.5
-            est = s.step
-            if s.step_time:  # heartbeats lag: estimate where the member is by now
-                est += int((now - s.last) / s.step_time)
-                times.append(s.step_time)
-            best = max(best, est)
-        times.sort()
-        st = times[len(times) // 2] if times else None
-        if st is None and young:
-            return None
-        lead = self.cfg.policy.transition_lead_s
-        ahead = 1 + (max(1, math.ceil(lead / st)) if st else 2)
-        return max(0, best + ahead)
+        return self.live.apply_step(plan, now, self.cfg.policy.transition_lead_s)
 
     def _gone(self, pod: str, now: float) -> bool:
-        if pod in self.done or pod in self.dead:
-            return True
-        s = self.pods.get(pod)
-        if s is None:
-            return True
-        return now - s.last > self.fault_timeout or (
-            s.state in GONE_STATES and now - s.last > 1.0)
+        return self.live.gone(pod, now)
 
     async def _releases(self, plan: Plan, now: float) -> None:
         """Answer releases whose slots are free; stop leaving members that overstay."""
@@ -967,18 +752,7 @@ class Scaler(Service):
         return r.count * self.cfg.shard_size
 
     async def _last_generation(self) -> int:
-        """The highest plan generation in the KV history of ``plan`` (0 if none)."""
-        try:
-            hist = await self.kv.history(PLAN_KEY)
-        except Exception:  # NoKeysError: no history at all
-            return 0
-        best = 0
-        for e in hist:
-            try:
-                best = max(best, int(json.loads(e.value or b"{}").get("generation", 0)))
-            except Exception:
-                continue
-        return best
+        return await self.writer.last_generation()
 
     def _note_wait(self, reason: str) -> None:
         self.waiting = reason
@@ -997,14 +771,10 @@ class Scaler(Service):
         if self._dead_checked == key:  # nothing new since the last look
             return
         self._dead_checked = key
-        for m in plan.members:
-            if m.pod in self.dropped and m.pod not in self.pending \
-                    and m.pod not in plan.fenced:
-                incident = f"inc-{m.pod}-g{plan.generation}"
-                self.log.warning("a member of the new plan had already failed; handled as "
-                                 "faulted", pod=m.pod, rank=m.rank, incident=incident)
-                self.pending[m.pod] = Pending(pod=m.pod, incident=incident, kind="crash",
-                                              ctx=None, since=now)
+        for p in faults.dead_members(plan, self.dropped, self.pending, now):
+            self.log.warning("a member of the new plan had already failed; handled as "
+                             "faulted", pod=p.pod, rank=plan.rank_of(p.pod), incident=p.incident)
+            self.pending[p.pod] = p
 
     def _reconcile(self, plan: Plan, now: float) -> None:
         """Once per lease term, after the grace period: silent members count as faulted."""
@@ -1015,20 +785,13 @@ class Scaler(Service):
         self._reconciled = True
         # once a term: after this line a member's silence is the health monitor's to report
         self.log.info("lease term reconciled", generation=plan.generation)
-        for m in plan.members:
-            s = self.pods.get(m.pod)
-            if m.pod in self.pending or m.pod in self.done:
-                continue
-            if s is not None and s.state in GONE_STATES:
-                continue
-            if s is not None and now - s.last <= self.fault_timeout and m.pod not in self.dead:
-                continue
-            incident = f"inc-{m.pod}-g{plan.generation}"
-            self.log.warning("member silent after restart; handled as faulted", pod=m.pod,
-                             rank=m.rank, incident=incident, generation=plan.generation)
-            self.dead.add(m.pod)
-            self.pending[m.pod] = Pending(pod=m.pod, incident=incident, kind="lost", ctx=None,
-                                          since=now)
+        for p in faults.silent_members(plan, self.pods, self.pending, self.done, self.dead,
+                                       self.fault_timeout, now):
+            self.log.warning("member silent after restart; handled as faulted", pod=p.pod,
+                             rank=plan.rank_of(p.pod), incident=p.incident,
+                             generation=plan.generation)
+            self.dead.add(p.pod)
+            self.pending[p.pod] = p
 
     async def _commit(self, new: Plan, revision: int | None, pend: list[Pending]) -> bool:
         if self.job_failed is not None:
@@ -1040,60 +803,18 @@ class Scaler(Service):
             self._note_wait("not the lease holder: no plan")
             return False
         new = new.model_copy(update={"ts": time.time(), "term": term})
-        parent = pend[0].ctx if pend and pend[0].ctx is not None else None
-        links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())
-                 for p in pend[1:] if p.ctx is not None]
-        attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": new.generation,
-                 "ceaseless.world_size": new.world_size, "ceaseless.reason": new.reason}
-        if new.incident:
-            attrs["ceaseless.incident"] = new.incident
-        if pend:
-            attrs["ceaseless.pod"] = ",".join(p.pod for p in pend)
-        with tracer.start_as_current_span("plan", context=parent, links=links,
-                                          attributes=attrs) as span:
-            data = new.model_dump_json().encode()
-            try:
-                if revision is None:
-                    rev = await self.kv.create(PLAN_KEY, data)
-                else:
-                    rev = await self.kv.update(PLAN_KEY, data, last=revision)
-            except KeyWrongLastSequenceError:
-                self.cas_conflicts += 1
-                span.set_attribute("ceaseless.cas_conflict", True)
-                self.log.warning("plan compare-and-set lost; reloading", generation=new.generation,
-                                 revision=revision)
-                await self.plans.refresh()
-                self._kick.set()
-                return False
-            ctx = trace.set_span_in_context(span)
-            self.plans.set_local(new, rev, ctx)
-            self.plans_written += 1
-            try:  # the scaler is the single writer of membership: it owns the gauge
-                telemetry.instruments().record_membership(new.world_size)
-            except Exception:
-                pass
+
+        def written() -> None:
             for p in pend:
                 self.pending.pop(p.pod, None)
             self.waiting = ""
-            self.log.info("plan committed", generation=new.generation, revision=rev,
-                          world_size=new.world_size, reason=new.reason, incident=new.incident,
-                          members={m.rank: m.pod for m in new.members}, spares=new.spares)
-            await self.bus.publish(self.bus.subjects.plan, new,
-                                   msg_id=f"plan-g{new.generation}-r{rev}", ctx=ctx)
+        if not await self.writer.write(new, revision, pend, written):
+            self._kick.set()  # reloaded: decide again
+            return False
         return True
 
     async def _fence(self, pod: str, incident: str) -> None:
-        cmd = ActuatorCommand(action=ActuatorAction.kill, pod=pod, reason=f"fenced: {incident}")
-        try:
-            reply = await self.bus.request(self.bus.subjects.actuator, cmd, ActuatorReply,
-                                           timeout=self.fence_timeout)
-            self.log.info("fence requested", pod=pod, incident=incident, ok=reply.ok,
-                          error=reply.error or None)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self.log.warning("fence failed (best effort)", pod=pod, incident=incident,
-                             error=f"{type(e).__name__}: {str(e)[:160]}")
+        await self.actuation.fence(pod, incident)
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
@@ -1143,8 +864,4 @@ class Scaler(Service):
                        "fault_timeout": self.fault_timeout, "start_timeout": self.start_timeout,
                        **self.cfg.policy.model_dump(exclude={"min_replicas", "max_replicas"})},
         }
-
-
-def now_alive(seen: PodSeen, fault_timeout: float) -> bool:
-    return time.monotonic() - seen.last <= fault_timeout
 

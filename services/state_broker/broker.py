@@ -205,7 +205,6 @@ class StateBroker(Service):
         self.record = HighWaterRecord(bus, self.log)
         self.handled_generation = 0
         self.last_result: dict[str, Any] | None = None
-        self.ignored: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self._task_gen = 0
         self._changed = asyncio.Event()
@@ -249,11 +248,6 @@ class StateBroker(Service):
         await super().stop()
 
     # ------------------------------------------------------------------ inputs
-    def _ignore(self, subject: str, reason: str, level: str = "info", **kw: Any) -> None:
-        key = reason.split(":")[0][:60]
-        self.ignored[key] = self.ignored.get(key, 0) + 1
-        getattr(self.log, level)("ignored message", subject=subject, reason=reason, **kw)
-
     async def _on_heartbeat(self, hb: Heartbeat, subject: str, age: float = 0.0) -> None:
         cur = self.pods.get(hb.pod)
         if cur is not None and hb.generation < cur.generation:
@@ -420,8 +414,9 @@ class StateBroker(Service):
             return
         self._published.add(g)
         # stamped with this broker's term: an agent takes the newest broker's transfer of a
-        # generation, and the message ids of two terms differ (no deduplication between them)
-        result = result.model_copy(update={"term": term})
+        # generation, and the message ids of two terms differ (no deduplication between them);
+        # and with the plan's identity: an agent ignores one decided for another plan
+        result = result.model_copy(update={"term": term, "plan_ts": plan.ts})
         parent: otel_context.Context | None = self.plans.contexts.get(g)
         attrs = {"ceaseless.job": self.bus.subjects.job, "ceaseless.generation": g,
                  "ceaseless.world_size": plan.world_size}
