@@ -187,6 +187,24 @@ def trace_grad_sync(cfg: Any, step: int, rank: int | None, generation: int, buck
     parent.end(end_time=ns(t["done"]))
 
 
+def the_bus_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is the bus's or the rendezvous
+    store's: a failure of this pod's machinery, replaced like a crash, never the script's bug
+    that stops the job, however many ranks raise it at once (a bus that failed them together
+    after a nats-server restart, seen in the soak)."""
+    import torch.distributed as dist
+    from nats.errors import Error as NatsError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (NatsError, dist.DistStoreError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def describe(exc_type: type, exc: BaseException, tb: Any, limit: int = 2000) -> str:
     """``Type: message`` on the first line, then the end of the traceback (its innermost
     frames): the health monitor tells one bug on two pods from two faults by both, and

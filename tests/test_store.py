@@ -142,3 +142,63 @@ def test_gloo_groups_over_nats_store(nats_server):
         print(f"\ngeneration {i}: gloo group creation per rank (ms): {ms}; "
               f"store calls per rank: {[m['calls'] for m in gen]}")
     assert all(m["calls"] == 2 * world + 1 for m in gens[1])
+
+
+def test_a_write_that_reaches_no_stream_is_made_again(store_loop):
+    """JetStream answers "no responders" while a bucket's stream is not there to take a write
+    (after a nats-server restart, while a cluster elects its leader): nothing was stored, so
+    the store writes again rather than failing the rendezvous (two ranks that failed at once
+    on it read as a bug in the script: the soak). Here the bucket's stream is deleted under a
+    live store and made again 0.6 s into a ``set``."""
+    from agent import store as store_mod
+
+    s = store_loop.store("gr.", timeout=10.0)
+    s.set("before", b"1")
+    stream = store_loop.kv._stream
+    bus = store_loop.bus
+    assert store_loop.call(bus.js.delete_stream(stream))
+    done: list[float] = []
+
+    def writer():
+        t0 = time.monotonic()
+        s.set("during", b"2")
+        done.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    time.sleep(0.6)
+    assert not done, "the write cannot have landed: the bucket has no stream"
+    store_loop.call(bus.store_kv())  # the bucket made again
+    t.join(15)
+    assert done, "the write was not made again once the stream was back"
+    assert s.get("during") == b"2"
+
+    # past the store's timeout it fails as the store's error, not the bus's raw one
+    assert store_loop.call(bus.js.delete_stream(stream))
+    quick = store_loop.store("gq.", timeout=0.5)
+    with pytest.raises(store_mod.StoreError, match="did not take it"):
+        quick.set("k", b"v")
+
+
+def test_an_error_of_the_bus_is_not_the_scripts():
+    """A rank failing on the bus or the rendezvous store reports its failure as the pod's
+    (``recovery_failed``: replaced), never as an exception the health monitor would judge a
+    bug in the script when two ranks raise it together."""
+    import torch.distributed as dist
+    from nats.js.errors import NoStreamResponseError
+
+    from agent.incident import the_bus_failed
+    from agent.store import StoreError
+
+    assert the_bus_failed(NoStreamResponseError())
+    assert the_bus_failed(StoreError("store 'g2.': watcher failed"))
+    assert the_bus_failed(dist.DistStoreError("timeout"))
+    try:
+        try:
+            raise NoStreamResponseError()
+        except Exception as e:
+            raise RuntimeError("rendezvous of generation 2 failed") from e
+    except RuntimeError as chained:
+        assert the_bus_failed(chained)
+    assert not the_bus_failed(ValueError("the script's own"))
+    assert not the_bus_failed(KeyError("x"))
