@@ -1,0 +1,123 @@
+"""Emulated hosts (ops/hosts.py): made, reached across, cut and healed, destroyed without a
+trace; the loopback fallback where namespaces cannot be made. Real namespaces and veths
+(root; skipped otherwise), real sockets."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ops.hosts import Hosts, Unavailable, _run, sweep_stale
+
+pytestmark = [pytest.mark.timeout(60)]
+
+LISTEN = ("import socket,sys; s=socket.socket(); s.bind((sys.argv[1], 0)); s.listen(8); "
+          "print(s.getsockname()[1], flush=True)\nwhile True: s.accept()[0].close()")
+
+
+def _state() -> tuple[str, str, str]:
+    return (_run(["ip", "netns", "list"]).stdout, _run(["ip", "-o", "link"]).stdout,
+            _run(["ip", "-4", "route", "show", "table", "local"]).stdout)
+
+
+def _reach(addr: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def netns_hosts():
+    try:
+        h = Hosts.make(2)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    if h.mode != "netns":
+        h.destroy()
+        pytest.skip(f"no namespaces here: {h.why}")
+    try:
+        yield h
+    finally:
+        h.destroy()
+
+
+def test_hosts_are_reached_at_their_addresses_cut_and_healed(netns_hosts):
+    h = netns_hosts
+    h1, h2 = h.hosts
+    assert h1.addr != h2.addr and h1.addr.startswith("127.") and h1.netns
+    srv = subprocess.Popen(h1.argv([sys.executable, "-c", LISTEN, h1.addr]),
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(srv.stdout.readline())
+        # the pid is the command's own (`ip netns exec` execs), in h1's namespace
+        assert _run(["ip", "netns", "identify", str(srv.pid)]).stdout.strip() == h1.netns
+        assert _reach(h1.addr, port)  # from the root namespace
+        probe = [sys.executable, "-c", "import socket,sys; socket.create_connection("
+                 "(sys.argv[1], int(sys.argv[2])), timeout=1)", h1.addr, str(port)]
+        assert subprocess.run(h2.argv(probe), timeout=20).returncode == 0  # from h2
+        h.cut("h1")
+        assert h.is_cut("h1")
+        assert not _reach(h1.addr, port)
+        assert subprocess.run(h2.argv(probe), timeout=20,
+                              capture_output=True).returncode != 0
+        assert srv.poll() is None  # its process lives on
+        h.heal("h1")
+        assert not h.is_cut("h1")
+        assert _reach(h1.addr, port)
+        assert subprocess.run(h2.argv(probe), timeout=20).returncode == 0
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def test_destroy_leaves_nothing_even_after_a_cut():
+    before = _state()
+    try:
+        h = Hosts.make(3)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    if h.mode != "netns":
+        h.destroy()
+        pytest.skip(h.why)
+    h.cut("h2")
+    assert _state() != before
+    h.destroy()
+    h.destroy()  # twice: nothing left to do, no error
+    assert _state() == before
+
+
+def test_a_dead_owners_namespaces_are_swept():
+    try:
+        Hosts.make(1).destroy()  # can namespaces be made here at all?
+    except Unavailable as e:
+        pytest.skip(str(e))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"ceaseless-{dead.pid}-a"
+    if _run(["ip", "netns", "add", name], check=False).returncode != 0:
+        pytest.skip("cannot add a namespace")
+    assert name in sweep_stale()
+    assert name not in _run(["ip", "netns", "list"]).stdout
+
+
+def test_loopback_hosts_cannot_be_partitioned():
+    h = Hosts.make(3, namespaces=False)
+    assert h.mode == "loopback" and h.why
+    assert [x.addr for x in h.hosts] == ["127.0.1.1", "127.0.1.2", "127.0.1.3"]
+    assert h.hosts[0].argv(["x"]) == ["x"]
+    with pytest.raises(Unavailable, match="cannot be cut"):
+        h.cut("h1")
+    with pytest.raises(KeyError):
+        h["h9"]
+    h.destroy()
+
+
+def test_a_bad_host_count_is_refused():
+    for n in (0, 27):
+        with pytest.raises(ValueError):
+            Hosts.make(n, namespaces=False)
