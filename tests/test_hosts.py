@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ops.hosts import Hosts, Unavailable, _run, sweep_stale
+from ops.hosts import Hosts, Unavailable, _run, kill_all, sweep_stale
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -121,3 +121,67 @@ def test_a_bad_host_count_is_refused():
     for n in (0, 27):
         with pytest.raises(ValueError):
             Hosts.make(n, namespaces=False)
+
+
+async def test_a_bus_over_three_hosts_loses_one_and_says_who_leads(tmp_path):
+    """Three nats-servers, one per host, routes between the hosts' addresses: the job's
+    stream and buckets are replicated, each has a leader (JetStream's API, as `status
+    --json` shows it), and with h1 lost (link cut, its server killed by pid) a client given
+    every URL goes on reading and writing KV through the other two."""
+    import asyncio
+
+    from ops.emulated import bus_leaders
+    from plumbing.bus import Bus
+    from services.common.natsserver import BusServers, write_credentials
+
+    try:
+        h = Hosts.make(3)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    srv = None
+    try:
+        if h.mode != "netns":
+            pytest.skip(h.why)
+        creds = write_credentials(tmp_path / "c.json")
+        srv = BusServers.start(tmp_path / "nats", 3, creds=creds,
+                               hosts=[x.addr for x in h.hosts],
+                               prefixes=[x.argv([]) for x in h.hosts])
+        assert [u.rsplit(":", 1)[0].split("//")[1] for u in srv.url.split(",")] == \
+            [x.addr for x in h.hosts]
+        for x, s in zip(h.hosts, srv.servers):  # each server in its host's namespace
+            assert _run(["ip", "netns", "identify", str(s.proc.pid)]).stdout.strip() == x.netns
+        bus = await Bus.connect(srv.url, "demo", "t", creds)
+        try:
+            await bus.ensure_job_storage(30)
+            leaders = await bus_leaders(bus)
+            assert leaders and all(v["leader"] in ("s1", "s2", "s3") and len(v["replicas"]) == 2
+                                   for v in leaders.values()), leaders
+            h.cut("h1")
+            srv.down.add(0)
+            assert kill_all([srv.servers[0].proc.pid]) == [srv.servers[0].proc.pid]
+            assert srv.restart_dead() == []  # a lost host's server is not restarted
+            kv = await bus.kv()
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                try:
+                    await kv.put("k", b"v")
+                    if (await kv.get("k")).value == b"v":
+                        break
+                except Exception:  # a leader election in progress
+                    assert asyncio.get_running_loop().time() < deadline, "no KV after h1"
+                    await asyncio.sleep(0.2)
+            while True:  # every stream re-elected on the two left (each in its own time)
+                try:
+                    after = await bus_leaders(bus)
+                except Exception:
+                    after = {}
+                if after and all(v["leader"] in ("s2", "s3") for v in after.values()):
+                    break
+                assert asyncio.get_running_loop().time() < deadline, after
+                await asyncio.sleep(0.2)
+        finally:
+            await bus.close()
+    finally:
+        if srv is not None:
+            srv.stop(timeout=2)
+        h.destroy()
