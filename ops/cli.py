@@ -323,6 +323,19 @@ def _render_status(st: dict[str, Any]) -> str:
                          f"leaving {r['leaving']}")
         if sc.get("waiting"):
             lines.append(f"  waiting: {sc['waiting']}")
+    hosts = st.get("hosts")
+    if hosts:  # `up --hosts`: what runs where
+        lines.append(f"hosts ({hosts.get('mode')}):")
+        for h, v in hosts.get("hosts", {}).items():
+            what = [s for s, x in hosts.get("servers", {}).items() if x.get("host") == h]
+            what += [i + ("*" if x.get("active") else "")
+                     for i, x in hosts.get("instances", {}).items() if x.get("host") == h]
+            what += [p for p, x in hosts.get("pods", {}).items() if x == h]
+            lines.append(f"  {h} {v.get('addr')} {v.get('state')}: {' '.join(what) or '-'}")
+        lead = st.get("streams") or {}
+        if lead and "error" not in lead:
+            lines.append("  leaders: " + ", ".join(f"{k} {v.get('leader')}"
+                                                   for k, v in sorted(lead.items())))
     led = st.get("goodput")
     if led and "error" not in led:
         from .ledger import render

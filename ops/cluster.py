@@ -346,6 +346,11 @@ async def run(opts: UpOptions) -> int:
         "each a loopback address in this namespace (" + ", ".join(
             f"{h.name} {h.addr}" for h in hosts.hosts) + f"; no namespaces: {hosts.why}; "
         "a host can be lost, not partitioned)"), file=sys.stdout, flush=True)
+    # a SIGTERM while `up` starts cancels it (then the loop's own handler takes over): the
+    # namespaces go either way
+    task = asyncio.current_task()
+    if task is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     try:
         return await _run(opts, run_dir, hosted)
     finally:  # also on SIGINT/SIGTERM (`_run` ends its loop on either) and on any error

@@ -27,6 +27,9 @@ from .placement import Placement, host_for_new_pod
 log = logs.get("hosts")
 
 HOSTS_FILE = "hosts.json"
+# a host's loss waits this long after its injection is answered (the answer may go through
+# that host's nats-server)
+ANSWER_FIRST_S = 0.2
 
 
 class HostState(str, Enum):
@@ -94,8 +97,16 @@ class HostRun:
             t.add_done_callback(self._heals.discard)
             self.write()
             return None
-        self.lose(name)
+        self.state[name] = HostState.lost  # from now on nothing is placed or restarted there
+        # answered first: the server the answer goes through may be on that host
+        t = asyncio.create_task(self._lose_soon(name))
+        self._heals.add(t)
+        t.add_done_callback(self._heals.discard)
         return None
+
+    async def _lose_soon(self, name: str) -> None:
+        await asyncio.sleep(ANSWER_FIRST_S)
+        self.lose(name)
 
     def lose(self, name: str) -> list[int]:
         """Cut the host's link (where it has one), then kill every process on it at once,

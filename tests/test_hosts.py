@@ -185,3 +185,57 @@ async def test_a_bus_over_three_hosts_loses_one_and_says_who_leads(tmp_path):
         if srv is not None:
             srv.stop(timeout=2)
         h.destroy()
+
+
+async def test_a_hosts_loss_kills_its_processes_and_nothing_goes_there_again(tmp_path):
+    """`HostRun` (ops/emulated.py) on loopback hosts, with real processes standing for a
+    server, an instance and a pod of h1 and of h2: the loss of h1 kills h1's, by pid, and
+    only those; a second loss and a partition (no namespaces) are refused with why; a pod
+    started later goes to h2; hosts.json says it all."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ops.emulated import HostRun, read_hosts
+    from ops.placement import place
+    from schemas.messages import Inject, InjectAction
+
+    hosts = Hosts.make(2, namespaces=False)
+    run = HostRun(hosts, place(hosts.names(), 2, ["scaler"], 1, 2, 0), tmp_path)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = {k: subprocess.Popen(sleep, start_new_session=True)
+             for k in ("s1", "s2", "scaler", "scaler-s1", "w0", "w1")}
+    try:
+        run.srv = SimpleNamespace(servers=[SimpleNamespace(proc=procs["s1"]),
+                                           SimpleNamespace(proc=procs["s2"])],
+                                  down=set(), url="nats://127.0.1.1:1,nats://127.0.1.2:2")
+        run.sup = SimpleNamespace(procs={"scaler": procs["scaler"],
+                                         "scaler-s1": procs["scaler-s1"]})
+        run.act = SimpleNamespace(running=lambda: {p: procs[p].pid for p in ("w0", "w1")
+                                                   if procs[p].poll() is None})
+        assert run.where("w0") == ([], {"CEASELESS_GLOO_HOSTNAME": "127.0.1.1"})
+        assert run.where("w1")[1]["CEASELESS_GLOO_HOSTNAME"] == "127.0.1.2"
+        assert await run.on_inject(Inject(action=InjectAction.partition, host="h1",
+                                          for_s=1)) == \
+            "hosts are loopback addresses here (namespaces not asked for): a host's link " \
+            "cannot be cut without network namespaces (run as root)"
+        assert (await run.on_inject(Inject(action=InjectAction.host_loss, host="h3"))
+                ).startswith("no host 'h3'")
+        assert await run.on_inject(Inject(action=InjectAction.host_loss, host="h1")) is None
+        assert await run.on_inject(Inject(action=InjectAction.host_loss, host="h1")) == \
+            "host h1 is lost"
+        assert run.instance_down("scaler") and not run.instance_down("scaler-s1")
+        await asyncio.sleep(0.5)  # the loss comes right after the answer
+        for k in ("s1", "scaler", "w0"):
+            assert procs[k].wait(5) == -9, k
+        assert all(procs[k].poll() is None for k in ("s2", "scaler-s1", "w1"))
+        assert run.srv.down == {0}
+        assert run.where("s0")[1]["CEASELESS_GLOO_HOSTNAME"] == "127.0.1.2"
+        run.exited("w0", -9)
+        st = read_hosts(tmp_path)
+        assert st["hosts"]["h1"]["state"] == "lost" and st["pods"] == {"w1": "h2", "s0": "h2"}
+        assert st["servers"]["s1"] == {"host": "h1", "url": "nats://127.0.1.1:1"}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        await run.close()
