@@ -92,3 +92,46 @@ async def test_losing_the_host_of_every_active_part(tmp_path, reference, namespa
     print(f"\nhost-loss h1: incident downtime {inc['downtime']:.2f}s (detection "
           f"{inc['detection_latency']:.2f}s), rank 0 back at a step {seen['back_s']:.2f}s "
           "after the injection")
+
+
+async def test_a_partitioned_host_is_fenced_and_comes_back(tmp_path, reference, namespaces):
+    """`inject partition --host h1 --for 10`: h1's link is cut with its processes alive.
+    The standbys take over, rank 0 is fenced and replaced, no two plans for one generation,
+    bitwise; once healed, h1's instances are standbys (the leases stay with the others) and
+    its nats-server is a current replica again."""
+    seen: dict = {}
+
+    async def fault(c):
+        await c.wait_rank_step(1, 16)
+        await c.wait_for(lambda: log_events(c.run_dir, "scaler", "lease term reconciled"),
+                         30, "the scaler's reconcile")
+        gen = c.plans[-1].generation
+        r = _cli("inject", "partition", "--host", "h1", "--for", "10",
+                 "--run-dir", str(c.run_dir))
+        assert r.returncode == 0 and "cut off for 10s" in r.stdout, (r.stdout, r.stderr)
+        await c.wait_for(lambda: c.plans[-1].generation > gen, 60, "the plan without h1")
+
+        def healed() -> bool:
+            return json.loads((c.run_dir / "hosts.json").read_text()
+                              )["hosts"]["h1"]["state"] == "up"
+        await c.wait_for(healed, 60, "h1 healed")
+        deadline = time.monotonic() + 60
+        while True:  # h1's server caught up again: a current replica of every stream
+            st = json.loads(_cli("status", "--json", "--run-dir", str(c.run_dir)).stdout)
+            reps = st.get("streams") or {}
+            if reps and "error" not in reps and all(
+                    any(x["server"] == "s1" and x["current"] for x in v["replicas"])
+                    or v["leader"] == "s1" for v in reps.values()):
+                break
+            assert time.monotonic() < deadline, reps
+        seen["status"] = st
+
+    s = await run_job(tmp_path, "partition", 3, 1, fault, cmd=_slower(tmp_path),
+                      extra=["--hosts", "3", "--bus-servers", "3", "--standbys", "1"])
+    _assert_same(s, reference(3))
+    gens = [p.generation for p in s["plans"]]
+    assert all(len({p.model_dump_json() for p in s["plans"] if p.generation == g}) == 1
+               for g in gens), s["plans"]
+    inst = seen["status"]["hosts"]["instances"]
+    assert not any(v["active"] for i, v in inst.items() if v["host"] == "h1"), inst
+    print(f"\npartition h1 10s: incidents {s['incidents']}")
