@@ -70,7 +70,16 @@ def cmd_up(args: argparse.Namespace) -> int:
                      straggler_factor=args.straggler_factor, verify_every=args.verify_every,
                      straggler_window=args.straggler_window,
                      on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike,
-                     standbys=args.standbys)
+                     standbys=args.standbys, hosts=args.hosts)
+    if opts.hosts and opts.actuator != "local":
+        print("ceaseless up: --hosts emulates hosts on this machine: local actuator only",
+              file=sys.stderr)
+        return 2
+    from .hosts import MAX_HOSTS
+
+    if not 0 <= opts.hosts <= MAX_HOSTS:
+        print(f"ceaseless up: --hosts takes 0 (none) to {MAX_HOSTS}", file=sys.stderr)
+        return 2
     if opts.standbys < 0:
         print("ceaseless up: --standbys must be at least 0", file=sys.stderr)
         return 2
@@ -169,9 +178,25 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         except Exception:
             out["script"] = None
         out["goodput"] = _ledger(args)
+        await _placement(args, bus, out)
         return out
     finally:
         await bus.close()
+
+
+async def _placement(args: argparse.Namespace, bus: Any, out: dict[str, Any]) -> None:
+    """`up --hosts`: which host runs each pod, instance and server (the run dir's
+    hosts.json), which instances are active, and each stream's and bucket's leader."""
+    from .emulated import bus_leaders, placement_status, read_hosts
+    from .runinfo import find_run_dir
+
+    hosts = None if args.nats else read_hosts(find_run_dir(args.run_dir))
+    if hosts is not None:
+        out["hosts"] = placement_status(hosts, out.get("leases") or {})
+    try:
+        out["streams"] = await bus_leaders(bus)
+    except Exception as e:  # an aid: the rest of the status still shows
+        out["streams"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 async def _leases(bus: Any) -> dict[str, Any]:
@@ -298,6 +323,19 @@ def _render_status(st: dict[str, Any]) -> str:
                          f"leaving {r['leaving']}")
         if sc.get("waiting"):
             lines.append(f"  waiting: {sc['waiting']}")
+    hosts = st.get("hosts")
+    if hosts:  # `up --hosts`: what runs where
+        lines.append(f"hosts ({hosts.get('mode')}):")
+        for h, v in hosts.get("hosts", {}).items():
+            what = [s for s, x in hosts.get("servers", {}).items() if x.get("host") == h]
+            what += [i + ("*" if x.get("active") else "")
+                     for i, x in hosts.get("instances", {}).items() if x.get("host") == h]
+            what += [p for p, x in hosts.get("pods", {}).items() if x == h]
+            lines.append(f"  {h} {v.get('addr')} {v.get('state')}: {' '.join(what) or '-'}")
+        lead = st.get("streams") or {}
+        if lead and "error" not in lead:
+            lines.append("  leaders: " + ", ".join(f"{k} {v.get('leader')}"
+                                                   for k, v in sorted(lead.items())))
     led = st.get("goodput")
     if led and "error" not in led:
         from .ledger import render
@@ -344,6 +382,13 @@ def build_inject(args: argparse.Namespace) -> tuple[str, Any]:
             raise ValueError("priority needs --release N")
         return s.priority, Priority(release=args.release, priority=args.priority,
                                     reason=args.reason or "operator")
+    if args.action in ("host-loss", "partition"):
+        if getattr(args, "host", None) is None or args.rank is not None or args.pod is not None:
+            raise ValueError(f"inject {args.action} needs --host hK (and no --rank or --pod)")
+        if (args.action == "partition") != (getattr(args, "for_s", None) is not None):
+            raise ValueError("inject partition needs --for S; host-loss takes no --for")
+        return s.inject, Inject(action=InjectAction(args.action), host=args.host,
+                                for_s=args.for_s)
     if (args.rank is None) == (args.pod is None):
         raise ValueError(f"inject {args.action} needs exactly one of --rank R or --pod P")
     return s.inject, Inject(action=InjectAction(args.action), rank=args.rank, pod=args.pod,
@@ -508,6 +553,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="nats-servers of the bus (default 1); several run clustered, every "
                          "stream and KV bucket replicated on min(N, 3) of them, and every "
                          "client fails over between them (docs/cluster.md)")
+    up.add_argument("--hosts", type=int, default=0, metavar="H",
+                    help="emulate H hosts on this machine (network namespaces as root, else "
+                         "loopback addresses): the nats-servers, service instances and pods "
+                         "placed over them, h1 running a server, every active service and "
+                         "rank 0; `ceaseless inject host-loss|partition --host hK` "
+                         "(default 0: none; docs/cluster.md \"Losing a host\")")
     up.add_argument("--model", default="tiny", help="example model: tiny | small | 10m | mlp10m | 124m | 350m | 1b "
                          "(the last three: GPT-2 shapes on synthetic tokens)")
     up.add_argument("--dtype", default="float32", choices=["float32", "float64"],
@@ -553,7 +604,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj = sub.add_parser("inject", help="publish a fault, capacity or priority event")
     _add_conn(inj)
     inj.add_argument("action", choices=["kill", "hang", "stall", "resume", "exception", "nan",
-                                        "preempt", "slow", "bitflip", "capacity", "priority"])
+                                        "preempt", "slow", "bitflip", "capacity", "priority",
+                                        "host-loss", "partition"])
     inj.add_argument("amount", nargs="?", help="capacity: +N or -N")
     inj.add_argument("--rank", type=int)
     inj.add_argument("--pod")
@@ -561,6 +613,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj.add_argument("--deadline", type=float, help="preempt: seconds the pod has (default 30)")
     inj.add_argument("--factor", type=float, help="slow: each step's compute takes F times as long")
     inj.add_argument("--tensor", help="bitflip: the parameter's name (default: the first)")
+    inj.add_argument("--host", help="host-loss, partition: the emulated host (`up --hosts`)")
+    inj.add_argument("--for", dest="for_s", type=float,
+                     help="partition: seconds the host's link stays cut")
     inj.add_argument("--release", type=int)
     inj.add_argument("--priority", type=int, default=0)
     inj.add_argument("--reason")

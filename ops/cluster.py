@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
@@ -34,6 +34,9 @@ from services.common.permissions import role_permissions, write_role_credentials
 from plumbing.tlsgen import CA_ENV
 
 from .runinfo import ClusterInfo, new_run_dir
+
+if TYPE_CHECKING:
+    from .emulated import HostRun
 
 log = logs.get("up")
 SERVICES = ("health_monitor", "scaler", "state_broker")
@@ -97,6 +100,8 @@ class UpOptions:
     # Standby instances of each service (issue 42): K more per service, each with a lease
     # TTL that lets it take over within the fault timeout (services/common/lease.py).
     standbys: int = 0
+    # emulated hosts (issue 42): 0 none (everything on this machine's loopback, as always)
+    hosts: int = 0
 
     @property
     def batch_given(self) -> bool:
@@ -120,9 +125,12 @@ class ServiceSupervisor:
     ``--instance-id``, so one restarted in place takes its own lease back at once."""
 
     def __init__(self, base: list[str], log_dir: Path, flags: dict[str, list[str]],
-                 standbys: int = 0, lease_ttl: float | None = None) -> None:
+                 standbys: int = 0, lease_ttl: float | None = None,
+                 hosted: "HostRun | None" = None) -> None:
         self.base, self.log_dir, self.flags = base, log_dir, flags
         self.standbys, self.lease_ttl = standbys, lease_ttl
+        # emulated hosts: each instance runs on its host; one on a lost host is not restarted
+        self.hosted = hosted
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self.stopping = False
@@ -139,6 +147,8 @@ class ServiceSupervisor:
         argv = [sys.executable, "-m", f"services.{name}", *self.base, *self.flags.get(name, []),
                 "--instance-id", instance,
                 *([] if self.lease_ttl is None else ["--lease-ttl", f"{self.lease_ttl:g}"])]
+        if self.hosted is not None:
+            argv = [*self.hosted.instance_prefix(instance), *argv]
         self.procs[instance] = subprocess.Popen(argv, stdout=out, stderr=out,
                                                 stdin=subprocess.DEVNULL,
                                                 start_new_session=True)
@@ -153,6 +163,8 @@ class ServiceSupervisor:
         while not self.stopping:
             for name, p in list(self.procs.items()):
                 if p.poll() is not None and not self.stopping:
+                    if self.hosted is not None and self.hosted.instance_down(name):
+                        continue  # its host is lost: a standby elsewhere takes over
                     self.restarts[name] = self.restarts.get(name, 0) + 1
                     log.warning("service died; restarting", service=name, code=p.returncode,
                                 restarts=self.restarts[name])
@@ -319,6 +331,33 @@ class StoreKeeper:
 async def run(opts: UpOptions) -> int:
     run_dir = Path(opts.run_dir) if opts.run_dir else new_run_dir(opts.job)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not opts.hosts:
+        return await _run(opts, run_dir, None)
+    from .emulated import HostRun
+    from .hosts import Hosts
+    from .placement import place
+
+    hosts = Hosts.make(opts.hosts)
+    hosted = HostRun(hosts, place(hosts.names(), opts.bus_servers, list(SERVICES),
+                                  opts.standbys, opts.workers, opts.spares), run_dir)
+    print(f"ceaseless up: {opts.hosts} emulated hosts, " + (
+        "each a network namespace (" + ", ".join(f"{h.name} {h.addr}" for h in hosts.hosts)
+        + ")" if hosts.mode == "netns" else
+        "each a loopback address in this namespace (" + ", ".join(
+            f"{h.name} {h.addr}" for h in hosts.hosts) + f"; no namespaces: {hosts.why}; "
+        "a host can be lost, not partitioned)"), file=sys.stdout, flush=True)
+    # a SIGTERM while `up` starts cancels it (then the loop's own handler takes over): the
+    # namespaces go either way
+    task = asyncio.current_task()
+    if task is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await _run(opts, run_dir, hosted)
+    finally:  # also on SIGINT/SIGTERM (`_run` ends its loop on either) and on any error
+        await hosted.close()
+
+
+async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     log_dir = run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     # One identity per role, each limited to its subjects by the server itself; this
@@ -347,11 +386,16 @@ async def run(opts: UpOptions) -> int:
         from plumbing.tlsgen import generate
 
         tls = generate(run_dir / "tls", hosts=tuple(dict.fromkeys(
-            ("127.0.0.1", "localhost", bus_host))))
+            ("127.0.0.1", "localhost", bus_host,
+             *(hosted.servers()[0] if hosted is not None else ())))))
         os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
     # one nats-server, or several clustered: every client is given every URL (comma-separated)
+    addrs, prefixes = hosted.servers() if hosted is not None else (None, None)
     srv = BusServers.start(run_dir / "nats", opts.bus_servers, creds=creds, users=users,
-                           tls=tls, host=bus_host)
+                           tls=tls, host=bus_host, hosts=addrs, prefixes=prefixes)
+    if hosted is not None:
+        hosted.srv = srv
+        hosted.write()
     for s in srv.servers:
         record_pid(run_dir, "nats-server", s.proc.pid)
     info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
@@ -421,7 +465,7 @@ async def run(opts: UpOptions) -> int:
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
     # services come up: every pod, a replacement spare's too, then starts as a fork.
     prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
-                    if ray_act is None and opts.prefork else None)
+                    if ray_act is None and opts.prefork and hosted is None else None)
     if bus is None:
         bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
         await bus.ensure_stream()
@@ -453,7 +497,8 @@ async def run(opts: UpOptions) -> int:
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
     sup = ServiceSupervisor(base, log_dir, flags, standbys=opts.standbys,
-                            lease_ttl=ttl_for(opts.fault_timeout) if opts.standbys else None)
+                            lease_ttl=ttl_for(opts.fault_timeout) if opts.standbys else None,
+                            hosted=hosted)
     sup.start_all()
     sup_task = asyncio.create_task(sup.watch())
     from services.actuator.gpus import GpuAssigner, visible_gpus
@@ -487,6 +532,10 @@ async def run(opts: UpOptions) -> int:
             act.prefork = await prefork_task
             if act.prefork is not None and act.prefork.proc is not None:
                 record_pid(run_dir, "zygote", act.prefork.proc.pid)
+    if hosted is not None:  # pods on their hosts; `inject host-loss|partition` runs here
+        hosted.sup, hosted.act = sup, act
+        act.where, act.on_host_inject = hosted.where, hosted.on_inject
+        act.on_exit.append(hosted.exited)
     await act.attach()
     obs = Observer()
     await obs.attach(bus)
@@ -522,7 +571,12 @@ async def run(opts: UpOptions) -> int:
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
-            codes = [s.proc.returncode for s in srv.servers if s.proc.poll() is not None]
+            if hosted is not None:
+                for ev in hosted.events:
+                    print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
+                hosted.events.clear()
+            codes = [s.proc.returncode for i, s in enumerate(srv.servers)
+                     if s.proc.poll() is not None and i not in srv.down]
             if codes:
                 # A server died: restart it on the same ports and store (the file store keeps
                 # the plan and the audit stream; a clustered one catches up from its peers);

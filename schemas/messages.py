@@ -125,6 +125,16 @@ class InjectAction(str, Enum):
     # flip one bit of one element of that rank's parameters (``tensor``: its name; default
     # the first) before the sync of its step. Added 2026-12-06 (issue 32).
     bitflip = "bitflip"
+    # a whole emulated host (``ceaseless up --hosts``): every process on it killed at once,
+    # its link cut first where it has one (``host``). Added 2026-12-06 (issue 42).
+    host_loss = "host-loss"
+    # that host's link cut for ``for_s`` seconds with its processes alive, then healed.
+    # Added 2026-12-06 (issue 42).
+    partition = "partition"
+
+
+# injections the supervisor runs on a whole host, not a pod's
+HOST_ACTIONS = (InjectAction.host_loss, InjectAction.partition)
 
 
 class CapacityChange(str, Enum):
@@ -479,9 +489,21 @@ class Inject(Message):
     # reason, by the pod that runs it or by the supervisor. Added 2026-12-06 (issue 41),
     # optional: older requests still validate (and get an id nobody waits for).
     request_id: Annotated[str, Field(max_length=128)] = Field(default_factory=new_id)
+    # host-loss / partition: the emulated host (``h1``..); partition: for how long. Added
+    # 2026-12-06 (issue 42), optional: a pod or rank injection names no host.
+    host: Annotated[str, Field(pattern=r"^h[1-9][0-9]?$")] | None = None
+    for_s: Annotated[float, Field(gt=0, le=3600)] | None = None
 
     @model_validator(mode="after")
     def _target(self) -> "Inject":
+        if self.action in HOST_ACTIONS:
+            if self.host is None or self.pod is not None or self.rank is not None:
+                raise ValueError(f"{self.action.value} names a host (and no pod or rank)")
+            if (self.action == InjectAction.partition) != (self.for_s is not None):
+                raise ValueError("a partition, and only a partition, needs for_s")
+            return self
+        if self.host is not None or self.for_s is not None:
+            raise ValueError(f"{self.action.value} names no host")
         if (self.pod is None) == (self.rank is None):
             raise ValueError("name exactly one of pod or rank")
         return self
@@ -490,7 +512,7 @@ class Inject(Message):
     def by_pod(self) -> bool:
         """Run by the pod itself, at its step's gradient sync (the next one, or ``at_step``);
         otherwise a signal from the supervisor (kill, hang, resume)."""
-        return self.action != InjectAction.resume and (
+        return self.action not in (InjectAction.resume, *HOST_ACTIONS) and (
             self.at_step is not None or self.action not in (InjectAction.kill, InjectAction.hang))
 
 

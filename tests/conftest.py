@@ -22,7 +22,7 @@ UNIT_FILES = {
     "test_up_threads.py", "test_ledger.py", "test_guards.py", "test_prefork.py",
     "test_stragglers.py",
     "test_inject.py", "test_actuator.py", "test_schemas_export.py",
-    "test_graveyard.py", "test_standby.py",
+    "test_graveyard.py", "test_standby.py", "test_placement.py", "test_hosts.py",
 }
 
 

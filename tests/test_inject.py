@@ -190,7 +190,10 @@ async def test_the_supervisor_answers_what_it_signals_and_what_no_pod_can(bus, t
         await until(lambda: pods[1] not in act.running(), 10, "the killed pod gone")
         for inj, why in (
                 (Inject(action=InjectAction.kill, rank=5), "no member holds rank 5 in plan g1"),
-                (Inject(action=InjectAction.hang, pod=pods[1]), f"{pods[1]} is not running")):
+                (Inject(action=InjectAction.hang, pod=pods[1]), f"{pods[1]} is not running"),
+                # a host's injection where `up` runs no emulated hosts (issue 42)
+                (Inject(action=InjectAction.host_loss, host="h1"),
+                 "this job runs no emulated hosts (`ceaseless up --hosts H`)")):
             await bus.publish(bus.subjects.inject, inj)
             d = await asyncio.wait_for(q.get(), 10)
             assert not d.accepted and d.request_id == inj.request_id and why in d.reason, d
@@ -230,3 +233,20 @@ async def test_an_injection_by_rank_before_the_plan_message_reads_the_stored_pla
         assert d.accepted and d.request_id == inj.request_id and d.pods == ["w1"], d
     finally:
         await asyncio.to_thread(rt.stop)
+
+
+def test_a_hosts_injection_names_a_host_and_nothing_else():
+    """Inject's host field (issue 42): host-loss / partition name a host (a partition its
+    duration too) and no pod or rank; no other action names a host."""
+    from pydantic import ValidationError
+
+    Inject(action=InjectAction.host_loss, host="h2")
+    Inject(action=InjectAction.partition, host="h1", for_s=10)
+    assert not Inject(action=InjectAction.partition, host="h1", for_s=10).by_pod
+    for bad in ({"action": "host-loss"}, {"action": "host-loss", "host": "h1", "rank": 0},
+                {"action": "host-loss", "host": "h1", "for_s": 3},
+                {"action": "partition", "host": "h1"},
+                {"action": "kill", "rank": 0, "host": "h1"},
+                {"action": "host-loss", "host": "node1"}):
+        with pytest.raises(ValidationError):
+            Inject(**bad)

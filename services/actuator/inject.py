@@ -5,7 +5,9 @@ process stops, heartbeats included, as a stuck node would) and resume (SIGCONT),
 answers on ``decision``. The rest, and anything at a step, its pod runs and answers itself
 (``agent/inject.py``); refused here is only what no pod could answer: injection not
 enabled, a rank nobody holds, a pod that is not running. A pod's refusal reaches `up`'s
-log from here too (the pod's own log is not the operator's).
+log from here too (the pod's own log is not the operator's). A host's injection
+(host-loss, partition: issue 42) goes to ``act.on_host_inject``, set by `up` when it runs
+emulated hosts, which returns a refusal or None; without one it is refused.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from schemas.messages import Decision, Inject, InjectAction, Plan
+from schemas.messages import HOST_ACTIONS, Decision, Inject, InjectAction, Plan
 from plumbing import logs
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Envelope, decode
@@ -30,6 +32,16 @@ class InjectDesk:
         act = self.act
         if not act.allow_inject:
             return await self._answer(inj, "the job does not enable injection")
+        if inj.action in HOST_ACTIONS:
+            handler = getattr(act, "on_host_inject", None)
+            if handler is None:
+                return await self._answer(inj, "this job runs no emulated hosts "
+                                               "(`ceaseless up --hosts H`)")
+            try:
+                refusal = await handler(inj)
+            except Exception as e:  # a failed cut or kill: said, never a crash
+                refusal = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            return await self._answer(inj, refusal, host=inj.host)
         pod = inj.pod
         if pod is None:
             plan = await self._plan_naming(inj.rank)
@@ -76,15 +88,20 @@ class InjectDesk:
             self.act.plan = plan = stored
         return plan
 
-    async def _answer(self, inj: Inject, refusal: str | None, pod: str | None = None) -> None:
+    async def _answer(self, inj: Inject, refusal: str | None, pod: str | None = None,
+                      host: str | None = None) -> None:
         sig = {InjectAction.kill: "SIGKILL", InjectAction.hang: "SIGSTOP"}.get(inj.action,
                                                                              "SIGCONT")
-        if refusal is None:
+        if refusal is None and host is not None:
+            reason = (f"inject {inj.action.value}: host {host} " + (
+                "lost (link cut, every process killed)" if inj.action == InjectAction.host_loss
+                else f"cut off for {inj.for_s:g}s"))
+        elif refusal is None:
             reason = f"inject {inj.action.value}: {sig} sent to {pod}"
         else:
             reason = f"inject {inj.action.value}: {refusal}"
             log.warning("injection refused", action=inj.action.value, reason=refusal,
-                        rank=inj.rank, pod=inj.pod)
+                        rank=inj.rank, pod=inj.pod, host=inj.host)
         await self.act.bus.publish(self.act.bus.subjects.decision, Decision(
             request_id=inj.request_id, accepted=refusal is None, reason=reason,
             pods=[pod] if pod else [],

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Decision,
                               Inject, Lifecycle, LifecycleEvent, Plan, Role)
@@ -85,6 +85,10 @@ class LocalActuator:
         self.on_start_failure: list[Callable[[str, int, list[str]], None]] = []
         # the newest scaler term a command was acted on in: an older one is a deposed scaler's
         self.scaler = NewestTerm("scaler")
+        # Emulated hosts (`up --hosts`, issue 42), set by `up`: where a new pod runs, as
+        # (argv prefix, env overrides), and the handler of a host's injection (inject.py)
+        self.where: Callable[[str], tuple[list[str], dict[str, str]]] | None = None
+        self.on_host_inject: Callable[[Inject], Awaitable[str | None]] | None = None
 
     # ------------------------------------------------------------------ bus wiring
     async def attach(self) -> None:
@@ -169,23 +173,28 @@ class LocalActuator:
                 return
         env = {**os.environ, **self.env, **spec.env, **gpu_env,
                "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
+        argv = spec.argv
+        if self.where is not None:
+            prefix, host_env = self.where(spec.pod)
+            argv, env = [*prefix, *argv], {**env, **host_env}
+            env.pop("GLOO_SOCKET_IFNAME", None)  # an interface would win over the address
         self.log_dir.mkdir(parents=True, exist_ok=True)
         proc = None
-        if self.prefork is not None and self.prefork.handles(spec.argv, env):
+        if self.prefork is not None and self.prefork.handles(argv, env):
             try:
-                proc = await self.prefork.spawn(spec.argv, env, self.log_path(spec.pod))
+                proc = await self.prefork.spawn(argv, env, self.log_path(spec.pod))
             except OSError as e:
                 log.warning("prefork failed; the pod is exec'd", pod=spec.pod, error=str(e))
         elif self.prefork is not None and not self._said_exec:
             self._said_exec = True  # once: why pods do not fork (the command, or the env)
             log.info("pods are exec'd, not forked from the zygote", pod=spec.pod,
-                     command=spec.argv[:3], differs=self.prefork.differs(env)[:10],
+                     command=argv[:3], differs=self.prefork.differs(env)[:10],
                      zygote_alive=self.prefork.alive)
         out = open(self.log_dir / f"{spec.pod}.log", "ab")
         try:
             if proc is None:
                 proc = await asyncio.create_subprocess_exec(
-                    *spec.argv, env=env, stdout=out, stderr=out,
+                    *argv, env=env, stdout=out, stderr=out,
                     stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             # The command cannot run at all (a wrong `python`, not executable): a pod that

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,8 +41,13 @@ def find_binary() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port; for an address that is not this namespace's (an emulated host's, in
+    a namespace of its own, where every port is free), one free on 127.0.0.1."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -112,11 +117,14 @@ class NatsServer:
               host: str = "127.0.0.1", timeout: float = 10.0,
               users: list[tuple[Credentials, dict | None]] | None = None,
               tls: "TLSFiles | None" = None,
-              cluster: ClusterSpec | None = None) -> "NatsServer":
+              cluster: ClusterSpec | None = None,
+              prefix: list[str] | tuple[str, ...] = ()) -> "NatsServer":
         """``creds``: one user with full access; ``users``: (credentials, permissions or
         None) per identity, see ``permissions.role_permissions`` (``creds`` is then the
         one reported as ``.creds``). ``tls``: serve TLS only (the URL is then ``tls://``).
-        ``cluster``: this server is one of several (see ``BusServers``)."""
+        ``cluster``: this server is one of several (see ``BusServers``). ``prefix``: run it
+        through this (an emulated host's ``ip netns exec NAME``, which execs: the pid is
+        nats-server's own)."""
         workdir.mkdir(parents=True, exist_ok=True)
         port = port or free_port(host)
         store = workdir / "jetstream"
@@ -144,7 +152,7 @@ class NatsServer:
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(conf) + "\n")
         log = open(workdir / "nats-server.log", "ab")
-        proc = subprocess.Popen([find_binary(), "-c", str(cfg)], stdout=log, stderr=log,
+        proc = subprocess.Popen([*prefix, find_binary(), "-c", str(cfg)], stdout=log, stderr=log,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         scheme = "tls" if tls is not None else "nats"
         srv = cls(proc=proc, url=f"{scheme}://{host}:{port}", port=port, store_dir=store,
@@ -183,22 +191,33 @@ class BusServers:
     servers: list[NatsServer]
     specs: list[ClusterSpec | None]
     options: dict
+    hosts: list[str] = field(default_factory=list)        # server i's address
+    prefixes: list[list[str]] = field(default_factory=list)  # how server i is run
+    down: set[int] = field(default_factory=set)  # on a lost host: never restarted
 
     @classmethod
     def start(cls, workdir: Path, n: int = 1, host: str = "127.0.0.1",
+              hosts: list[str] | None = None, prefixes: list[list[str]] | None = None,
               **options) -> "BusServers":
-        """``options``: ``NatsServer.start``'s (creds, users, tls, timeout)."""
+        """``options``: ``NatsServer.start``'s (creds, users, tls, timeout). ``hosts`` /
+        ``prefixes``: per server, its address and how it is run (emulated hosts); default
+        ``host`` and nothing."""
         if n < 1:
             raise ValueError(f"a bus needs at least one nats-server, not {n}")
+        hosts = list(hosts or [host] * n)
+        prefixes = list(prefixes or [[]] * n)
+        if len(hosts) != n or len(prefixes) != n:
+            raise ValueError(f"{n} servers need {n} hosts and prefixes")
         specs: list[ClusterSpec | None] = [None]
         if n > 1:
-            route_ports = [free_port(host) for _ in range(n)]
+            route_ports = [free_port(h) for h in hosts]
             route_creds = Credentials(user="route", password=secrets.token_hex(24))
-            peers = tuple(f"{host}:{p}" for p in route_ports)
+            peers = tuple(f"{h}:{p}" for h, p in zip(hosts, route_ports))
             name = f"ceaseless-{secrets.token_hex(4)}"
             specs = [ClusterSpec(name=name, server_name=f"{name}-s{i + 1}", port=route_ports[i],
                                  routes=peers, creds=route_creds) for i in range(n)]
-        bus = cls(workdir=workdir, servers=[], specs=specs, options=dict(options, host=host))
+        bus = cls(workdir=workdir, servers=[], specs=specs, options=dict(options),
+                  hosts=hosts, prefixes=prefixes)
         try:
             for i in range(n):
                 bus.servers.append(bus._start(i, None))
@@ -211,7 +230,8 @@ class BusServers:
         return self.workdir if len(self.specs) == 1 else self.workdir / f"s{i + 1}"
 
     def _start(self, i: int, port: int | None) -> NatsServer:
-        return NatsServer.start(self.dir_of(i), port=port, cluster=self.specs[i], **self.options)
+        return NatsServer.start(self.dir_of(i), port=port, cluster=self.specs[i],
+                                host=self.hosts[i], prefix=self.prefixes[i], **self.options)
 
     @property
     def url(self) -> str:
@@ -226,7 +246,8 @@ class BusServers:
     def restart_dead(self) -> list[int]:
         """Restart, in place, every server that exited (same ports, store and name: a
         clustered one catches up from its peers). Returns their indices."""
-        dead = [i for i, s in enumerate(self.servers) if s.proc.poll() is not None]
+        dead = [i for i, s in enumerate(self.servers)
+                if s.proc.poll() is not None and i not in self.down]
         for i in dead:
             self.servers[i] = self._start(i, self.servers[i].port)
         return dead

@@ -1,0 +1,77 @@
+"""Where each part of a job runs over emulated hosts (issue 42): a pure function.
+
+By default the first host runs the first nats-server, the active instance of every service
+and rank 0: the worst host to lose. The other hosts take, round-robin, the other servers,
+the standby instances, the other ranks and the spares, each kind starting after the last
+one placed so they spread. With one host everything is on it. A pod started later (a
+replacement spare) goes to the live host with the fewest pods, the later host on a tie, so
+not back to the first host while another has room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    servers: tuple[str, ...]      # the host of nats-server i
+    instances: dict[str, str]     # service instance (``scaler``, ``scaler-s1``...) -> host
+    pods: dict[str, str]          # pod id -> host (the pods ``up`` starts first)
+
+    def on(self, host: str) -> dict[str, list[str]]:
+        """What ``host`` runs: servers (``s1``..), instances and pods."""
+        return {"servers": [f"s{i + 1}" for i, h in enumerate(self.servers) if h == host],
+                "instances": sorted(k for k, h in self.instances.items() if h == host),
+                "pods": sorted(k for k, h in self.pods.items() if h == host)}
+
+
+def instance_name(service: str, i: int) -> str:
+    """Instance ``i`` of a service: 0 is the one that starts active (named as the service)."""
+    return service if i == 0 else f"{service}-s{i}"
+
+
+def place(hosts: list[str], servers: int, services: list[str], standbys: int,
+          workers: int, spares: int) -> Placement:
+    """Hosts of ``servers`` nats-servers, each service's ``standbys + 1`` instances, the
+    pods ``w0..`` (``w<r>`` starts as rank r) and ``s0..`` (spares)."""
+    if not hosts:
+        raise ValueError("no hosts to place on")
+    if min(servers, workers) < 1 or min(standbys, spares) < 0:
+        raise ValueError("at least one server and one worker; no negative counts")
+    first, rest = hosts[0], hosts[1:] or hosts[:1]
+    turn = 0
+
+    def nxt() -> str:
+        nonlocal turn
+        h = rest[turn % len(rest)]
+        turn += 1
+        return h
+
+    srv = [first] + [nxt() for _ in range(servers - 1)]
+    turn = 0
+    inst = {}
+    for s in services:
+        inst[instance_name(s, 0)] = first
+    for i in range(1, standbys + 1):
+        for s in services:
+            inst[instance_name(s, i)] = nxt()
+    turn = 0
+    pods = {"w0": first}
+    for r in range(1, workers):
+        pods[f"w{r}"] = nxt()
+    for k in range(spares):
+        pods[f"s{k}"] = nxt()
+    return Placement(servers=tuple(srv), instances=inst, pods=pods)
+
+
+def host_for_new_pod(pods: dict[str, str], live: list[str]) -> str:
+    """The live host with the fewest pods (``pods``: pod -> host of the running ones); on
+    a tie the later one (the first host is the one the default placement loads most)."""
+    if not live:
+        raise ValueError("no live host to start a pod on")
+    count = {h: 0 for h in live}
+    for h in pods.values():
+        if h in count:
+            count[h] += 1
+    return min(reversed(live), key=lambda h: count[h])

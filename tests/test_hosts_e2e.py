@@ -1,0 +1,138 @@
+"""Losing a whole host (issue 42), end to end: `ceaseless up --hosts 3 --bus-servers 3
+--standbys 1`, 3 workers + 1 spare. Host h1 runs a nats-server, the active instance of
+every service and rank 0 (the default placement: the worst host to lose); `ceaseless inject
+host-loss --host h1` mid-run cuts its link and kills all of it at once. The job finishes
+with 0 lost steps, bitwise equal to the fault-free run, one incident and one plan per
+generation; `ceaseless status --json` places everything and names the streams' leaders.
+Real nats-servers, services, pods and gloo across the hosts' addresses (network namespaces
+as root; loopback addresses otherwise); cleaned up by PID; no namespace left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import REPO, run_job
+from ops.hosts import Hosts, Unavailable, _run
+from test_control_plane_down import _slower
+from test_recovery_e2e import _assert_same
+
+pytestmark = [pytest.mark.timeout(300)]
+SERVICES = ("health_monitor", "scaler", "state_broker")
+
+
+def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+
+
+@pytest.fixture
+def namespaces():
+    """Skip where namespaces cannot be made; after the test, none of this run's is left."""
+    try:
+        Hosts.make(1).destroy()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    before = _run(["ip", "netns", "list"]).stdout
+    yield
+    assert _run(["ip", "netns", "list"]).stdout == before
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "issue 42 open: after h1's loss the spare that takes rank 0 fails its first recovery "
+    "attempt (agent/store.py: the c10d store's KV watch times out while the store bucket's "
+    "stream leader is re-elected) and is only declared hung after the 30 s collective "
+    "timeout, so the job shrinks (measured 2026-12-06, docs/cluster.md 'Losing a host')"))
+async def test_losing_the_host_of_every_active_part(tmp_path, reference, namespaces):
+    seen: dict = {}
+
+    async def fault(c):
+        await c.wait_rank_step(1, 16)
+        hosts = json.loads((c.run_dir / "hosts.json").read_text())
+        seen["before"] = hosts
+        assert hosts["mode"] == "netns", hosts
+        assert hosts["servers"]["s1"]["host"] == "h1"
+        assert all(hosts["instances"][s] == "h1" for s in SERVICES), hosts
+        assert c.member(0).pod and hosts["pods"][c.member(0).pod] == "h1", hosts
+        gen = c.plans[-1].generation
+        at = c.member(1).step
+        t0 = time.time()
+        r = _cli("inject", "host-loss", "--host", "h1", "--run-dir", str(c.run_dir))
+        assert r.returncode == 0 and "accepted: inject host-loss: host h1 lost" in r.stdout, \
+            (r.stdout, r.stderr)
+        await c.wait_for(lambda: c.plans[-1].generation > gen, 60, "the plan after h1")
+        await c.wait_for(lambda: (h := c.member(0)) is not None and h.generation > gen
+                         and h.step > at + 1, 60, "rank 0 training again")
+        seen["back_s"] = time.time() - t0
+        st = _cli("status", "--json", "--run-dir", str(c.run_dir))
+        assert st.returncode == 0, st.stderr
+        seen["status"] = json.loads(st.stdout)
+
+    s = await run_job(tmp_path, "hosts", 3, 1, fault, cmd=_slower(tmp_path),
+                      extra=["--hosts", "3", "--bus-servers", "3", "--standbys", "1"])
+    _assert_same(s, reference(3))
+    assert len(s["incidents"]) == 1, s["incidents"]
+    gens = [p.generation for p in s["plans"]]
+    assert all(len({p.model_dump_json() for p in s["plans"] if p.generation == g}) == 1
+               for g in gens), s["plans"]  # no two plans for one generation
+    assert s["plans"][-1].world_size == 3
+    st = seen["status"]["hosts"]
+    assert st["hosts"]["h1"]["state"] == "lost"
+    assert "h1" not in st["pods"].values(), st["pods"]
+    for name in SERVICES:  # the active instances now: the standbys, off h1
+        active = [i for i, v in st["instances"].items() if v["active"] and
+                  (i == name or i.startswith(name + "-s"))]
+        assert len(active) == 1 and st["instances"][active[0]]["host"] != "h1", st
+    leaders = seen["status"]["streams"]
+    assert leaders and all(v["leader"] in ("s2", "s3") for v in leaders.values()), leaders
+    inc = s["incidents"][0]
+    print(f"\nhost-loss h1: incident downtime {inc['downtime']:.2f}s (detection "
+          f"{inc['detection_latency']:.2f}s), rank 0 back at a step {seen['back_s']:.2f}s "
+          "after the injection")
+
+
+@pytest.mark.skip(reason="written, never run yet: the host-loss case fails first (above)")
+async def test_a_partitioned_host_is_fenced_and_comes_back(tmp_path, reference, namespaces):
+    """`inject partition --host h1 --for 10`: h1's link is cut with its processes alive.
+    The standbys take over, rank 0 is fenced and replaced, no two plans for one generation,
+    bitwise; once healed, h1's instances are standbys (the leases stay with the others) and
+    its nats-server is a current replica again."""
+    seen: dict = {}
+
+    async def fault(c):
+        await c.wait_rank_step(1, 16)
+        gen = c.plans[-1].generation
+        r = _cli("inject", "partition", "--host", "h1", "--for", "10",
+                 "--run-dir", str(c.run_dir))
+        assert r.returncode == 0 and "cut off for 10s" in r.stdout, (r.stdout, r.stderr)
+        await c.wait_for(lambda: c.plans[-1].generation > gen, 60, "the plan without h1")
+
+        def healed() -> bool:
+            return json.loads((c.run_dir / "hosts.json").read_text()
+                              )["hosts"]["h1"]["state"] == "up"
+        await c.wait_for(healed, 60, "h1 healed")
+        deadline = time.monotonic() + 60
+        while True:  # h1's server caught up again: a current replica of every stream
+            st = json.loads(_cli("status", "--json", "--run-dir", str(c.run_dir)).stdout)
+            reps = st.get("streams") or {}
+            if reps and "error" not in reps and all(
+                    any(x["server"] == "s1" and x["current"] for x in v["replicas"])
+                    or v["leader"] == "s1" for v in reps.values()):
+                break
+            assert time.monotonic() < deadline, reps
+        seen["status"] = st
+
+    s = await run_job(tmp_path, "partition", 3, 1, fault, cmd=_slower(tmp_path),
+                      extra=["--hosts", "3", "--bus-servers", "3", "--standbys", "1"])
+    _assert_same(s, reference(3))
+    gens = [p.generation for p in s["plans"]]
+    assert all(len({p.model_dump_json() for p in s["plans"] if p.generation == g}) == 1
+               for g in gens), s["plans"]
+    inst = seen["status"]["hosts"]["instances"]
+    assert not any(v["active"] for i, v in inst.items() if v["host"] == "h1"), inst
+    print(f"\npartition h1 10s: incidents {s['incidents']}")
