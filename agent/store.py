@@ -39,11 +39,10 @@ from datetime import timedelta
 from typing import Any, Coroutine, TypeVar
 
 import torch.distributed as dist
-from nats.errors import ConnectionReconnectingError, NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NoStreamResponseError,
-                            ServiceUnavailableError)
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from .transient import REOPEN, again
 
 T = TypeVar("T")
 
@@ -59,36 +58,6 @@ class StoreError(dist.DistStoreError):
     """The store could not complete an operation (connection lost, bad value)."""
 
 
-# Answers that say the write reached no stream (JetStream still recovering after a server
-# restart, a cluster electing the bucket's leader, the client reconnecting): nothing was
-# stored, so the call is made again, even a compare-and-set. A timeout is not among them: its
-# write may have landed. Seen: two ranks rendezvousing just after a nats-server restart both
-# raised NoStreamResponseError from `set`, which read as a bug in the script (the soak).
-TRANSIENT = (NoStreamResponseError, ServiceUnavailableError, NoRespondersError,
-             ConnectionReconnectingError)
-# Opening a watch writes nothing the job reads: a timed-out open (the bucket's stream electing
-# a leader after its server's host was lost, seen in test_hosts_e2e) is made again too.
-REOPEN = TRANSIENT + (NatsTimeout, asyncio.TimeoutError)
-RETRY_FOR_S = 30.0   # at most this long (or the store's timeout, if shorter) per call
-_BACKOFF = (0.05, 1.0)
-
-
-async def again_while_transient(call, what: str, within_s: float | None,
-                                 errors: tuple[type[BaseException], ...] = TRANSIENT):
-    """``await call()``, made again while it fails with one of ``errors``, backing off, for
-    at most ``within_s`` (``RETRY_FOR_S`` if None); then ``StoreError`` with the last."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(RETRY_FOR_S, within_s if within_s is not None else RETRY_FOR_S)
-    pause = _BACKOFF[0]
-    while True:
-        try:
-            return await call()
-        except errors as e:
-            if loop.time() + pause > deadline:
-                raise StoreError(f"{what}: the bus did not take it within the retry time "
-                                 f"({type(e).__name__}: {e})") from e
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _BACKOFF[1])
 
 
 def encode_key(key: str | bytes) -> str:
@@ -190,9 +159,9 @@ class NatsStore(dist.Store):
     async def _watch_loop(self) -> None:
         ready = self._watch_ready
         try:
-            self._watcher = w = await again_while_transient(
+            self._watcher = w = await again(
                 lambda: self._kv.watch(self.prefix + ">"), f"store {self.prefix!r} watch",
-                self._timeout_s(), REOPEN)
+                self._timeout_s(), REOPEN, fail=StoreError)
             if ready is not None and not ready.done():
                 ready.set_result(None)
             async for entry in w:
@@ -260,8 +229,8 @@ class NatsStore(dist.Store):
     async def _get_now(self, k: str) -> tuple[bytes | None, int]:
         """(value, 0) if present, else (None, revision of the delete marker or 0)."""
         try:
-            e = await again_while_transient(lambda: self._kv.get(k), f"store get {k!r}",
-                                            self._timeout_s())
+            e = await again(lambda: self._kv.get(k), f"store get {k!r}", self._timeout_s(),
+                          fail=StoreError)
             return (e.value or b""), e.revision
         except KeyNotFoundError as err:
             entry = getattr(err, "entry", None)
@@ -309,11 +278,11 @@ class NatsStore(dist.Store):
                 return result
             try:
                 if old is None:
-                    await again_while_transient(lambda: self._kv.create(k, new),
-                                                f"store create {k!r}", self._timeout_s())
+                    await again(lambda: self._kv.create(k, new), f"store create {k!r}",
+                                self._timeout_s(), fail=StoreError)
                 else:
-                    await again_while_transient(lambda: self._kv.update(k, new, last=rev),
-                                                f"store update {k!r}", self._timeout_s())
+                    await again(lambda: self._kv.update(k, new, last=rev),
+                                f"store update {k!r}", self._timeout_s(), fail=StoreError)
                 return result
             except KeyWrongLastSequenceError:
                 continue  # lost a race: read again
@@ -334,7 +303,7 @@ class NatsStore(dist.Store):
     def set(self, key: str, value: str | bytes) -> None:
         """Set ``key`` to ``value`` (overwrites)."""
         k, v, t = self._k(key), _as_bytes(value), self._timeout_s()
-        self._run(again_while_transient(lambda: self._kv.put(k, v), f"store set {key!r}", t), t)
+        self._run(again(lambda: self._kv.put(k, v), f"store set {key!r}", t, fail=StoreError), t)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, blocking until it exists (store timeout -> StoreTimeout)."""
