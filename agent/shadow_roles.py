@@ -228,7 +228,8 @@ class ShadowFollower:
 
     @property
     def following(self) -> bool:
-        return self._in is not None
+        """Following rank 0, or about to ask again (promoted: ``settle`` then ``stop``)."""
+        return self._in is not None or self._retry_at is not None
 
     def ready(self) -> bool:
         """Something arrived to apply, or an ask is due again (training thread)."""
@@ -300,6 +301,7 @@ class ShadowFollower:
         flight; waiting for it a moment is cheaper than the state transfer that the spare
         would need otherwise. A stream that ended (rank 0 died) is not waited for."""
         deadline = time.monotonic() + wait_s
+        self._retry_at = None  # promoted: no more asks
         while True:
             self.apply()
             src = self._in

@@ -237,12 +237,39 @@ def test_a_spare_that_gets_no_answer_stops_asking_after_a_few_tries(nats_server,
             asks.add(rt1.stores.get(roles._request_key(1, "p1")))
             if follower.ready():
                 follower.apply()
-            return not follower.following and follower._retry_at is None
+            return not follower.following
 
         _until(gave_up, "the spare to stop asking", timeout=60.0)
         time.sleep(1.0)
         assert not follower.ready() and not follower.following
         assert len(asks - {None}) == roles.ASK_TRIES, asks
+    finally:
+        follower.stop(quiet=True)
+        rt1.stop()
+
+
+def test_a_spare_promoted_while_an_ask_is_due_asks_no_more(nats_server, monkeypatch):
+    """Promoted (``settle`` then ``stop``, as handoff does) between a failed ask and the next:
+    no ask is made after that (a member waiting for a plan polls ``ready()`` too, and must
+    never ask to follow, whose stream would write into its state)."""
+    import agent.shadow_roles as roles
+
+    monkeypatch.setattr(roles, "ASK_BACKOFF_S", 0.2)
+    rt1 = _runtime(nats_server, "p1", collective_timeout=0.5, recovery_timeout=0.5,
+                   store_timeout=0.5)
+    follower = ShadowFollower(rt1, rt1.cfg, _state(1))
+    try:
+        follower.follow(_plan())
+        _until(lambda: (follower.ready(), follower._retry_at is not None)[1],
+               "the first ask to fail")
+        asked = rt1.stores.get(roles._request_key(1, "p1"))
+        if follower.following:  # as handoff.py: a following spare settles, then stops
+            follower.settle()
+            follower.stop()
+        time.sleep(4 * roles.ASK_BACKOFF_S)
+        assert not follower.ready() and not follower.following
+        follower.apply()
+        assert rt1.stores.get(roles._request_key(1, "p1")) == asked and not follower.following
     finally:
         follower.stop(quiet=True)
         rt1.stop()
