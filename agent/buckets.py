@@ -96,7 +96,10 @@ class Bucket:
         """Stop the watch ``w`` (its iteration ends) once the connection reconnected."""
         while self._reconnects() == seen:
             await asyncio.sleep(WATCH_RECHECK_S)
-        await w.stop()
+        try:
+            await w.stop()
+        except Exception as e:  # the connection closing: the watch's task is cancelled too
+            log.warning("KV watch not stopped after a reconnect", error=str(e)[:200])
 
     def rendezvous(self, prefix: str, timeout: float | None = None) -> Any:
         """A c10d store (``NatsStore``) over this bucket, its keys under ``prefix``."""
