@@ -7,8 +7,9 @@ applies what arrives to the ``TrainState`` with the members' own update, and hol
 once rank 0 confirmed it; when the state stops matching it holds nothing and takes the
 ordinary transfer when promoted. An ask whose stream failed (before or after the state
 arrived; or no answer in time) is made again, ``ASK_TRIES`` asks at most per generation,
-with a growing pause (the steps held meanwhile stay held); after a rollback of the job (ROLLBACK on the stream) a spare holding a discarded step
-drops it and asks again. See docs/architecture.md, "Shadow spares".
+with a growing pause (the steps held meanwhile stay held); after a rollback of the job
+(ROLLBACK on the stream) a spare holding a discarded step drops it and asks again. See
+docs/architecture.md, "Shadow spares".
 """
 
 from __future__ import annotations
@@ -371,7 +372,8 @@ class ShadowFollower:
         ask again (rank 0 serves the ask from a step computed again)."""
         self._in.close()
         self._in = None
-        if max(self._at, self._state.last_committed) > step:
+        if max(self._at, self._state.last_committed) > step \
+                or self._at != self._state.last_committed:  # or a step applied, unconfirmed
             log.info("the job rolled back: the spare drops the discarded steps", to_step=step,
                      held=self._state.last_committed)
             self._state.forget()
