@@ -66,7 +66,8 @@ async def test_a_store_watch_sees_keys_put_after_the_server_restarted(tmp_path):
     creds = write_credentials(tmp_path / "creds.json")
     srv = NatsServer.start(tmp_path / "nats", creds=creds)
     up = await Bus.connect(srv.url, "test", "ceaseless-up", creds)
-    rt = Runtime(AgentConfig(nats_url=srv.url, job="test", pod="p0", creds_path=str(creds),
+    rt = Runtime(AgentConfig(nats_url=srv.url, job="test", pod="p0",
+                             creds_path=str(tmp_path / "creds.json"),
                              store_timeout=5.0))
     seen: list[tuple[str, bytes]] = []  # appended on the runtime's thread
 
