@@ -155,8 +155,8 @@ class Runtime:
                                            f"agent-{self.cfg.pod}", creds)
         s = bus.subjects
         self._kv = await bus.kv()
-        self.kv = Bucket(self._kv, self._loop, self.cfg.store_timeout)
-        self.stores = Bucket(await bus.store_kv(), self._loop, self.cfg.store_timeout)
+        self.kv, self.stores = [Bucket(k, self._loop, self.cfg.store_timeout, bus.reconnects)
+                                for k in (self._kv, await bus.store_kv())]  # watches: reopened
         await bus.subscribe(s.plan, Plan, self._on_plan)
         await bus.subscribe(s.transfer, Transfer, self._on_transfer)
         await bus.subscribe(s.state_lost, StateLost, self._on_lost)

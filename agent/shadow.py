@@ -15,9 +15,14 @@ transfer leaves the recovery's critical path.
 
 Whatever goes wrong (a slow, hung or dead spare, a dead rank 0, a gap in the stream, a
 checksum that differs, a new generation) ends the stream; the spare then reports the step it
-holds (-1 after a divergence) and takes the ordinary state transfer when it is promoted.
+holds (-1 after a divergence) and takes the ordinary state transfer when it is promoted; it
+asks for a new stream a few times (``ShadowFollower``), rank 0 serving it from a snapshot
+at its next step boundary. When the
+job rolls back to its last verified copy (``agent/verify.py``), rank 0 ends each stream with a
+``ROLLBACK`` header naming the copy's step: a spare holding a later step drops it (those steps
+were discarded) and asks to follow again.
 Rank 0 never waits for a spare: it puts references on a bounded queue, and a spare that
-falls ``QUEUE_STEPS`` behind is dropped for the rest of the generation.
+falls ``QUEUE_STEPS`` behind is dropped (it may ask again, a bounded number of times).
 
 When the job finishes, rank 0 ends each stream with an ``END`` header and both ends close
 their pair with nothing pending (``ShadowSender.finish``, ``ShadowReceiver.join``). Without
@@ -52,7 +57,7 @@ log = logs.get("agent")
 
 MAGIC = 0x5AD0_5AD0
 TAG_HEAD, TAG_SCALARS, TAG_TENSORS = 0x3EB0_0001, 0x3EB0_0002, 0x3EB0_0003
-KIND_STEP, KIND_CONFIRM, KIND_END = 1, 2, 3
+KIND_STEP, KIND_CONFIRM, KIND_END, KIND_ROLLBACK = 1, 2, 3, 4
 QUEUE_STEPS = 4          # steps a spare may lag before rank 0 drops it
 IDLE_TIMEOUT_S = 86400.0  # a spare waits this long for the next step (a step may be slow)
 
@@ -158,6 +163,13 @@ class Confirm:
     check: Any
 
 
+@dataclass
+class Rollback:
+    """The job went back to the verified copy of ``step``: every later step was discarded."""
+
+    step: int
+
+
 _END = object()  # queued by ShadowSender.finish
 
 
@@ -171,7 +183,7 @@ class ShadowSender:
         self._state: FlatState | None = state
         self._expect = step + 1
         self._timeout_s, self._slice_s = timeout_s, slice_s
-        # + 1: room for the END of a stream that is full when the job finishes
+        # + 1: room for the END (or ROLLBACK) of a stream that is full when it is queued
         self._q: queue.Queue[Any] = queue.Queue(maxsize=2 * QUEUE_STEPS + 1)
         self._abort = threading.Event()
         self.ended: str | None = None  # why the stream ended (None: running)
@@ -196,6 +208,15 @@ class ShadowSender:
             return
         try:
             self._q.put_nowait(_END)
+        except queue.Full:
+            self._end("closed")
+
+    def rollback(self, step: int) -> None:
+        """The job rolled back to ``step``: send ROLLBACK after what is queued, then end."""
+        if self.ended is not None:
+            return
+        try:
+            self._q.put_nowait(Rollback(step))
         except queue.Full:
             self._end("closed")
 
@@ -227,6 +248,11 @@ class ShadowSender:
                     head = torch.tensor([MAGIC, KIND_END, 0, 0], dtype=torch.int64)
                     group.send([head], 1, self._abort, TAG_HEAD, timeout_s=self._timeout_s)
                     self.ended = "finished"
+                    break
+                if isinstance(u, Rollback):
+                    head = torch.tensor([MAGIC, KIND_ROLLBACK, u.step, 0], dtype=torch.int64)
+                    group.send([head], 1, self._abort, TAG_HEAD, timeout_s=self._timeout_s)
+                    self.ended = "rolled back"
                     break
                 if isinstance(u, Confirm):
                     check = u.check if isinstance(u.check, int) else u.check.result()
@@ -263,8 +289,8 @@ class ShadowSender:
 class ShadowReceiver:
     """A spare's end: receives in a background thread; the training thread ``take()``s the
     items (``("state", TensorState)`` first, then ``("step", Update)`` and ``("confirm",
-    Confirm)`` in order) and applies them. ``notify`` is called (from the background thread)
-    whenever an item arrives."""
+    Confirm)`` in order, the stream's last maybe ``("rollback", Rollback)``) and applies
+    them. ``notify`` is called (from the background thread) whenever an item arrives."""
 
     def __init__(self, store_factory: Callable[[], Any], templates: Sequence[Tensor],
                  notify: Callable[[], None], *, timeout_s: float, slice_s: float,
@@ -279,6 +305,8 @@ class ShadowReceiver:
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self.ended: str | None = None
+        self.connected = False  # the pair with rank 0 is built (rank 0 answered)
+        self.got_state = False  # the state arrived (an ask that ended without it failed)
         self._thread = threading.Thread(target=self._run, name="shadow-from-rank0", daemon=True)
         self._thread.start()
 
@@ -312,13 +340,19 @@ class ShadowReceiver:
         group = None
         try:
             group = _pair(self._store_factory, 1, self._abort, self._slice_s, self._timeout_s)
+            self.connected = True
             self._push(("state", recv_state(group, 1, [0], self._abort,
                                             timeout_s=self._timeout_s)))
+            self.got_state = True
             while not self._abort.is_set():
                 item = self._recv(group)
                 if item is None:  # rank 0 ended the stream: the job is done
                     if self.ended is None:
                         self.ended = "finished"
+                    break
+                if item[0] == "rollback":  # rank 0's last word on this stream
+                    self._push(item)  # first: an ended stream with nothing left is asked anew
+                    self.ended = self.ended or "rolled back"
                     break
                 self._push(item)
                 while len(self._items) >= QUEUE_STEPS and not self._abort.wait(self._slice_s):
@@ -334,16 +368,18 @@ class ShadowReceiver:
             if group is not None:
                 group.close()
 
-    def _recv(self, group: AbortableGroup) -> tuple[str, Update | Confirm] | None:
+    def _recv(self, group: AbortableGroup) -> tuple[str, Update | Confirm | Rollback] | None:
         """The next item; None when rank 0 ended the stream."""
         head = torch.zeros(4, dtype=torch.int64)
         group.wait_all([group.irecv(head, 0, TAG_HEAD)], self._abort, "shadow head",
                        timeout_s=IDLE_TIMEOUT_S)
         magic, kind, step, value = head.tolist()
-        if magic != MAGIC or kind not in (KIND_STEP, KIND_CONFIRM, KIND_END):
+        if magic != MAGIC or kind not in (KIND_STEP, KIND_CONFIRM, KIND_END, KIND_ROLLBACK):
             raise ValueError(f"bad shadow header {head.tolist()}")
         if kind == KIND_END:
             return None
+        if kind == KIND_ROLLBACK:
+            return "rollback", Rollback(step=int(step))
         if kind == KIND_CONFIRM:
             return "confirm", Confirm(step=int(step), check=int(value))
         if value != self._lh:

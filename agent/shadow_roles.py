@@ -5,7 +5,11 @@ requests), streams the committed state once, then every committed step, and a ch
 the state the script came back with. ``ShadowFollower`` (a spare): asks rank 0 to stream,
 applies what arrives to the ``TrainState`` with the members' own update, and holds a step
 once rank 0 confirmed it; when the state stops matching it holds nothing and takes the
-ordinary transfer when promoted. See docs/architecture.md, "Shadow spares".
+ordinary transfer when promoted. An ask whose stream failed (before or after the state
+arrived; or no answer in time) is made again, ``ASK_TRIES`` asks at most per generation,
+with a growing pause (the steps held meanwhile stay held); after a rollback of the job
+(ROLLBACK on the stream) a spare holding a discarded step drops it and asks again. See
+docs/architecture.md, "Shadow spares".
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ SETTLE_S = 0.25
 # at the end of the job: how long rank 0 waits for its streams' END to go out, and a spare
 # for its stream to end (bounded: a stuck peer must not hold the exit)
 END_WAIT_S = 2.0
+# a spare's asks to follow that got no state: how many per generation, the first pause
+# between two (doubled each time)
+ASK_TRIES = 4
+ASK_BACKOFF_S = 1.0
 
 
 def why_not(cfg: AgentConfig, state: TrainState) -> str | None:
@@ -59,6 +67,7 @@ class ShadowLeader:
     def __init__(self, rt: ShadowRuntime, cfg: AgentConfig, state: TrainState) -> None:
         self._rt, self._cfg, self._state = rt, cfg, state
         self._out: dict[str, Any] = {}      # spare pod -> ShadowSender
+        self._ending: list[Any] = []        # streams sending their ROLLBACK
         self._served: dict[str, str] = {}   # spare pod -> the request it answered
         self.generation = 0                 # the generation spares may follow (0: none)
         # spare pod -> request id, written by the runtime's thread (the store watch)
@@ -114,6 +123,18 @@ class ShadowLeader:
             self._state.last_committed, timeout_s=self._cfg.collective_timeout,
             slice_s=self._cfg.collective_slice)
 
+    def rollback(self, step: int) -> None:
+        """The job went back to the verified copy of ``step`` (``agent/verify.py``): each
+        stream ends with ROLLBACK, so no spare holds or reports a discarded step; each then
+        asks anew and is served from a step computed again (``confirm``)."""
+        for out in self._out.values():
+            out.rollback(step)
+        self._ending = [o for o in self._ending if o.ended is None] + list(self._out.values())
+        self._out = {}
+        if self._ending:
+            log.info("rollback: spares told to drop the discarded steps", step=step,
+                     spares=len(self._ending))
+
     def end(self, final: bool = False, wait_s: float = END_WAIT_S) -> None:
         """Stop streaming. ``final`` (the job is done): each spare gets END and its stream is
         waited for up to ``wait_s`` in all, so no receive is left pending when both ends exit
@@ -126,7 +147,9 @@ class ShadowLeader:
             for out in outs:
                 if not out.join(max(0.0, deadline - time.monotonic())):
                     out.close()
-        self._out, self._served = {}, {}
+        for out in self._ending if final else ():  # else each ends once its ROLLBACK is out
+            out.close()
+        self._out, self._served, self._ending = {}, {}, []
         if self.generation:
             self.generation = 0
             self._watch(None)
@@ -197,33 +220,80 @@ class ShadowFollower:
         self._in: Any = None
         self._at = -1                       # the last step applied (held once confirmed)
         self._loss: float | None = None
+        # the asks of this generation: its plan (None: not asking), how many were made,
+        # when the last was, and when the next is due (None: none due)
+        self._plan: Plan | None = None
+        self._asks = 0
+        self._asked_at = 0.0
+        self._retry_at: float | None = None
 
     @property
     def following(self) -> bool:
-        return self._in is not None
+        """Following rank 0, or about to ask again (promoted: ``settle`` then ``stop``)."""
+        return self._in is not None or self._retry_at is not None
 
     def ready(self) -> bool:
-        """Something arrived to apply."""
-        return self._in is not None and self._in.ready()
+        """Something arrived to apply, or an ask is due again (training thread)."""
+        return (self._in is not None and self._in.ready()) or self._due()
 
     def follow(self, plan: Plan) -> None:
         """A spare of ``plan``: follow its rank 0 (ends any older stream)."""
         self.stop()
         if why_not(self._cfg, self._state) is not None or not plan.members:
             return
+        self._plan = plan
+        self._ask()
+
+    def _ask(self) -> None:
+        """Ask rank 0 to stream to this spare (a new request each time)."""
         from .shadow import IDLE_TIMEOUT_S, ShadowReceiver
 
-        rt = self._rt
+        rt, plan = self._rt, self._plan
+        assert plan is not None
+        self._asks += 1
         self._at = self._state.last_committed
+        self._asked_at = time.monotonic()
         rid = f"{os.getpid()}-{time.time_ns()}"  # unique per ask: a restarted spare asks anew
         if not rt.stores.put(_request_key(plan.generation, self._cfg.pod), rid.encode()):
-            log.warning("could not ask to follow the job")
-            return
+            return self._failed("could not write the request")
         self._in = ShadowReceiver(
             _store(rt, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
             self._state.params() + self._state.buffers(), rt.notify,
             timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice,
             hypers=len(self._state.hypers()))
+
+    def _failed(self, why: str) -> None:
+        """The last ask got no state: the next one after a pause, or none (tries used up)."""
+        if self._asks >= ASK_TRIES:
+            log.warning("spare stops asking to follow the job this generation; it takes the "
+                        "state transfer when promoted", asks=self._asks, reason=why)
+            self._plan = None
+            return
+        pause = ASK_BACKOFF_S * 2 ** (self._asks - 1)
+        log.info("the spare's ask to follow got no state; asking again", reason=why,
+                 asks=self._asks, pause_s=pause)
+        self._retry_at = time.monotonic() + pause
+
+    def _due(self) -> bool:
+        """A new ask is due: the stream failed (everything it delivered applied), or rank 0
+        did not answer the ask (it answers at its next step boundary: within the recovery
+        timeout, then the rendezvous within the store timeout). A stream that ended with
+        the job (END), or was closed here, is not asked again."""
+        src, why = self._in, None
+        if src is not None and not src.ready():
+            if src.ended not in (None, "finished", "closed", "rolled back"):
+                why = src.ended
+            elif src.ended is None and not src.connected and (
+                    time.monotonic() - self._asked_at
+                    > self._cfg.recovery_timeout + self._cfg.store_timeout):
+                why = "rank 0 did not answer"
+        if why is not None:
+            src.close()
+            self._in = None
+            if self._at != self._state.last_committed:  # a step applied, never confirmed
+                self._diverged(f"step {self._at} applied but not confirmed")
+            self._failed(why)
+        return self._retry_at is not None and time.monotonic() >= self._retry_at
 
     def settle(self, wait_s: float = SETTLE_S) -> None:
         """Promoted: apply what arrived and, if the last step applied is not confirmed yet,
@@ -232,6 +302,7 @@ class ShadowFollower:
         flight; waiting for it a moment is cheaper than the state transfer that the spare
         would need otherwise. A stream that ended (rank 0 died) is not waited for."""
         deadline = time.monotonic() + wait_s
+        self._retry_at = None  # promoted: no more asks
         while True:
             self.apply()
             src = self._in
@@ -243,6 +314,7 @@ class ShadowFollower:
     def stop(self, quiet: bool = False, drain_s: float = 0.0) -> None:
         """End the stream; a step applied but not confirmed leaves state matching no step.
         ``drain_s``: first wait that long for rank 0 to end it (the job finished)."""
+        self._plan, self._asks, self._retry_at = None, 0, None  # no ask after this
         if self._in is not None:
             if drain_s > 0:
                 self._in.join(drain_s)
@@ -255,6 +327,9 @@ class ShadowFollower:
         """Training thread: apply what the stream delivered (the first ``n`` items; None:
         all). A step is applied when it arrives and held (``last_committed``, the heartbeat)
         once confirmed."""
+        if self._retry_at is not None and time.monotonic() >= self._retry_at:
+            self._retry_at = None
+            self._ask()
         src, st = self._in, self._state
         if src is None:
             return
@@ -278,6 +353,8 @@ class ShadowFollower:
                 st.zero_grad()
                 self._at, self._loss = val.step, val.loss
                 continue
+            elif kind == "rollback":
+                return self._rolled_back(val.step)
             else:
                 if val.step != self._at:
                     return self._diverged(f"confirmation of step {val.step}, holding {self._at}")
@@ -288,6 +365,23 @@ class ShadowFollower:
                         "optimizer setting such as param_group['lr']?)")
                 st.last_committed, st.loss = val.step, self._loss
             self._rt.update(step=st.last_committed, digest=st.digest())
+
+    def _rolled_back(self, step: int) -> None:
+        """Rank 0 rolled the job back to its verified copy of ``step`` and ended the stream:
+        a later step held (or applied) was discarded, so it is dropped, never reported; then
+        ask again (rank 0 serves the ask from a step computed again)."""
+        self._in.close()
+        self._in = None
+        if max(self._at, self._state.last_committed) > step \
+                or self._at != self._state.last_committed:  # or a step applied, unconfirmed
+            log.info("the job rolled back: the spare drops the discarded steps", to_step=step,
+                     held=self._state.last_committed)
+            self._state.forget()
+            self._state.zero_grad()
+            self._rt.update(now=True, step=-1, digest="")
+        self._asks = 0  # not a failed ask
+        if self._plan is not None:
+            self._ask()
 
     def _diverged(self, why: str) -> None:
         """The followed state is not the job's: hold nothing (the broker then sends it)."""

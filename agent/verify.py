@@ -12,8 +12,8 @@ next step computes, waited for on the device before the next update). When they 
 every member restores that copy and the job computes the steps
 after it again (at most N; the batches and randomness are a function of the step, so the
 result is the fault-free one); with three or more replicas the majority names the member
-that differed: it reports ``corruption`` about itself (at its next commit, once rank 0 has
-streamed a step computed again: spares that followed the abandoned steps drop them), the
+that differed: it reports ``corruption`` about itself (at its next commit, once rank 0 has told
+the spares that followed the abandoned steps to drop them: ``ShadowLeader.rollback``), the
 health monitor declares the fault, the scaler fences it and a spare takes its rank. Sharded
 jobs: each rank digests its own shards, and the replicas compare per shard position (rank r
 holds position r % k); the copy is of the shards. Module buffers (BatchNorm statistics) are
@@ -65,9 +65,9 @@ class Verifier:
         self.verified: int | None = None
         self.rolled_back_at: int | None = None  # the step whose commit restored the copy
         # this member differed: reported at the next commit, after the first step computed
-        # again, so that spares following rank 0 have seen the job go back (a followed step
-        # older than theirs makes them drop their copy; promoted before that, they would
-        # report the abandoned step as the newest)
+        # again, so that spares following rank 0 have seen the job go back (rank 0 ends
+        # their streams with ROLLBACK and they drop the discarded steps; promoted before
+        # that, they would report the abandoned step as the newest)
         self._report: str | None = None
         # CUDA: the verified copy is made on a side stream while the next step computes; the
         # training stream waits for it before the next update changes the state
@@ -105,7 +105,7 @@ class Verifier:
             if self.copy is None:
                 log.warning("non-finite step: no verified copy yet to roll back to", step=s)
             else:
-                self._rollback(s, state, rt, "nonfinite")
+                self._rollback(s, state, rt, "nonfinite", m)
                 state.skipped = (state.skipped + [s])[-MAX_SKIPPED:]
             return
         if not self.due(s):
@@ -141,7 +141,7 @@ class Verifier:
         if self.copy is None:
             log.error("no verified copy yet: cannot roll back", step=s)
             return
-        self._rollback(s, state, rt, "corruption")
+        self._rollback(s, state, rt, "corruption", m)
 
     def _snapshot(self, state: Any) -> Any:
         """The verified copy: on CUDA queued on a side stream after the work that made the
@@ -168,7 +168,7 @@ class Verifier:
             torch.cuda.current_stream(dev).wait_stream(self._pending)
             self._pending = None
 
-    def _rollback(self, s: int, state: Any, rt: Any, reason: str) -> None:
+    def _rollback(self, s: int, state: Any, rt: Any, reason: str, m: Any = None) -> None:
         if self._stream is not None:
             self.before_update()
             self._stream.synchronize()  # the copy is read on the host side too (its extra)
@@ -181,3 +181,5 @@ class Verifier:
                        step_time=self._step_time or 0.0)
         rt.update(now=True, step=state.last_committed,
                   digest=state.digests.note(state.last_committed, state.digest()))
+        if m is not None and m.leader.generation:  # rank 0: its spares drop those steps
+            m.leader.rollback(state.last_committed)

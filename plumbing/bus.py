@@ -226,6 +226,13 @@ class Bus:
                        replicas=min(MAX_REPLICAS, len(servers))))
         return bus[0]
 
+    def reconnects(self) -> int:
+        """How many times the connection came back (a watch opened before may be deaf)."""
+        try:
+            return int(self.nc.stats.get("reconnects", 0))
+        except Exception:
+            return 0
+
     async def close(self) -> None:
         self.closing = True
         try:

@@ -157,6 +157,39 @@ async def test_a_flipped_bit_is_found_rolled_back_and_its_pod_replaced(tmp_path,
     assert g["lost_s"]["recomputed"] == rb[0]["recomputed_s"] > 0
 
 
+async def test_with_two_members_a_spare_follows_the_rollback(tmp_path, reference):
+    """A flipped bit with 2 members: the digests disagree at step 19, both members roll back
+    to the copy of step 9 and nobody is named (no majority of two). The spare followed rank 0
+    through step 18: it must drop the discarded steps (rank 0 ends its stream with
+    ROLLBACK), never report them again, follow the steps computed again, and the job ends
+    bitwise equal to the fault-free run. (Before, the spare held and reported step 18
+    while the members computed 10-18 again.)"""
+    from schemas.messages import Inject, InjectAction
+
+    steps, flags = 60, ["--verify-every", "10"]
+    seen: list = []
+
+    async def flip(c):
+        await c.wait_rank_step(1, 3)
+        seen.append(c)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.bitflip, rank=1,
+                                                          at_step=13))
+
+    ref = reference(2, steps)
+    s = await run_job(tmp_path, "flip2", 2, 1, fault=flip, steps=steps, extra=flags)
+    assert s["final_step"] == steps - 1 and s["incidents"] == [], s
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+    for pod in ("w0", "w1"):
+        (ev,) = log_events(tmp_path / "flip2", pod, "rolled back to the last verified copy")
+        assert ev["verified"] == 9 and ev["step"] == 19, ev
+    spare = [h for h in seen[0].hb.values() if h.role.value == "spare"]
+    assert len(spare) == 1, seen[0].hb
+    (drop,) = log_events(tmp_path / "flip2", spare[0].pod,
+                         "the job rolled back: the spare drops the discarded steps")
+    assert drop["to_step"] == 9 and drop["held"] > 9, drop
+    assert spare[0].step > 19, spare[0]  # it followed the steps computed again
+
+
 async def test_a_straggler_without_a_spare_computes_fewer_micro_batches(tmp_path, reference):
     """No spare: the scaler cuts the straggler's share of the step's micro-batches by its
     slowness and gives them to the others, at a step boundary, the same members and the

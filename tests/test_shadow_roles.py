@@ -3,7 +3,8 @@
 connection, store bucket), find each other through the spare's KV request and stream over
 a real gloo pair. The spare ends up holding rank 0's committed state bit for bit, step by
 step (also when the script sets the learning rate itself every step), and stops following
-(holding nothing) when rank 0's state changes outside a step."""
+(holding nothing) when rank 0's state changes outside a step. It drops the steps a rollback
+of the job discarded, and asks again when its first ask got no state."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def _state(seed: int) -> TrainState:
     return st
 
 
-def _runtime(nats_server, pod: str) -> Runtime:
+def _runtime(nats_server, pod: str, **timeouts: float) -> Runtime:
+    timeouts = {"collective_timeout": 10.0, "store_timeout": 10.0, **timeouts}
     rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod=pod,
-                             creds_path=str(nats_server.creds_path), collective_timeout=10.0,
-                             store_timeout=10.0))
+                             creds_path=str(nats_server.creds_path), **timeouts))
     rt.start()
     return rt
 
@@ -108,4 +109,167 @@ def test_a_spare_follows_rank_0_bit_for_bit_and_stops_on_divergence(nats_server)
         follower.stop(quiet=True)
         leader.end()
         rt0.stop()
+        rt1.stop()
+
+
+def _plan() -> Plan:
+    return Plan(generation=1, members=[Member(pod="p0", rank=0)], world_size=1,
+                global_batch_size=16, micro_batch_size=16, shares={0: 1}, spares=["p1"])
+
+
+def _train_until_current(leader, follower, lead_state, spare_state, s: int,
+                         seen: list[int], tries: int = 100) -> int:
+    """Rank 0 trains on from step ``s`` (each step offered, then confirmed, as Session does)
+    until the spare holds its state; the spare's training thread polls as a waiting spare
+    does (``ready()``, then ``apply()``) and ``seen`` gets every step it reported."""
+    for _ in range(tries):
+        s += 1
+        grads, hypers = _train_step(lead_state, s)
+        leader.offer(s, grads, 1.0, hypers=hypers)
+        leader.confirm(s)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            if follower.ready():
+                follower.apply()
+            seen.append(spare_state.last_committed)
+            if spare_state.last_committed == s:
+                assert spare_state.param_sha256() == lead_state.param_sha256(), s
+                return s
+            time.sleep(0.01)
+    raise AssertionError(f"the spare never became current (rank 0 at step {s})")
+
+
+def test_a_spare_drops_the_steps_a_rollback_discarded_and_follows_again(nats_server):
+    """Two members verifying every few steps disagree (a flipped bit): rank 0 rolls back to
+    its verified copy (``Verifier._rollback``, the path of both guards). A spare that followed
+    the steps after the copy held and reported them (seen: its step stayed above the
+    rolled-back one): it must drop them, report nothing newer than the copy, and follow the
+    steps computed again."""
+    from types import SimpleNamespace
+
+    from agent.verify import Verifier
+
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
+    lead_state, spare_state = _state(0), _state(1)
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
+    try:
+        follower.follow(plan)
+        lead_state.last_committed = 0
+        leader.lead(plan, lead_state.snapshot())
+        leader.generation = plan.generation
+        seen: list[int] = []
+        verifier = Verifier(every=2)
+        s = _train_until_current(leader, follower, lead_state, spare_state, 0, seen)
+        verifier.copy, verifier.verified = lead_state.snapshot(), s  # the verified copy
+        for _ in range(2):
+            s = _train_until_current(leader, follower, lead_state, spare_state, s, seen)
+        assert s > verifier.verified + 1 and rt1.hb.step == s  # held past the copy
+        # the next step's verification disagrees: back to the copy, as every member does
+        grads, hypers = _train_step(lead_state, s + 1)
+        rank0 = SimpleNamespace(leader=leader)  # the verifier reaches the leader through it
+        verifier._rollback(s + 1, lead_state, rt0, "corruption", m=rank0)
+        leader.offer(s + 1, grads, 1.0, hypers=hypers)  # Session.step's offer, after the commit
+        assert lead_state.last_committed == verifier.verified
+        seen.clear()
+        _until(lambda: (follower.ready() and follower.apply(), rt1.hb.step == -1)[1],
+               "the spare to drop the discarded steps")
+        assert spare_state.last_committed == -1
+        # rank 0 computes the steps after the copy again; the spare asked anew and follows
+        again = _train_until_current(leader, follower, lead_state, spare_state,
+                                     verifier.verified, seen)
+        assert max(seen) == again and rt1.hb.step == again, seen
+        assert all(x == -1 or x > verifier.verified for x in seen), seen
+    finally:
+        follower.stop(quiet=True)
+        leader.end()
+        rt0.stop()
+        rt1.stop()
+
+
+def test_a_spare_whose_first_ask_failed_asks_again_and_becomes_current(nats_server):
+    """Rank 0's first answer to a spare fails (its stream is closed as it starts, as when its
+    send errs or times out; the state may or may not have gone out): the spare asks again,
+    after a pause, and becomes current. (Before, rank 0 had marked the spare served and it
+    never became current in that generation.)"""
+    from agent.shadow_roles import _request_key
+
+    rt0 = _runtime(nats_server, "p0")
+    # the spare's waits short, so that the failed answer shows soon whichever way it fails
+    rt1 = _runtime(nats_server, "p1", collective_timeout=2.0, recovery_timeout=3.0,
+                   store_timeout=3.0)
+    lead_state, spare_state = _state(0), _state(1)
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
+    try:
+        follower.follow(plan)
+        first = rt1.stores.get(_request_key(1, "p1"))
+        lead_state.last_committed = 0
+        leader.lead(plan, lead_state.snapshot())  # answers the ask ...
+        leader._out["p1"].close()                  # ... and that answer fails
+        seen: list[int] = []
+        s = _train_until_current(leader, follower, lead_state, spare_state, 0, seen)
+        assert rt1.hb.step == s and rt1.stores.get(_request_key(1, "p1")) != first
+    finally:
+        follower.stop(quiet=True)
+        leader.end()
+        rt0.stop()
+        rt1.stop()
+
+
+def test_a_spare_that_gets_no_answer_stops_asking_after_a_few_tries(nats_server, monkeypatch):
+    """Nobody answers (rank 0 gone): the spare asks ``ASK_TRIES`` times, each after a longer
+    pause, then stops asking for this generation (it takes the state transfer if
+    promoted); it never asks in a loop."""
+    import agent.shadow_roles as roles
+
+    monkeypatch.setattr(roles, "ASK_BACKOFF_S", 0.05)
+    rt1 = _runtime(nats_server, "p1", collective_timeout=0.5, recovery_timeout=0.5,
+                   store_timeout=0.5)
+    follower = ShadowFollower(rt1, rt1.cfg, _state(1))
+    asks: set[bytes] = set()
+    try:
+        follower.follow(_plan())
+
+        def gave_up() -> bool:
+            asks.add(rt1.stores.get(roles._request_key(1, "p1")))
+            if follower.ready():
+                follower.apply()
+            return not follower.following
+
+        _until(gave_up, "the spare to stop asking", timeout=60.0)
+        time.sleep(1.0)
+        assert not follower.ready() and not follower.following
+        assert len(asks - {None}) == roles.ASK_TRIES, asks
+    finally:
+        follower.stop(quiet=True)
+        rt1.stop()
+
+
+def test_a_spare_promoted_while_an_ask_is_due_asks_no_more(nats_server, monkeypatch):
+    """Promoted (``settle`` then ``stop``, as handoff does) between a failed ask and the next:
+    no ask is made after that (a member waiting for a plan polls ``ready()`` too, and must
+    never ask to follow, whose stream would write into its state)."""
+    import agent.shadow_roles as roles
+
+    monkeypatch.setattr(roles, "ASK_BACKOFF_S", 0.2)
+    rt1 = _runtime(nats_server, "p1", collective_timeout=0.5, recovery_timeout=0.5,
+                   store_timeout=0.5)
+    follower = ShadowFollower(rt1, rt1.cfg, _state(1))
+    try:
+        follower.follow(_plan())
+        _until(lambda: (follower.ready(), follower._retry_at is not None)[1],
+               "the first ask to fail")
+        asked = rt1.stores.get(roles._request_key(1, "p1"))
+        if follower.following:  # as handoff.py: a following spare settles, then stops
+            follower.settle()
+            follower.stop()
+        time.sleep(4 * roles.ASK_BACKOFF_S)
+        assert not follower.ready() and not follower.following
+        follower.apply()
+        assert rt1.stores.get(roles._request_key(1, "p1")) == asked and not follower.following
+    finally:
+        follower.stop(quiet=True)
         rt1.stop()
