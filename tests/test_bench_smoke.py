@@ -314,3 +314,16 @@ def test_size_join_first_step_and_the_mlp_shape():
     size.add_arguments(p)
     cmd = size._script(p.parse_args(["--shape", "mlp", "--width", "64", "--depth", "2"]), "x")
     assert cmd[1:3] == ["-m", "examples.train_mlp"] and "64" in cmd
+
+
+def test_train_mlp_runs_alone():
+    """examples/train_mlp (``bench size --shape mlp``) trains in one process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    out = subprocess.run([sys.executable, "-m", "examples.train_mlp", "--width", "32",
+                          "--depth", "2", "--steps", "2"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mlp 2 x 32" in out.stdout and "step     1" in out.stdout
