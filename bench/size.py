@@ -200,7 +200,12 @@ async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
                     (h := c.hb.get(m.pod)) is not None and h.generation == p.generation
                     and h.step >= (p.apply_step or 0) + 1 for m in p.members))
 
-            await c.wait_for(joined, 900, "the joiner training")
+            try:
+                await c.wait_for(joined, 900, "the joiner training")
+            except AssertionError as e:  # the job ended first: the join came too late
+                raise RuntimeError(f"join: the joiner never trained a step after the join "
+                                   f"(plan at step {c.plans[-1].apply_step} of {a.steps}: "
+                                   "give more --steps or an earlier --fault-step)") from e
             out["after"] = {pod: vm_hwm(h.pid) for pod, h in c.hb.items()}
             out["joiner"] = c.plans[-1].pod_of(a.workers)
         elif scenario == "kill0":
