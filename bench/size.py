@@ -1,8 +1,10 @@
 """Model size: peak memory per role, state transfer against the link, recovery at real sizes.
 
     ceaseless bench size [--models 124m] [--workers 2] [--seq-len 64] [--steps 40]
+    ceaseless bench size --shape mlp [--width 4096] [--depth 6] [--scenarios join]
 
-Per model (the example's GPT-2 shapes, synthetic tokens), on this machine (gloo over
+Per model (the example's GPT-2 shapes, synthetic tokens; or ``--shape mlp``: examples/train_mlp,
+depth x Linear(width, width) + a head, 100.7M parameters at 6 x 4096), on this machine (gloo over
 loopback; CPU: peak memory is the process's peak RSS, ``VmHWM``):
 
 * ``plain``: the example alone in one process (no cluster, no bus): the baseline peak;
@@ -10,7 +12,9 @@ loopback; CPU: peak memory is the process's peak RSS, ``VmHWM``):
 * ``join``: W workers; at step K ``capacity add 1`` starts a cold pod that joins and receives
   the whole state from the members (striped). Each member's peak just before the event and
   after the join, the joiner's peak, the members' pause, the state bytes and the throughput
-  (bytes received / the joiner's ``state_sync`` phase: plan wait and checksums included);
+  (bytes received / the joiner's ``state_sync`` phase: plan wait and checksums included),
+  and the first step after the join (the slowest pod's ``first_step`` phase: from the state
+  in place to its first commit) against the median step of the same run;
 * ``kill0``: W workers + 1 spare that follows rank 0, SIGKILL of rank 0 at step K: the final
   parameters against ``ref`` (bitwise), the downtime, the peaks of rank 0 while a spare
   followed it and of the promoted spare.
@@ -45,6 +49,13 @@ MB = 2**20
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="124m", help="comma-separated: 124m, 350m, 1b")
+    p.add_argument("--shape", choices=["gpt", "mlp"], default="gpt",
+                   help="gpt: --models; mlp: --depth x Linear(--width, --width) + a head")
+    p.add_argument("--width", type=int, default=4096, help="--shape mlp: layer width")
+    p.add_argument("--depth", type=int, default=6, help="--shape mlp: hidden layers")
+    p.add_argument("--scenarios", default="plain,ref,join,kill0",
+                   help="comma-separated subset of plain, ref, join, kill0 (the full table "
+                        "needs all four; a subset reports what it measured)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (CPU: short)")
     p.add_argument("--steps", type=int, default=40)
@@ -59,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _script(a: argparse.Namespace, model: str) -> list[str]:
     W = a.workers  # a batch that W and W + 1 replicas both divide (the join)
+    if a.shape == "mlp":
+        return [sys.executable, "-m", "examples.train_mlp", "--width", str(a.width),
+                "--depth", str(a.depth), "--steps", str(a.steps), "--global-batch-size",
+                str(W * (W + 1)), "--micro-batch-size", "1", "--threads", str(a.threads)]
     return [sys.executable, "-m", "examples.train_gpt", "--model", model, "--seq-len",
             str(a.seq_len), "--steps", str(a.steps), "--global-batch-size", str(W * (W + 1)),
             "--micro-batch-size", "1", "--dropout", "0", "--threads", str(a.threads)]
@@ -185,7 +200,12 @@ async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
                     (h := c.hb.get(m.pod)) is not None and h.generation == p.generation
                     and h.step >= (p.apply_step or 0) + 1 for m in p.members))
 
-            await c.wait_for(joined, 900, "the joiner training")
+            try:
+                await c.wait_for(joined, 900, "the joiner training")
+            except AssertionError as e:  # the job ended first: the join came too late
+                raise RuntimeError(f"join: the joiner never trained a step after the join "
+                                   f"(plan at step {c.plans[-1].apply_step} of {a.steps}: "
+                                   "give more --steps or an earlier --fault-step)") from e
             out["after"] = {pod: vm_hwm(h.pid) for pod, h in c.hb.items()}
             out["joiner"] = c.plans[-1].pod_of(a.workers)
         elif scenario == "kill0":
@@ -226,6 +246,18 @@ async def cluster_run(a: argparse.Namespace, model: str, run_dir: Path,
     out["lost_steps"] = summ.get("lost_steps")
     out["recoveries"] = [r.model_dump(mode="json") for r in recoveries if r.generation > g]
     out["median_step_s"] = _median_step(run_dir)
+    out["commits"] = {f.stem: json.loads(f.read_text()).get("commits", [])
+                      for f in (run_dir / "results").glob("*.json")}
+    return out
+
+
+def _gaps(commits: dict[str, list], keep: Any) -> list[float]:
+    """Every pod's gaps between the commits of consecutive steps ``keep(step)`` admits."""
+    out = []
+    for cs in commits.values():
+        for (s0, t0), (s1, t1) in zip(cs, cs[1:]):
+            if s1 == s0 + 1 and keep(s1):
+                out.append(float(t1) - float(t0))
     return out
 
 
@@ -236,6 +268,45 @@ def _median_step(run_dir: Path) -> float | None:
         ts = [float(t) for _, t in json.loads(f.read_text()).get("commits", [])]
         diffs += [b - x for x, b in zip(ts, ts[1:])]
     return statistics.median(diffs) if diffs else None
+
+
+def join_figures(join: dict[str, Any]) -> dict[str, Any]:
+    """The join's figures against the median step of the same run: the first step after it
+    (each pod's ``first_step`` phase: from its state in place to its first commit), the
+    members' pause and the joiner's ``state_sync``."""
+    step = join.get("median_step_s") or 0.0
+    recs = join["recoveries"]
+    # the steps before the join (W workers) and after its first step (W + 1 on the same
+    # cores): the first step after the join against both
+    at = min((r["restore_step"] for r in recs), default=None)
+    commits = join.get("commits") or {}
+    before = _gaps(commits, lambda s: at is not None and s <= at)
+    after = _gaps(commits, lambda s: at is not None and s >= at + 2)
+    med_before = statistics.median(before) if before else None
+    med_after = statistics.median(after) if after else None
+    first = {r["pod"]: r["phases"].get("first_step", 0.0) for r in recs}
+    pauses = [r["downtime"] for r in recs
+              if r["pod"] != join["joiner"] and r["downtime"] is not None]
+    worst = max(first.values(), default=None)
+    return {"join_median_step_s": step, "join_first_step_s": first,
+            "join_first_step_vs_median": worst / step if worst is not None and step else None,
+            "join_median_before_s": med_before, "join_median_after_s": med_after,
+            "join_first_step_vs_after": (worst / med_after if worst is not None and med_after
+                                         else None),
+            "join_state_sync_s": max((r["phases"].get("state_sync", 0.0) for r in recs
+                                      if r["pod"] == join["joiner"]), default=None),
+            "join_members_pause_s": max(pauses) - step if pauses else None}
+
+
+def join_line(model: str, f: dict[str, Any]) -> str:
+    firsts = ", ".join(f"{p} {v:.2f} s" for p, v in sorted(f["join_first_step_s"].items()))
+    return (f"{model}: median step {f['join_median_step_s']:.2f} s; first step after the join "
+            f"{f['join_first_step_vs_median'] or 0:.2f}x the median ({firsts}; median "
+            f"before the join {f.get('join_median_before_s') or 0:.2f} s, after its first "
+            f"step {f.get('join_median_after_s') or 0:.2f} s: "
+            f"{f.get('join_first_step_vs_after') or 0:.2f}x that); joiner "
+            f"state_sync {f['join_state_sync_s'] or 0:.2f} s; members' pause beyond a median "
+            f"step {f['join_members_pause_s'] or 0:.2f} s")
 
 
 def analyse(model: str, plain: dict[str, Any], ref: dict[str, Any], join: dict[str, Any],
@@ -312,28 +383,52 @@ def markdown(res: dict[str, Any], a: argparse.Namespace) -> str:
             "| model | plain peak | member / plain | members after a join / before | joiner / "
             "member | rank 0 with a following spare / plain | promoted spare / plain | state "
             "received by the joiner | pause of the members (join) | rank-0 kill with a spare |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+            + "".join(f"* {join_line(r['model'], r)}\n" for r in res["models"]
+                      if "join_median_step_s" in r))
+
+
+SCENARIOS = ("plain", "ref", "join", "kill0")
 
 
 def run(a: argparse.Namespace) -> int:
+    scenarios = [x.strip() for x in a.scenarios.split(",") if x.strip()]
+    if bad := [x for x in scenarios if x not in SCENARIOS]:
+        raise SystemExit(f"--scenarios: unknown {', '.join(bad)} (of {', '.join(SCENARIOS)})")
     link = {"memcpy_gbs": memcpy_gbs(), "tcp_gbs": tcp_gbs()}
     print(f"link: memcpy {link['memcpy_gbs']:.2f} GB/s, loopback TCP {link['tcp_gbs']:.2f} GB/s",
           flush=True)
     models = []
+    names = ([f"mlp{a.depth}x{a.width}"] if a.shape == "mlp"
+             else [m.strip() for m in a.models.split(",") if m.strip()])
     with tempfile.TemporaryDirectory(prefix="ceaseless-size-") as tmp:
         root = Path(a.work_dir or tmp)
-        for model in [m.strip() for m in a.models.split(",") if m.strip()]:
-            plain = plain_peak(a, model, root / f"{model}-plain")
-            print(f"{model} plain: peak {plain['peak_rss'] / 1e9:.2f} GB", flush=True)
-            runs = {}
+        for model in names:
+            runs: dict[str, Any] = {}
+            if "plain" in scenarios:
+                runs["plain"] = plain_peak(a, model, root / f"{model}-plain")
+                print(f"{model} plain: peak {runs['plain']['peak_rss'] / 1e9:.2f} GB", flush=True)
             for sc in ("ref", "join", "kill0"):
-                runs[sc] = asyncio.run(cluster_run(a, model, root / f"{model}-{sc}", sc))
-                print(f"{model} {sc}: done (final step {runs[sc]['final_step']})", flush=True)
-            r = analyse(model, plain, runs["ref"], runs["join"], runs["kill0"], link)
+                if sc in scenarios:
+                    runs[sc] = asyncio.run(cluster_run(a, model, root / f"{model}-{sc}", sc))
+                    print(f"{model} {sc}: done (final step {runs[sc]['final_step']})",
+                          flush=True)
+            r: dict[str, Any] = {"model": model}
+            if all(sc in runs for sc in SCENARIOS):
+                r = analyse(model, runs["plain"], runs["ref"], runs["join"], runs["kill0"], link)
+            if "join" in runs:
+                r.update(join_figures(runs["join"]))
+                print(join_line(model, r), flush=True)
             r["runs"] = runs
             print(json.dumps({k: v for k, v in r.items() if k != "runs"}, indent=1), flush=True)
             models.append(r)
     res = {"config": config(a), "machine": machine(), "link": link, "models": models}
+    if not all(sc in scenarios for sc in SCENARIOS):  # a subset: no table to write
+        if a.write_doc:
+            raise SystemExit("--write-doc needs every scenario")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+        return 0
     return emit(res, markdown(res, a), HEADING, a.json, a.write_doc)
 
 

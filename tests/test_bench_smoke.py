@@ -287,3 +287,43 @@ def test_size_analysis_and_the_link():
     md = size.markdown({"machine": m, "link": {"tcp_gbs": 3.0, "memcpy_gbs": 10.0},
                         "models": [r]}, p.parse_args([]))
     assert md.startswith(size.HEADING) and "| 124m | 2.00 GB |" in md and "bitwise" in md
+
+
+def test_size_join_first_step_and_the_mlp_shape():
+    """``bench size``: the first step after a join against the median steps of the same run
+    (before the join, after its first step), and ``--shape mlp`` runs examples/train_mlp."""
+    import argparse
+
+    from bench import size
+
+    commits = {"w0": [[0, 0.0], [1, 1.0], [2, 2.0], [3, 6.0], [4, 7.5], [5, 9.0]],
+               "w2": [[3, 6.0], [4, 7.5], [5, 9.0]]}
+    join = {"median_step_s": 1.0, "joiner": "w2", "commits": commits,
+            "recoveries": [{"pod": "w2", "restore_step": 2, "downtime": None,
+                            "phases": {"state_sync": 1.5, "first_step": 3.0}},
+                           {"pod": "w0", "restore_step": 2, "downtime": 4.0,
+                            "phases": {"state_sync": 1.0, "first_step": 2.5}}]}
+    f = size.join_figures(join)
+    assert f["join_first_step_vs_median"] == pytest.approx(3.0)
+    assert f["join_median_before_s"] == pytest.approx(1.0)
+    assert f["join_median_after_s"] == pytest.approx(1.5)
+    assert f["join_first_step_vs_after"] == pytest.approx(2.0)
+    assert f["join_state_sync_s"] == 1.5 and f["join_members_pause_s"] == pytest.approx(3.0)
+    assert "3.00x the median" in size.join_line("mlp6x64", f)
+    p = argparse.ArgumentParser()
+    size.add_arguments(p)
+    cmd = size._script(p.parse_args(["--shape", "mlp", "--width", "64", "--depth", "2"]), "x")
+    assert cmd[1:3] == ["-m", "examples.train_mlp"] and "64" in cmd
+
+
+def test_train_mlp_runs_alone():
+    """examples/train_mlp (``bench size --shape mlp``) trains in one process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEASELESS_")}
+    out = subprocess.run([sys.executable, "-m", "examples.train_mlp", "--width", "32",
+                          "--depth", "2", "--steps", "2"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mlp 2 x 32" in out.stdout and "step     1" in out.stdout
