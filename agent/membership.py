@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import Any
 
 from schemas.batching import lr_factor_at
@@ -241,6 +242,7 @@ class Membership:
         """Wait for a plan that includes this pod and enter its generation (the first time:
         join the job). False when the job finished, or released this pod, first."""
         from .collectives import Aborted, PeerError
+        from .incident import the_bus_failed
         from .state import StateMismatch
 
         rt = self.rt
@@ -284,7 +286,9 @@ class Membership:
                 attempts += 1
                 kind = type(e).__name__
                 log.warning("recovery attempt failed", attempt=attempts,
-                            generation=got.plan.generation, error=f"{kind}: {str(e)[:300]}")
+                            generation=got.plan.generation, error=f"{kind}: {str(e)[:300]}",
+                            at=[f"{f.name}@{os.path.basename(f.filename)}:{f.lineno}"
+                                for f in traceback.extract_tb(e.__traceback__)[-4:]])
                 self.close_group()
                 if isinstance(e, StateMismatch):
                     rt.report_sync(ReportKind.digest_mismatch, str(e))
@@ -300,6 +304,14 @@ class Membership:
                     self.timeline.incident.attempts += 1
                 if self.phase is Phase.SPARE:
                     self._to(Phase.RECOVERING, "a promotion failed")
+                if the_bus_failed(e) and not isinstance(e, Aborted):
+                    # the bus failed this pod, not the generation (its stream leader being
+                    # elected after a host was lost: test_hosts_e2e): its peers still wait in
+                    # the plan's rendezvous, so enter it again unless a newer plan is here
+                    newest = self.newest_plan()
+                    if newest is None or newest.plan.generation <= got.plan.generation:
+                        time.sleep(min(0.5 * attempts, 2.0))
+                        self._arrival = got
 
     def _await_plan(self, timeout: float | None) -> Arrival | None:
         """The next plan that includes this pod (an ``Arrival`` of kind "plan"); "done" or

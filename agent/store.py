@@ -230,7 +230,7 @@ class NatsStore(dist.Store):
         """(value, 0) if present, else (None, revision of the delete marker or 0)."""
         try:
             e = await again(lambda: self._kv.get(k), f"store get {k!r}", self._timeout_s(),
-                          fail=StoreError)
+                            REOPEN, fail=StoreError)  # a read: safe to make again
             return (e.value or b""), e.revision
         except KeyNotFoundError as err:
             entry = getattr(err, "entry", None)
@@ -303,7 +303,9 @@ class NatsStore(dist.Store):
     def set(self, key: str, value: str | bytes) -> None:
         """Set ``key`` to ``value`` (overwrites)."""
         k, v, t = self._k(key), _as_bytes(value), self._timeout_s()
-        self._run(again(lambda: self._kv.put(k, v), f"store set {key!r}", t, fail=StoreError), t)
+        # a put is idempotent: one that timed out (its stream electing a leader) is made again
+        self._run(again(lambda: self._kv.put(k, v), f"store set {key!r}", t, REOPEN,
+                        fail=StoreError), t)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, blocking until it exists (store timeout -> StoreTimeout)."""

@@ -18,8 +18,9 @@ T = TypeVar("T")
 # raised NoStreamResponseError from `set`, which read as a bug in the script (the soak).
 TRANSIENT = (NoStreamResponseError, ServiceUnavailableError, NoRespondersError,
              ConnectionReconnectingError)
-# Opening a watch writes nothing the job reads: a timed-out open (the bucket's stream electing
-# a leader after its server's host was lost, seen in test_hosts_e2e) is made again too.
+# Calls safe to repeat whatever happened to the first (opening a watch, a read, a put of the
+# same value): one that timed out (the bucket's stream electing a leader after its server's
+# host was lost, seen in test_hosts_e2e) is made again too.
 REOPEN = TRANSIENT + (NatsTimeout, asyncio.TimeoutError)
 RETRY_FOR_S = 30.0   # at most this long (or the store's timeout, if shorter) per call
 _BACKOFF = (0.05, 1.0)

@@ -44,6 +44,19 @@ async def _connect(args: argparse.Namespace, name: str):
 
 
 # ----------------------------------------------------------------------------- up
+def fault_timeout_for(given: float | None, bus_servers: int) -> float:
+    """``--fault-timeout`` as given, else its default: above a client's failover time
+    (plumbing/bus.py FAILOVER_S) when the bus has several servers."""
+    from plumbing.bus import FAILOVER_S
+    from schemas.timeouts import DEFAULTS
+
+    if given is not None:
+        return given
+    if bus_servers > 1:
+        return max(DEFAULTS["fault_timeout"], FAILOVER_S + 1.0)
+    return DEFAULTS["fault_timeout"]
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from .cluster import UpOptions, run
 
@@ -53,7 +66,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     opts = UpOptions(workers=args.workers, spares=args.spares, steps=args.steps, job=args.job,
                      run_dir=args.run_dir, cmd=cmd, global_batch_size=args.global_batch_size,
                      micro_batch_size=args.micro_batch_size, min_replicas=args.min_replicas,
-                     fault_timeout=args.fault_timeout, stall_timeout=args.stall_timeout,
+                     fault_timeout=fault_timeout_for(args.fault_timeout, args.bus_servers),
+                     stall_timeout=args.stall_timeout,
                      allow_inject=not args.no_inject, timeout=args.timeout, tls=args.tls,
                      replace=not args.no_replace, max_replacements=args.max_replacements,
                      # CEASELESS_PREFORK=0: --no-prefork for every `up` (a test suite's A/B)
@@ -88,6 +102,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     if opts.bus_servers < 1:
         print("ceaseless up: --bus-servers must be at least 1", file=sys.stderr)
+        return 2
+    from plumbing.bus import FAILOVER_S
+
+    if opts.bus_servers > 1 and opts.fault_timeout <= FAILOVER_S:
+        print(f"ceaseless up: --fault-timeout {opts.fault_timeout:g} is too short for a bus of "
+              f"{opts.bus_servers} servers: a client whose server is lost takes up to "
+              f"{FAILOVER_S:g}s to go to another, and its pod's heartbeats would read as its "
+              f"loss; give more than {FAILOVER_S:g} (the default with --bus-servers > 1 is "
+              f"{fault_timeout_for(None, opts.bus_servers):g})", file=sys.stderr)
         return 2
     k = opts.shard_size
     if k < 1:
@@ -509,7 +532,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          "with the ones alive (default 30)")
     from schemas.timeouts import DEFAULTS
 
-    up.add_argument("--fault-timeout", type=float, default=DEFAULTS["fault_timeout"])
+    up.add_argument("--fault-timeout", type=float, default=None,
+                    help=f"seconds of silence before a pod is declared lost (default "
+                         f"{DEFAULTS['fault_timeout']:g}; with --bus-servers > 1: "
+                         f"{fault_timeout_for(None, 3):g}, above a client's failover to "
+                         "another server)")
     up.add_argument("--standbys", type=int, default=0, metavar="K",
                     help="K standby instances of each service (health monitor, scaler, state "
                          "broker): one acts, by lease; a standby takes over within the fault "

@@ -159,6 +159,39 @@ class ServiceSupervisor:
         for _, instance in self.instances(self.standbys):
             self.start(instance)
 
+    async def start_placed(self, bus: Bus, out: Any, wait_s: float = 20.0) -> None:
+        """With standbys: each service's first instance first, and its standbys once it
+        holds the lease (bounded: a primary that has not taken it by ``wait_s`` is left to
+        the race), so the instance the placement made active is the active one: with
+        emulated hosts, the host that runs them all is the one to lose (issue 42)."""
+        if not self.standbys:
+            self.start_all()
+            return
+        from services.common.lease import parse_lease
+        from schemas.subjects import lease_key
+
+        for name in SERVICES:
+            self.start(name)
+        kv = await bus.kv()
+        deadline = time.monotonic() + wait_s
+        waiting = set(SERVICES)
+        while waiting and time.monotonic() < deadline:
+            for name in sorted(waiting):
+                try:
+                    held = parse_lease((await kv.get(lease_key(name))).value)
+                except Exception:
+                    continue
+                if held.holder == name:
+                    waiting.discard(name)
+            if waiting:
+                await asyncio.sleep(0.1)
+        if waiting:
+            print(f"  standbys started before {', '.join(sorted(waiting))} took its lease: "
+                  "whichever instance takes it first acts", file=out, flush=True)
+        for _, instance in self.instances(self.standbys):
+            if instance not in self.procs:
+                self.start(instance)
+
     async def watch(self) -> None:
         while not self.stopping:
             for name, p in list(self.procs.items()):
@@ -328,6 +361,14 @@ class StoreKeeper:
         return True
 
 
+def failover_suspect(fault_timeout: float) -> float:
+    """The monitor's suspect timeout on a bus of several servers: a client's failover
+    (plumbing/bus.py FAILOVER_S), kept below the fault timeout."""
+    from plumbing.bus import FAILOVER_S
+
+    return min(FAILOVER_S, fault_timeout * 0.9)
+
+
 async def run(opts: UpOptions) -> int:
     run_dir = Path(opts.run_dir) if opts.run_dir else new_run_dir(opts.job)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -492,14 +533,19 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
                            str(agent_timeouts_from_env().get(
                                "collective_timeout", DEFAULTS["collective_timeout"])),
                            *_opt("--straggler-factor", opts.straggler_factor),
-                           *_opt("--straggler-window", opts.straggler_window)],
+                           *_opt("--straggler-window", opts.straggler_window),
+                           # a member silent while its client fails over to another server
+                           # is not the one a peer's error is about (test_hosts_e2e: w1 was
+                           # declared 0.7 s into its failover)
+                           *(["--suspect-timeout", str(failover_suspect(opts.fault_timeout))]
+                             if opts.bus_servers > 1 else [])],
     }
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
     sup = ServiceSupervisor(base, log_dir, flags, standbys=opts.standbys,
                             lease_ttl=ttl_for(opts.fault_timeout) if opts.standbys else None,
                             hosted=hosted)
-    sup.start_all()
+    await sup.start_placed(bus, out)
     sup_task = asyncio.create_task(sup.watch())
     from services.actuator.gpus import GpuAssigner, visible_gpus
 

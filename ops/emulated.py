@@ -86,16 +86,13 @@ class HostRun:
         if self.state[name] != HostState.up:
             return f"host {name} is {self.state[name].value}"
         if inj.action == InjectAction.partition:
-            try:
-                self.hosts.cut(name)
-            except Unavailable as e:
-                return str(e)
+            if (why := self.hosts.can_cut()) is not None:
+                return why
             self.state[name] = HostState.cut
-            self._say(f"host {name} cut off for {inj.for_s:g}s (its processes run on)")
-            t = asyncio.create_task(self._heal_after(name, float(inj.for_s or 0)))
+            # answered first, as a loss is: `up`'s own client may be on that host's server
+            t = asyncio.create_task(self._cut_soon(name, float(inj.for_s or 0)))
             self._heals.add(t)
             t.add_done_callback(self._heals.discard)
-            self.write()
             return None
         self.state[name] = HostState.lost  # from now on nothing is placed or restarted there
         # answered first: the server the answer goes through may be on that host
@@ -103,6 +100,19 @@ class HostRun:
         self._heals.add(t)
         t.add_done_callback(self._heals.discard)
         return None
+
+    async def _cut_soon(self, name: str, for_s: float) -> None:
+        await asyncio.sleep(ANSWER_FIRST_S)
+        try:
+            self.hosts.cut(name)
+        except Unavailable as e:
+            self.state[name] = HostState.up
+            self._say(f"host {name} could not be cut off: {e}")
+            self.write()
+            return
+        self._say(f"host {name} cut off for {for_s:g}s (its processes run on)")
+        self.write()
+        await self._heal_after(name, for_s)
 
     async def _lose_soon(self, name: str) -> None:
         await asyncio.sleep(ANSWER_FIRST_S)

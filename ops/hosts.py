@@ -224,6 +224,14 @@ class Hosts:
     def names(self) -> list[str]:
         return [h.name for h in self.hosts]
 
+    def can_cut(self) -> str | None:
+        """Why no host's link can be cut here (None: it can)."""
+        try:
+            self._ns(self.names()[0])
+        except Unavailable as e:
+            return str(e)
+        return None
+
     def _ns(self, name: str) -> Namespace:
         if self._netns is None:
             raise Unavailable(f"hosts are loopback addresses here ({self.why}): a host's link "

@@ -37,6 +37,16 @@ from schemas import MAX_PAYLOAD_BYTES, SCHEMA_VERSION, Message, Subjects
 from . import logs
 
 M = TypeVar("M", bound=Message)
+# A client of a bus of several servers finds a dead one (no answer to FAILOVER_PINGS + 1 pings
+# FAILOVER_PING_S apart) and reconnects to another within FAILOVER_S: `up --bus-servers N`
+# keeps the fault timeout above it, so a healthy pod's heartbeats that go quiet while it fails
+# over are not read as its loss.
+FAILOVER_PING_S = 0.5
+FAILOVER_PINGS = 2
+FAILOVER_CONNECT_S = 0.5
+# noticed, one connect to the lost server itself, then the reconnect and its resubscriptions
+FAILOVER_S = FAILOVER_PING_S * (FAILOVER_PINGS + 1) + FAILOVER_CONNECT_S + 0.5
+
 log = logs.get("bus")
 
 
@@ -216,12 +226,21 @@ class Bus:
         if creds is not None:
             opts.update(user=creds.user, password=creds.password)
         servers = split_urls(url)
+        if len(servers) > 1:
+            # A lost host sends no RST: only unanswered pings tell a client that its server
+            # is gone. With another server to go to, that is noticed in FAILOVER_S, not ~20 s
+            # (the whole job's heartbeats through the lost server stopped: test_hosts_e2e).
+            opts.update(ping_interval=FAILOVER_PING_S, max_outstanding_pings=FAILOVER_PINGS)
         if any(u.startswith("tls://") for u in servers) and "tls" not in options:
             from .tlsgen import client_context
 
             opts["tls"] = client_context()  # verifies against CEASELESS_TLS_CA if set
         opts.update(options)
         nc = await nats.connect(servers=servers, **opts)
+        if len(servers) > 1 and "connect_timeout" not in options:
+            # reconnects only (the first connect keeps its 2 s on a loaded machine): a try of
+            # the lost server itself, which the pool may offer first, gives up as quickly
+            nc.options["connect_timeout"] = FAILOVER_CONNECT_S
         bus.append(cls(nc=nc, subjects=Subjects(job), name=name,
                        replicas=min(MAX_REPLICAS, len(servers))))
         return bus[0]

@@ -150,3 +150,37 @@ def test_up_refuses_a_bus_of_no_server(capsys):
 
     assert main(["up", "--bus-servers", "0"]) == 2
     assert "--bus-servers must be at least 1" in capsys.readouterr().err
+
+
+def test_a_bus_of_several_servers_keeps_the_fault_timeout_above_a_clients_failover(capsys):
+    """A lost host sends no RST: its server's clients learn it from unanswered pings. With
+    several servers they ping often enough to go elsewhere within FAILOVER_S, and `up` keeps
+    the fault timeout above that (a healthy pod failing over is not lost): by default, and a
+    too-short one given refused, before anything starts."""
+    from ops.cli import fault_timeout_for, main
+    from plumbing.bus import FAILOVER_S
+    from schemas.timeouts import DEFAULTS
+
+    assert fault_timeout_for(None, 1) == DEFAULTS["fault_timeout"]
+    assert fault_timeout_for(None, 3) > FAILOVER_S
+    assert fault_timeout_for(1.2, 3) == 1.2  # as given: `up` judges it
+    assert main(["up", "--bus-servers", "3", "--fault-timeout", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "too short for a bus of 3 servers" in err and f"{FAILOVER_S:g}" in err
+
+
+async def test_a_client_of_several_servers_pings_to_find_a_lost_one(nats_server):
+    from plumbing.bus import FAILOVER_CONNECT_S, FAILOVER_PING_S, FAILOVER_PINGS
+
+    one = await Bus.connect(nats_server.url, "test", "one", nats_server.creds)
+    # a second URL nobody listens on: the client still has somewhere else to go
+    two = await Bus.connect(f"{nats_server.url},nats://127.0.0.1:9", "test", "two",
+                            nats_server.creds)
+    try:
+        assert one.nc.options["ping_interval"] > FAILOVER_PING_S
+        assert two.nc.options["ping_interval"] == FAILOVER_PING_S
+        assert two.nc.options["max_outstanding_pings"] == FAILOVER_PINGS
+        assert two.nc.options["connect_timeout"] == FAILOVER_CONNECT_S
+    finally:
+        await one.close()
+        await two.close()
