@@ -83,6 +83,7 @@ class _LoopState:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.snap: dict | None = None
+        self.skip = 0  # batches of the current epoch done before a received snapshot
 
     def take(self) -> None:
         self.snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
@@ -93,6 +94,8 @@ class _LoopState:
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("fit_loop") is not None:
             self.snap = copy.deepcopy(sd["fit_loop"])
+            # taken at a batch end: that batch is done too
+            self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
             self.trainer.fit_loop.load_state_dict(copy.deepcopy(self.snap))
             log.info("lightning: loop progress received",
                      global_step=self.snap["epoch_loop.state_dict"].get("_batches_that_stepped"))
@@ -107,14 +110,14 @@ class _Snapshot(Callback):
 
 
 class _SkipDone:
-    """The train DataLoader, skipping at the start of an epoch the batches the loop already
-    counts as done (non-zero only after a promoted spare received the loop's progress)."""
+    """The train DataLoader, skipping in the epoch a promoted spare joins the batches the job
+    already did (the loop's progress it received)."""
 
-    def __init__(self, loader: Any, trainer: Any) -> None:
-        self._loader, self._trainer = loader, trainer
+    def __init__(self, loader: Any, loops: _LoopState) -> None:
+        self._loader, self._loops = loader, loops
 
     def __iter__(self) -> Any:
-        done = self._trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        done, self._loops.skip = self._loops.skip, 0
         it = iter(self._loader)
         for _ in range(done):  # drawn and dropped: the epoch's order is the sampler's
             next(it)
@@ -193,12 +196,12 @@ class CeaselessStrategy(DDPStrategy):
         self.setup_precision_plugin()
 
     def process_dataloader(self, dataloader: object) -> object:
-        if not self._on or self.lightning_module is None:
+        if not self._on or self._loops is None:
             return dataloader
-        trainer = self.lightning_module.trainer
-        if trainer.state.stage is None or trainer.state.stage.value != "train":
+        stage = self.lightning_module.trainer.state.stage
+        if stage is None or stage.value != "train":
             return dataloader
-        return _SkipDone(dataloader, trainer)
+        return _SkipDone(dataloader, self._loops)
 
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
