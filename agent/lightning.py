@@ -158,6 +158,7 @@ class CeaselessStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if not self._on:
             return super().setup_distributed()
+        self._process_group_backend = self._get_process_group_backend()
         self.set_world_ranks()  # the session builds the process groups
 
     @property
