@@ -84,9 +84,22 @@ class _LoopState:
         self.trainer = trainer
         self.snap: dict | None = None
         self.skip = 0  # batches of the current epoch done before a received snapshot
+        self.epoch = 0  # ... and that epoch
 
-    def take(self) -> None:
-        self.snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
+    def take(self, last: bool = False) -> None:
+        snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
+        if last:
+            # the epoch's last batch: stored as the next epoch's start (Lightning restarts
+            # from a last batch's end into that epoch again, or counts it twice)
+            for scope in ("total", "current"):
+                ep = snap["epoch_progress"][scope]
+                n = ep["completed"] + 1
+                ep.update(ready=n, started=n, processed=n, completed=n)
+            bp = snap["epoch_loop.batch_progress"]
+            bp["total"]["completed"] = bp["total"]["processed"]  # the batch's end is past
+            bp["current"].update(ready=0, started=0, processed=0, completed=0)
+            snap["epoch_loop.batch_progress"]["is_last_batch"] = False
+        self.snap = snap
 
     def state_dict(self) -> dict:
         return {"fit_loop": self.snap}
@@ -94,8 +107,12 @@ class _LoopState:
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("fit_loop") is not None:
             self.snap = copy.deepcopy(sd["fit_loop"])
-            # taken at a batch end: that batch is done too
-            self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
+            ep = self.snap["epoch_progress"]["current"]
+            if ep["processed"] > ep["completed"]:  # taken at an epoch's end: the next starts
+                self.skip = 0
+            else:  # taken at a batch end: that batch is done too
+                self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
+                self.epoch = int(ep["completed"])
             self.trainer.fit_loop.load_state_dict(copy.deepcopy(self.snap))
             log.info("lightning: loop progress received",
                      global_step=self.snap["epoch_loop.state_dict"].get("_batches_that_stepped"))
@@ -105,8 +122,9 @@ class _Snapshot(Callback):
     def __init__(self, loops: _LoopState) -> None:
         self.loops = loops
 
-    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        self.loops.take()
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.loops.take(last=batch_idx + 1 >= trainer.num_training_batches)
 
 
 class _SkipDone:
@@ -118,6 +136,11 @@ class _SkipDone:
 
     def __iter__(self) -> Any:
         done, self._loops.skip = self._loops.skip, 0
+        if done:  # Lightning's restart gives the sampler another epoch than the job's
+            for name in ("sampler", "batch_sampler"):
+                set_epoch = getattr(getattr(self._loader, name, None), "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self._loops.epoch)
         it = iter(self._loader)
         for _ in range(done):  # drawn and dropped: the epoch's order is the sampler's
             next(it)
@@ -240,14 +263,26 @@ class CeaselessStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         import torch
 
+        d = ddp.active()
         if not self._on or not isinstance(tensor, torch.Tensor):
             return super().reduce(tensor, group, reduce_op)
+        if d is None or d.step is None:
+            # set-up (the DataLoader's length) and after the job: this rank's own value. A
+            # spare runs Lightning's set-up alone, long after the members did
+            return tensor
         op = str(reduce_op).lower()
         if op not in ("mean", "avg", "sum", "reduceop.sum", "reduceop.avg"):
             raise NotImplementedError(f"strategy='ceaseless': reduce {reduce_op} (mean or sum)")
         out = tensor.detach().clone()
-        ddp.active().s.all_reduce(out, "sum" if "sum" in op else "mean")
+        d.s.all_reduce(out, "sum" if "sum" in op else "mean")
         return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not self._on:
+            return super().reduce_boolean_decision(decision, all)
+        # the loops' decisions (should_stop, ...) are taken alike on every rank from the same
+        # state: no collective the ranks, or a promoted spare, could call out of step
+        return decision
 
     def teardown(self) -> None:
         if self._on and isinstance(self.model, ddp.DistributedDataParallel):
