@@ -107,3 +107,68 @@ def test_the_name_is_registered():
     import agent.lightning  # noqa: F401
 
     assert "ceaseless" in StrategyRegistry
+
+
+@pytest.mark.parametrize("at", [1, 5, 13, 15, 16, 19])
+def test_a_received_loop_snapshot_resumes_at_the_jobs_step_epoch_batch_and_data(at):
+    """What a promoted spare gets (agent/lightning.py: the fit loop's snapshot as of the last
+    committed step, loaded before ``fit`` runs, and the DataLoader skipping the epoch's done
+    batches): a second Trainer that loads the first's snapshot at step ``at`` trains on the
+    same (global step, epoch, batch index, batch) from there, mid-epoch, at an epoch's first
+    batch (the snapshot of a last batch) and at the last step. 5 batches an epoch, shuffled
+    by a DistributedSampler."""
+    import copy
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from agent.lightning import _LoopState, _SkipDone, _Snapshot
+
+    seen: dict[str, list] = {}
+
+    class M(L.LightningModule):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag, self.lin = tag, torch.nn.Linear(4, 1)
+
+        def training_step(self, b, i):
+            seen.setdefault(self.tag, []).append(
+                (self.trainer.global_step, self.trainer.current_epoch, i, float(b[0].sum())))
+            return self.lin(b[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    taken, received = _LoopState(None), _LoopState(None)
+
+    class Skip(SingleDeviceStrategy):
+        def process_dataloader(self, dl):
+            train = self.lightning_module.trainer.state.stage.value == "train"
+            return _SkipDone(dl, received) if train else dl
+
+    snap: dict = {}
+
+    class Grab(L.Callback):  # what the survivors hold when step `at` starts
+        def on_train_batch_start(self, trainer, *a):
+            if trainer.global_step == at:
+                snap["s"] = copy.deepcopy(taken.snap)
+
+    class Load(L.Callback):  # before the loop runs, as in the spare's strategy.setup
+        def setup(self, trainer, pl_module, stage):
+            received.trainer = trainer
+            received.load_state_dict({"fit_loop": snap["s"]})
+
+    ds = TensorDataset(torch.arange(40.).reshape(10, 4))
+    data = DataLoader(ds, batch_size=2,
+                      sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True))
+    for tag, cbs in (("job", [_Snapshot(taken), Grab()]), ("spare", [Load()])):
+        t = L.Trainer(accelerator="cpu", strategy=Skip(device=torch.device("cpu")),
+                      max_steps=20, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=cbs)
+        taken.trainer = t if tag == "job" else taken.trainer
+        t.fit(M(tag), data)
+    job = {x[0]: x for x in seen["job"]}
+    assert seen["spare"][0][0] == at and len(seen["spare"]) == 20 - at
+    assert seen["spare"] == [job[x[0]] for x in seen["spare"]]
