@@ -31,7 +31,8 @@ def _kill(c: Cluster, rank: int) -> str:
 
 async def _run(tmp_path, name, spares, fault=None):
     run = tmp_path / name
-    cmd = [sys.executable, AFTER, "--max-steps", str(STEPS), "--out", str(run / "sha")]
+    cmd = [sys.executable, AFTER, "--max-steps", str(STEPS), "--out", str(run / "sha"),
+           "--step-sleep", "0.3"]  # time to kill rank 0 after rank 1's replacement trained
     async with Cluster(run, 2, spares, STEPS, cmd=cmd, replace=True) as c:
         if fault is not None:
             await c.wait_spares(spares)
@@ -48,9 +49,10 @@ async def test_lightning_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_pat
     killed: list[str] = []
 
     async def fault(c):
-        await c.wait_rank_step(1, 6)
+        await c.wait_rank_step(1, 4)
+        at = c.member(1).step
         killed.append(_kill(c, 1))
-        await c.wait_for(lambda: any(h.rank == 1 and h.pod != killed[0] and h.step >= 20
+        await c.wait_for(lambda: any(h.rank == 1 and h.pod != killed[0] and h.step >= at + 3
                                      for h in c.hb.values()), 180, "rank 1 replaced, training")
         await c.wait_spares(1)  # the replacement spare is up
         killed.append(_kill(c, 0))

@@ -12,6 +12,7 @@ final parameters' sha256 to --out.
 import argparse
 import hashlib
 import os
+import time
 
 import lightning as L
 import torch
@@ -23,6 +24,7 @@ p = argparse.ArgumentParser()
 p.add_argument('--max-steps', type=int, default=40)
 p.add_argument('--batch-size', type=int, default=8)
 p.add_argument('--out', default=None)  # rank 0 writes the final parameters' sha256 here
+p.add_argument('--step-sleep', type=float, default=0.0)  # seconds per step (time for tests to kill)
 args = p.parse_args()
 
 
@@ -35,6 +37,7 @@ class Net(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log('train_loss', loss)
+        time.sleep(args.step_sleep)
         return loss
 
     def configure_optimizers(self):
