@@ -99,6 +99,8 @@ class _LoopState:
             bp["total"]["completed"] = bp["total"]["processed"]  # the batch's end is past
             bp["current"].update(ready=0, started=0, processed=0, completed=0)
             snap["epoch_loop.batch_progress"]["is_last_batch"] = False
+            # the logging step, counted after this hook (a restart mid-epoch counts it)
+            snap["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
         self.snap = snap
 
     def state_dict(self) -> dict:
@@ -115,7 +117,7 @@ class _LoopState:
                 self.epoch = int(ep["completed"])
             self.trainer.fit_loop.load_state_dict(copy.deepcopy(self.snap))
             log.info("lightning: loop progress received",
-                     global_step=self.snap["epoch_loop.state_dict"].get("_batches_that_stepped"))
+                     global_step=self.trainer.global_step, epoch=self.trainer.current_epoch)
 
 
 class _Snapshot(Callback):

@@ -135,7 +135,8 @@ def test_a_received_loop_snapshot_resumes_at_the_jobs_step_epoch_batch_and_data(
 
         def training_step(self, b, i):
             seen.setdefault(self.tag, []).append(
-                (self.trainer.global_step, self.trainer.current_epoch, i, float(b[0].sum())))
+                (self.trainer.global_step, self.trainer.current_epoch, i, float(b[0].sum()),
+                 self.trainer.fit_loop.epoch_loop._batches_that_stepped))  # the logging step
             return self.lin(b[0]).pow(2).mean()
 
         def configure_optimizers(self):
