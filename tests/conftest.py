@@ -34,7 +34,9 @@ ONE_WORKER_FILES = {"test_trace_cli.py", "test_data_loader.py"}
 # beside the cluster tests (the rest are the "clusters" group, one test at a time).
 BESIDE_CLUSTERS = {"test_bad_input.py", "test_compose.py", "test_state_handoff.py",
                    "test_telemetry.py", "test_tls.py", "test_shadow.py", "test_shadow_roles.py",
-                   "test_host_syncs.py"}
+                   "test_host_syncs.py",
+                   # one process each (Lightning in subprocesses, ~40 s): not the quick tier
+                   "test_lightning.py"}
 
 
 def pytest_itemcollected(item):

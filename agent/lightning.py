@@ -1,0 +1,332 @@
+"""PyTorch Lightning on the DDP drop-in (issue 44): ``Trainer(strategy=CeaselessStrategy())``.
+
+    from agent.lightning import CeaselessStrategy as DDPStrategy   # was: from lightning... import DDPStrategy
+    # or, once this module was imported: Trainer(strategy="ceaseless")
+
+Under torchrun and in one process it is Lightning's own ``DDPStrategy``. Under ``ceaseless up``
+it drives ``agent.ddp`` (docs/porting.md, "The drop-in"), not a second recovery path:
+
+* the constructor is ``agent.ddp.init_process_group``: a spare waits there (inside
+  ``Trainer(...)``) until it is promoted; its rank and world size come from the job;
+* ``setup`` creates the optimizers before the model is wrapped, so the drop-in's
+  ``DistributedDataParallel`` registers them with their LR schedulers and the loop's progress
+  (``fit_loop.state_dict()`` as of the last batch end, what a mid-epoch ``ckpt_path=`` resume
+  restores): a promoted spare receives model, optimizer, schedulers and loop position;
+* ``optimizer_step`` is the step: ``agent.ddp.iteration`` (commit the step before, or recover),
+  then Lightning's closure (training_step, backward; the gradient sync in the backward); a step
+  discarded by a fault is computed again there, with the same batch, before the update;
+* the train DataLoader skips, at the start of an epoch, the batches the restored loop already
+  did (a promoted spare starts at the job's next batch).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+
+from plumbing import logs
+
+from . import ddp
+
+log = logs.get("agent")
+NAME = "ceaseless"
+
+
+class CeaselessEnvironment(ClusterEnvironment):
+    """The job's rank and world size, as ``agent.ddp.init_process_group`` exported them (one
+    process per pod, created by ``ceaseless up``)."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"  # unused: the session builds the process groups
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return ddp.active() is not None
+
+    def world_size(self) -> int:
+        return ddp.get_world_size()
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the job's, not the Trainer's devices x nodes
+
+    def global_rank(self) -> int:
+        return ddp.get_rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return 0  # a pod has one device (CUDA_VISIBLE_DEVICES)
+
+    def node_rank(self) -> int:
+        return 0
+
+
+class _LoopState:
+    """The fit loop's progress as training state: a snapshot at each batch end (counters
+    only), loaded into the loop of a promoted spare."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.snap: dict | None = None
+        self.skip = 0  # batches of the current epoch done before a received snapshot
+        self.epoch = 0  # ... and that epoch
+
+    def take(self, last: bool = False) -> None:
+        snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
+        if last:
+            # the epoch's last batch: stored as the next epoch's start (Lightning restarts
+            # from a last batch's end into that epoch again, or counts it twice)
+            for scope in ("total", "current"):
+                ep = snap["epoch_progress"][scope]
+                n = ep["completed"] + 1
+                ep.update(ready=n, started=n, processed=n, completed=n)
+            bp = snap["epoch_loop.batch_progress"]
+            bp["total"]["completed"] = bp["total"]["processed"]  # the batch's end is past
+            bp["current"].update(ready=0, started=0, processed=0, completed=0)
+            snap["epoch_loop.batch_progress"]["is_last_batch"] = False
+            # the logging step, counted after this hook (a restart mid-epoch counts it)
+            snap["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
+        self.snap = snap
+
+    def state_dict(self) -> dict:
+        return {"fit_loop": self.snap}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("fit_loop") is not None:
+            self.snap = copy.deepcopy(sd["fit_loop"])
+            ep = self.snap["epoch_progress"]["current"]
+            if ep["processed"] > ep["completed"]:  # taken at an epoch's end: the next starts
+                self.skip = 0
+            else:  # taken at a batch end: that batch is done too
+                self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
+                self.epoch = int(ep["completed"])
+            self.trainer.fit_loop.load_state_dict(copy.deepcopy(self.snap))
+            log.info("lightning: loop progress received",
+                     global_step=self.trainer.global_step, epoch=self.trainer.current_epoch)
+
+
+class _Snapshot(Callback):
+    def __init__(self, loops: _LoopState) -> None:
+        self.loops = loops
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.loops.take(last=batch_idx + 1 >= trainer.num_training_batches)
+
+
+class _SkipDone:
+    """The train DataLoader, skipping in the epoch a promoted spare joins the batches the job
+    already did (the loop's progress it received)."""
+
+    def __init__(self, loader: Any, loops: _LoopState) -> None:
+        self._loader, self._loops = loader, loops
+
+    def __iter__(self) -> Any:
+        done, self._loops.skip = self._loops.skip, 0
+        if done:  # Lightning's restart gives the sampler another epoch than the job's
+            for name in ("sampler", "batch_sampler"):
+                set_epoch = getattr(getattr(self._loader, name, None), "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self._loops.epoch)
+        it = iter(self._loader)
+        for _ in range(done):  # drawn and dropped: the epoch's order is the sampler's
+            next(it)
+        if done:
+            log.info("lightning: data resumed inside the epoch", skipped_batches=done)
+        return it
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, batch_sampler, dataset, ...
+        return getattr(self._loader, name)
+
+
+class CeaselessStrategy(DDPStrategy):
+    """``DDPStrategy`` that survives faults under ``ceaseless up`` (module docstring)."""
+
+    strategy_name = NAME
+
+    def __init__(self, **kwargs: Any) -> None:
+        from .config import AgentConfig
+
+        self._on = AgentConfig.from_env() is not None
+        if self._on:
+            if ddp.active() is None:
+                ddp.init_process_group()  # a spare waits here until promoted
+            kwargs.setdefault("cluster_environment", CeaselessEnvironment())
+        super().__init__(**kwargs)
+        self._loops: _LoopState | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup_environment(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:  # before any process group: refused at once
+            _refuse_unsupported(trainer)
+        super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        if not self._on:
+            return super().setup_distributed()
+        self._process_group_backend = self._get_process_group_backend()
+        self.set_world_ranks()  # the session builds the process groups
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup(self, trainer: Any) -> None:
+        if not self._on:
+            super().setup(trainer)
+            if trainer.state.fn == TrainerFn.FITTING:
+                _check_optimizers(self)
+            return
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise NotImplementedError(
+                f"strategy='ceaseless': trainer.{trainer.state.fn}() under ceaseless up is not "
+                "supported: run it under torchrun or in one process (strategy='ddp')")
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # the optimizers before the wrap: DistributedDataParallel registers them
+        self.setup_optimizers(trainer)
+        _check_optimizers(self)
+        self._loops = _LoopState(trainer)
+        trainer.callbacks.append(_Snapshot(self._loops))
+        extra: dict[str, Any] = {"lightning_loops": self._loops}
+        for i, opt in enumerate(self.optimizers):
+            extra[f"optimizer{i}"] = opt
+        for i, cfg in enumerate(self.lr_scheduler_configs):
+            extra[f"lr_scheduler{i}"] = cfg.scheduler
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            extra["scaler"] = scaler
+        ddp.register(**extra)
+        self.model = ddp.DistributedDataParallel(self.model)  # joins the job
+        self.setup_precision_plugin()
+
+    def process_dataloader(self, dataloader: object) -> object:
+        if not self._on or self._loops is None:
+            return dataloader
+        stage = self.lightning_module.trainer.state.stage
+        if stage is None or stage.value != "train":
+            return dataloader
+        return _SkipDone(dataloader, self._loops)
+
+    # ------------------------------------------------------------------ the step
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        d = ddp.active()
+        if not self._on or d is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer
+        while True:  # a step discarded by a fault is computed again, same batch
+            t = d.iteration(trainer.global_step)
+            if t != trainer.global_step:
+                raise RuntimeError(f"the job's step {t} is not the Trainer's global step "
+                                   f"{trainer.global_step}")
+            out = closure()
+            if d.synced:
+                break
+        return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._on and ddp.active() is not None:
+            ddp.destroy_process_group()  # the last step committed, the job done
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._on:
+            return super().barrier(*args, **kwargs)
+        # nothing: the ranks meet at the gradient sync of every step
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._on:
+            return super().broadcast(obj, src)
+        return obj  # every rank computes the same (ModelCheckpoint's path)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        import torch
+
+        d = ddp.active()
+        if not self._on or not isinstance(tensor, torch.Tensor):
+            return super().reduce(tensor, group, reduce_op)
+        if d is None or d.step is None:
+            # set-up (the DataLoader's length) and after the job: this rank's own value. A
+            # spare runs Lightning's set-up alone, long after the members did
+            return tensor
+        op = str(reduce_op).lower()
+        if op not in ("mean", "avg", "sum", "reduceop.sum", "reduceop.avg"):
+            raise NotImplementedError(f"strategy='ceaseless': reduce {reduce_op} (mean or sum)")
+        out = tensor.detach().clone()
+        d.s.all_reduce(out, "sum" if "sum" in op else "mean")
+        return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not self._on:
+            return super().reduce_boolean_decision(decision, all)
+        # the loops' decisions (should_stop, ...) are taken alike on every rank from the same
+        # state: no collective the ranks, or a promoted spare, could call out of step
+        return decision
+
+    def teardown(self) -> None:
+        if self._on and isinstance(self.model, ddp.DistributedDataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(NAME, cls, description="DDP that survives faults under "
+                                   "ceaseless up (agent.lightning)", override=True)
+
+
+def _refuse_unsupported(trainer: Any) -> None:
+    """What the strategy does not do yet: refused before the first step, saying what to do."""
+    pl_module = trainer.lightning_module
+    if pl_module is not None and not pl_module.automatic_optimization:
+        raise NotImplementedError(
+            "strategy='ceaseless': manual optimization (automatic_optimization = False) is not "
+            "supported yet: use automatic optimization, or the DDP drop-in (agent.ddp) with "
+            "your own loop")
+    if trainer.accumulate_grad_batches != 1:
+        raise NotImplementedError(
+            "strategy='ceaseless': accumulate_grad_batches > 1 is not supported yet: raise the "
+            "DataLoader's batch size instead, or use the DDP drop-in (agent.ddp)")
+    prec = str(trainer.precision)
+    if prec.startswith("16") or prec.startswith("transformer-engine"):
+        raise NotImplementedError(
+            f"strategy='ceaseless': precision={prec!r} is not supported yet: use '32-true' or "
+            "'bf16-mixed'")
+
+
+def _check_optimizers(strategy: CeaselessStrategy) -> None:
+    if len(strategy.optimizers) != 1:
+        raise NotImplementedError(
+            f"strategy='ceaseless': {len(strategy.optimizers)} optimizers; one is supported "
+            "(several need manual optimization, not supported yet)")
+
+
+def register() -> None:
+    """``Trainer(strategy="ceaseless")``: register the name (idempotent)."""
+    if NAME not in StrategyRegistry:
+        CeaselessStrategy.register_strategies(StrategyRegistry)
+
+
+register()

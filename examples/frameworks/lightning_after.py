@@ -1,0 +1,66 @@
+"""A tiny PyTorch Lightning script: lightning_before.py on DDP, lightning_after.py the same with
+one line changed (docs/porting.md, "PyTorch Lightning").
+
+    torchrun --standalone --nproc-per-node 2 examples/frameworks/lightning_before.py --max-steps 40
+    ceaseless up --workers 2 --spares 1 -- python examples/frameworks/lightning_after.py --max-steps 40
+    python examples/frameworks/lightning_after.py --max-steps 40     # one process (either file)
+
+Synthetic data (no downloads): 256 random inputs and a smooth target. Rank 0 writes the
+final parameters' sha256 to --out.
+"""
+
+import argparse
+import hashlib
+import os
+import time
+
+import lightning as L
+import torch
+import torch.nn as nn
+from agent.lightning import CeaselessStrategy as DDPStrategy  # DDP that survives faults
+from torch.utils.data import DataLoader, TensorDataset
+
+p = argparse.ArgumentParser()
+p.add_argument('--max-steps', type=int, default=40)
+p.add_argument('--batch-size', type=int, default=8)
+p.add_argument('--out', default=None)  # rank 0 writes the final parameters' sha256 here
+p.add_argument('--step-sleep', type=float, default=0.0)  # seconds per step (time for tests to kill)
+args = p.parse_args()
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log('train_loss', loss)
+        time.sleep(args.step_sleep)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.7)
+        return {'optimizer': opt, 'lr_scheduler': {'scheduler': sched, 'interval': 'step'}}
+
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 16, generator=g)
+y = x[:, :4].sum(1, keepdim=True).sin() + 0.1 * torch.randn(256, 1, generator=g)
+data = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
+torch.manual_seed(1337)  # the initial weights
+model = Net()
+trainer = L.Trainer(accelerator='cpu', devices=int(os.environ.get('LOCAL_WORLD_SIZE', 1)),
+                    strategy=DDPStrategy(), max_steps=args.max_steps, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(model, data)
+if trainer.global_rank == 0:
+    digest = hashlib.sha256(b''.join(t.detach().cpu().numpy().tobytes()
+                                     for t in model.state_dict().values())).hexdigest()
+    print(f'step {trainer.global_step}: parameters sha256 {digest}')
+    if args.out:
+        with open(args.out, 'w') as f:
+            f.write(digest + '\n')
