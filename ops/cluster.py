@@ -709,6 +709,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
             await _read_script(bus, obs, opts)
             for ev in obs.events[shown:]:
                 print(f"[{time.time() - info.started:7.2f}s] {ev}", file=out, flush=True)
+        await _read_faults_back(bus, obs)
         spans = _spans(run_dir)  # once: the run's first step and the goodput ledger
         if finished_w and not interrupted and (
                 what := _finished(finished_w, _run_steps(run_dir, spans))):
@@ -1052,6 +1053,23 @@ async def _resume_after_loss(opts: UpOptions, run_dir: Path, first: dict[str, An
     return code
 
 
+async def _read_faults_back(bus: Bus, obs: Observer) -> None:
+    """The faults `up`'s own client did not hear (published while it failed over to another
+    server: a lost host's, test_hosts_e2e), read back from the job stream for the summary."""
+    from services.common.history import read_back
+
+    try:
+        got = await asyncio.wait_for(read_back(bus, bus.subjects.fault, Fault, log), 3.0)
+    except Exception as e:  # the summary goes on with what was heard
+        log.warning("faults not read back", error=str(e)[:200])
+        return
+    heard = {f.incident for f in obs.faults}
+    for f, _ in got:
+        if f.incident not in heard:
+            heard.add(f.incident)
+            obs.faults.append(f)
+
+
 def _opt(flag: str, value: Any) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
@@ -1134,6 +1152,21 @@ def _summary(run_dir: Path, obs: Observer, exits: dict[str, int], code: int,
                                        if recs else None),
                           "rank_downtime": max(downs) if downs else None,
                           "ranks_recovered": len(recs)})
+    # Recovered incidents no fault named: a new scaler lease holder handles a member silent
+    # since before it took over itself (services/scaler: "handled as faulted"; a lost host
+    # takes the active monitor with the pod, test_hosts_e2e)
+    named = {f.incident for f in obs.faults}
+    for inc in dict.fromkeys(r.incident for r in obs.recoveries):
+        if inc in named or not inc.startswith("inc-"):  # (planned changes are not faults)
+            continue
+        downs = [r.downtime for r in obs.recoveries if r.incident == inc and
+                 r.downtime is not None]
+        incidents.append({"incident": inc, "kind": "silent",
+                          "pod": inc[len("inc-"):].rpartition("-g")[0] or None,
+                          "detection_latency": None,
+                          "downtime": max(downs) if downs else None,
+                          "rank_downtime": max(downs) if downs else None,
+                          "ranks_recovered": sum(r.incident == inc for r in obs.recoveries)})
     summary = {
         "exit_code": code, "reason": reason, "final_step": final_step,
         "param_sha256": digests.pop() if len(digests) == 1 else None,
