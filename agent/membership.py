@@ -244,6 +244,7 @@ class Membership:
         from .collectives import Aborted, PeerError
         from .incident import the_bus_failed
         from .state import StateMismatch
+        from .store import StoreTimeout
 
         rt = self.rt
         first = self.phase in (Phase.OUTSIDE, Phase.SPARE) or (
@@ -304,7 +305,9 @@ class Membership:
                     self.timeline.incident.attempts += 1
                 if self.phase is Phase.SPARE:
                     self._to(Phase.RECOVERING, "a promotion failed")
-                if the_bus_failed(e) and not isinstance(e, Aborted):
+                if the_bus_failed(e) and not isinstance(e, (Aborted, StoreTimeout)):
+                    # (a rendezvous that timed out waits for a peer that is gone: a newer
+                    # plan's business, as before, not the bus's)
                     # the bus failed this pod, not the generation (its stream leader being
                     # elected after a host was lost: test_hosts_e2e): its peers still wait in
                     # the plan's rendezvous, so enter it again unless a newer plan is here
