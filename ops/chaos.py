@@ -980,6 +980,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
                         elastic=args.elastic, guards=args.guards, run_dir=args.run_dir,
                         model=args.model,
                         kinds=kinds, dtype=args.dtype, checkpoint_every=args.checkpoint_every)
+    # SIGTERM (`timeout`, a CI runner) unwinds as Ctrl-C does, so the run's `up` and every
+    # process it started are stopped by PID, not left training on.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(run(opts))
     except ChaosFailure as e:

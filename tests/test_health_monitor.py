@@ -597,3 +597,26 @@ async def test_a_seeded_members_grace_runs_from_its_start(env, bus):
     await until(lambda: env.faults, what="w1 never heartbeats")
     assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "lost")]
     assert "never heartbeated" in env.faults[0].reason
+
+
+async def test_a_corruption_report_overtaken_by_an_unrelated_plan_still_swaps_the_pod(env, bus):
+    """The soak (seed 7): w1's replica disagreed in g1 and was rolled back; a capacity add's
+    plan g2, still with w1, was adopted 17 ms before w1's corruption report arrived, and the
+    report was dropped as "stale generation 1 < 2": the corrupt pod was never swapped. It is
+    declared; a report of a pod that is no longer a member is still ignored."""
+    m = await env.monitor(make_plan(["w0", "w1", "w2"]))
+    for i, p in enumerate(["w0", "w1", "w2"]):
+        env.beat(p, rank=i)
+    await until(lambda: len(m.pods) == 3, what="pods watched")
+    p2 = make_plan(["w0", "w1", "w2", "s0"], generation=2)
+    await (await bus.kv()).put(PLAN_KEY, p2.model_dump_json().encode())
+    await until(lambda: m.generation == 2, what="plan g2 adopted")
+    await bus.publish(bus.subjects.report("w1"), Report(
+        pod="w1", report="corruption", generation=1, error="replicas disagree at step 19"))
+    await until(lambda: env.faults, what="w1 declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "corruption")]
+    await bus.publish(bus.subjects.report("x9"), Report(
+        pod="x9", report="corruption", generation=1, error="not a member"))
+    await until(lambda: m.ignored.get("corruption report of a pod that is not a watched "
+                                      "member"), what="x9 ignored")
+    assert len(env.faults) == 1

@@ -354,6 +354,9 @@ class HealthMonitor(Service):
         if r.report == ReportKind.exception:
             await self._on_exception(r, env)
             return
+        if r.report == ReportKind.corruption:  # judged by the failure it describes, too
+            await self._on_corruption(r, env)
+            return
         if r.generation < self.generation:
             self._ignore(env.subject, f"stale generation {r.generation} < {self.generation}",
                          pod=r.pod, report=r.report.value)
@@ -376,19 +379,25 @@ class HealthMonitor(Service):
                                    since=r.ts,
                                    reason=f"reported by its own watchdog: {r.error}"[:2000]):
                 await self._repeated(Failure(r.pod, "hang", self.generation, r.step, r.error))
-        elif r.report == ReportKind.corruption:
-            if r.pod in self.faulted or not self._is_member(r.pod):
-                self._ignore(env.subject, "corruption report of a pod that is not a watched "
-                             "member", pod=r.pod)
-                return
-            v = self.pods.get(r.pod)
-            await self._declare(r.pod, FaultKind.corruption, last_seen=v.last_seen if v else r.ts,
-                                since=r.ts, reason=r.error[:2000])
         elif r.report == ReportKind.peer_error:
             await self._suspect(r, env)
         else:
             self.log.info("report", subject=env.subject, pod=r.pod, report=r.report.value,
                           error=r.error[:200])
+
+    async def _on_corruption(self, r: Report, env: Envelope) -> None:
+        """A member whose replica disagreed with the majority: its copy was rolled back, and
+        the pod (suspect hardware) is to be replaced. That stays true when a plan made for
+        something else (a capacity add) overtook the report, so the report's generation is
+        not a reason to drop it: a pod still a member is declared (the soak, seed 7, lost one
+        so: the corrupt pod was never swapped). A pod no longer a member has been replaced."""
+        if r.pod in self.faulted or not self._is_member(r.pod):
+            self._ignore(env.subject, "corruption report of a pod that is not a watched "
+                         "member", pod=r.pod)
+            return
+        v = self.pods.get(r.pod)
+        await self._declare(r.pod, FaultKind.corruption, last_seen=v.last_seen if v else r.ts,
+                            since=r.ts, reason=r.error[:2000])
 
     def _reporter_watched(self, r: Report, env: Envelope) -> bool:
         if r.pod in self.faulted:
