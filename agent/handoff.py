@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from schemas.messages import AgentState, Plan, Role
+from schemas.messages import AgentState, Plan, ReportKind, Role, Transfer
 from plumbing import logs
 
 from .ports import Entrant
@@ -181,12 +181,18 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
     transfer = got.transfer
     received = sent = 0
     if rank in transfer.sources:
+        odd = diverged(plan, transfer, state.last_committed,
+                       state.digests.of(state.last_committed))
         st = receive(state, m.group, rank, transfer.sources[rank], rt.abort)
         state.restore(st, transfer.restore_step)
         received = st.nbytes
         if state.last_committed != transfer.restore_step:
             raise RuntimeError(f"received state of step {state.last_committed}, "
                                f"expected {transfer.restore_step}")
+        if odd is not None:  # repaired now; the pod is still suspect (agent/verify.py)
+            log.error("replicas disagree at the handoff: silent data corruption",
+                      step=transfer.restore_step, generation=g)
+            rt.report_sync(ReportKind.corruption, odd)
     else:
         if state.last_committed != transfer.restore_step:
             raise RuntimeError(f"transfer plan restores step {transfer.restore_step} but this "
@@ -198,6 +204,28 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
         state.zero_grad()
     m.restored(plan, transfer.restore_step)
     return transfer.restore_step, received, sent
+
+
+def diverged(plan: Plan, transfer: Transfer, step: int, digest: str) -> str | None:
+    """Why this recipient is a corrupt replica, or None. A member named a recipient while it
+    held the restore step itself holds a digest the majority there does not: silent data
+    corruption found by the handoff instead of by the next verification (a plan, such as a
+    capacity add, came between the flipped bit and the check). The handoff repairs the
+    state; the pod is reported, as verify.py reports one, so that a spare takes its rank.
+    Not in a job's first generation (ranks may hold what each script loaded: rank 0's is
+    taken) nor at step -1 (each rank's own initialisation), nor sharded (a digest per
+    position: only position 0's is in the transfer), nor when a single source held the step
+    against it: one against one is no majority (the broker took the lower rank's; verify.py
+    names nobody then)."""
+    if (plan.generation <= 1 or plan.shard_size > 1 or transfer.restore_step < 0
+            or step != transfer.restore_step or not digest or not transfer.digest
+            or digest == transfer.digest):
+        return None
+    if len({r for srcs in transfer.sources.values() for r in srcs}) < 2:
+        return None
+    return (f"replicas disagree at the handoff of generation {plan.generation}: this "
+            f"member's state of step {step} has digest {digest[:16]}, the majority's "
+            f"{transfer.digest[:16]}")
 
 
 def receive(state: Any, group: Any, rank: int, sources: list[int], abort: Any,

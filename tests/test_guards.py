@@ -180,3 +180,30 @@ def test_only_the_step_that_rolled_back_is_excused_from_recovering():
     v.after_commit(20, st, None, _Rt(), None)       # a commit clears the excuse
     assert v.rolled_back_at is None and v.discarded(29, 20)
     assert not v.discarded(21, 21)
+
+
+def test_a_recipient_that_held_the_restore_step_with_another_digest_is_a_corrupt_replica():
+    """The soak (seed 7): a bit flipped on rank 2, then a capacity add's plan came before
+    the next verification; the broker made rank 2 a recipient (its digest at the restore step
+    was not the majority's), the handoff repaired it and nobody reported it: the suspect pod
+    trained on. The handoff now names it (agent/handoff.py ``diverged``)."""
+    from agent.handoff import diverged
+    from schemas.messages import Member, Plan, Transfer
+
+    def plan(g: int, shard_size: int = 1) -> Plan:
+        return Plan(generation=g, members=[Member(pod=f"p{r}", rank=r) for r in range(4)],
+                    world_size=4, global_batch_size=16, micro_batch_size=4,
+                    shares={r: 1 for r in range(4)}, shard_size=shard_size)
+
+    t = Transfer(generation=16, restore_step=2058, sources={2: [0, 1, 3]}, digest="a" * 32)
+    why = diverged(plan(16), t, 2058, "b" * 32)
+    assert why is not None and "2058" in why and "bbbb" in why
+    assert diverged(plan(16), t, 2058, "a" * 32) is None      # the same state: not odd
+    assert diverged(plan(16), t, 2057, "b" * 32) is None      # behind: simply missing steps
+    assert diverged(plan(16), t, 2058, "") is None            # its digest not known
+    assert diverged(plan(1), t.model_copy(update={"generation": 1}), 2058, "b" * 32) is None
+    at_init = t.model_copy(update={"restore_step": -1})
+    assert diverged(plan(16), at_init, -1, "b" * 32) is None  # each rank's own init
+    assert diverged(plan(16, shard_size=2), t, 2058, "b" * 32) is None
+    one = t.model_copy(update={"sources": {2: [0]}})
+    assert diverged(plan(16), one, 2058, "b" * 32) is None   # one against one: no majority
