@@ -236,15 +236,17 @@ async def test_an_injection_by_rank_before_the_plan_message_reads_the_stored_pla
 
 
 def test_a_hosts_injection_names_a_host_and_nothing_else():
-    """Inject's host field (issue 42): host-loss / partition name a host (a partition its
-    duration too) and no pod or rank; no other action names a host."""
+    """Inject's host field (issue 42): host-loss / partition / host-return name a host (a
+    partition its duration too) and no pod or rank; no other action names a host."""
     from pydantic import ValidationError
 
     Inject(action=InjectAction.host_loss, host="h2")
     Inject(action=InjectAction.partition, host="h1", for_s=10)
     assert not Inject(action=InjectAction.partition, host="h1", for_s=10).by_pod
+    assert not Inject(action=InjectAction.host_return, host="h1").by_pod
     for bad in ({"action": "host-loss"}, {"action": "host-loss", "host": "h1", "rank": 0},
                 {"action": "host-loss", "host": "h1", "for_s": 3},
+                {"action": "host-return"}, {"action": "host-return", "host": "h1", "for_s": 3},
                 {"action": "partition", "host": "h1"},
                 {"action": "kill", "rank": 0, "host": "h1"},
                 {"action": "host-loss", "host": "node1"}):
