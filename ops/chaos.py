@@ -547,7 +547,8 @@ class Chaos:
         deadline = time.monotonic() + 30
         while True:  # it answers its status endpoint: connected and serving again
             try:
-                await bus.nc.request(bus.subjects.service_status(name), b"", timeout=1.0)
+                await bus.nc.request(bus.subjects.service_status(_service_of(name)), b"",
+                                     timeout=1.0)
                 return
             except Exception:
                 if time.monotonic() > deadline:
