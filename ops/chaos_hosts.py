@@ -81,17 +81,18 @@ def pick_host(up: list[str], pods: dict[str, str], members: set[str], spares: se
               u: float, prefer: str | None = None) -> str | None:
     """The host to lose: among the hosts ``up``, those whose members (``pods``: pod ->
     host) the ready ``spares`` on the other hosts can all replace; ``prefer`` if it is one,
-    else the ``u``-th of them (u in [0, 1)). None: no host can be lost without a shrink."""
-    def fits(h: str) -> bool:
-        on = sum(1 for p in members if pods.get(p) == h)
-        off = sum(1 for p in spares if pods.get(p) != h)
-        return on <= off
+    else the ``u``-th (u in [0, 1)) of those holding a member (a host of spares and standbys
+    only when none does: replacements fill the least loaded hosts, so such a host is often
+    the one just given back). None: no host can be lost without a shrink."""
+    def on(h: str) -> int:
+        return sum(1 for p in members if pods.get(p) == h)
 
-    ok = [h for h in up if fits(h)]
+    ok = [h for h in up if on(h) <= sum(1 for p in spares if pods.get(p) != h)]
     if not ok:
         return None
     if prefer in ok:
         return prefer
+    ok = [h for h in ok if on(h)] or ok
     return ok[int(u * len(ok)) % len(ok)]
 
 

@@ -72,7 +72,8 @@ def test_host_kinds_are_chosen_for_a_host_run_and_spread_over_it():
 def test_a_host_is_lost_only_where_the_other_hosts_spares_replace_its_members():
     """`pick_host`: with the default placement of 3 workers + 2 spares over 3 hosts (h1: w0;
     h2: w1, s0; h3: w2, s1) any host can go while both spares are ready; with s1 gone h3
-    can (s0 is elsewhere), h2 cannot (its only spare goes with it); with none, no host."""
+    can (s0 is elsewhere), h2 cannot (its only spare goes with it); with none, no host with
+    a member."""
     from ops.chaos_hosts import pick_host
     from ops.placement import place
 
@@ -85,6 +86,11 @@ def test_a_host_is_lost_only_where_the_other_hosts_spares_replace_its_members():
     assert pick_host(hosts, pods, members, {"s0"}, 0, prefer="h3") == "h3"
     assert pick_host(hosts, pods, members, set(), 0.5) is None
     assert pick_host(["h2", "h3"], pods, members, {"s0", "s1"}, 0) == "h2"  # h1 lost: not up
+    # h2 just given back holds nothing: a host with a member goes first, h2 only if none can
+    moved = {**pods, "w1": "h3", "s0": "h3"}
+    assert {pick_host(hosts, moved, members, {"s0", "s1"}, u) for u in (0, 0.5, 0.99)} == \
+        {"h1"}
+    assert pick_host(hosts, moved, members, set(), 0.5) == "h2"
 
 
 def test_a_standby_instance_is_the_control_planes_not_a_pod():

@@ -197,6 +197,24 @@ async def test_the_supervisor_answers_what_it_signals_and_what_no_pod_can(bus, t
             await bus.publish(bus.subjects.inject, inj)
             d = await asyncio.wait_for(q.get(), 10)
             assert not d.accepted and d.request_id == inj.request_id and why in d.reason, d
+        # where `up` runs emulated hosts, each host injection its handler accepts is answered
+        # with what was done (a host-return's answer failed to format: no answer at all)
+        ran: list[Inject] = []
+
+        async def on_host(inj: Inject) -> None:
+            ran.append(inj)
+
+        act.on_host_inject = on_host
+        for inj, what in ((Inject(action=InjectAction.host_loss, host="h1"), "host h1 lost"),
+                          (Inject(action=InjectAction.host_return, host="h1"),
+                           "host h1 returned"),
+                          (Inject(action=InjectAction.partition, host="h2", for_s=10),
+                           "host h2 cut off for 10s")):
+            await bus.publish(bus.subjects.inject, inj)
+            d = await asyncio.wait_for(q.get(), 10)
+            assert d.accepted and d.request_id == inj.request_id and what in d.reason, d
+        assert [i.action for i in ran] == [InjectAction.host_loss, InjectAction.host_return,
+                                           InjectAction.partition]
         # one its pod runs: passed on; the pod's refusal (here published by hand) is in
         # `up`'s log, the actuator's
         nan = Inject(action=InjectAction.nan, pod=pods[0], at_step=3)

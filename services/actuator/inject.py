@@ -93,10 +93,10 @@ class InjectDesk:
         sig = {InjectAction.kill: "SIGKILL", InjectAction.hang: "SIGSTOP"}.get(inj.action,
                                                                              "SIGCONT")
         if refusal is None and host is not None:
-            reason = f"inject {inj.action.value}: host {host} " + {
-                InjectAction.host_loss: "lost (link cut, every process killed)",
-                InjectAction.host_return: "returned (its server and instances start again)",
-            }.get(inj.action, f"cut off for {inj.for_s:g}s")
+            reason = f"inject {inj.action.value}: host {host} " + (
+                "lost (link cut, every process killed)" if inj.action == InjectAction.host_loss
+                else "returned (its server and instances start again)"
+                if inj.action == InjectAction.host_return else f"cut off for {inj.for_s:g}s")
         elif refusal is None:
             reason = f"inject {inj.action.value}: {sig} sent to {pod}"
         else:
