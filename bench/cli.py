@@ -38,7 +38,7 @@ def _module(bsub, name: str, module: str) -> None:
 
 HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first batch",
         "recovery": "downtime and phases of in-process recovery",
-        "overhead": "step time under Ceaseless vs plain DDP",
+        "overhead": "step time under Ceaseless vs plain DDP (or --bus-servers N vs 1)",
         "control-plane": "simulated agents vs the services: detection, plan delivery, CPU",
         "init": "process-group creation: NATS-backed store vs TCPStore, per generation",
         "elastic": "capacity/priority events: join and release times, pause of the others",

@@ -11,7 +11,10 @@
    promoted spare dies while it enters the new generation), a worker fault while a service
    is down, and ``kill_all``: SIGKILL of every pod at once (members, spares, replacements,
    by the PIDs ``up`` recorded), a total loss; with ``--elastic`` also capacity add/remove
-   and priority release on the bus.
+   and priority release on the bus; with ``--kinds host`` whole emulated hosts lost,
+   partitioned, and lost during a recovery, each lost host given back before the next
+   event (``ops/chaos_hosts.py``: ``up --hosts 3 --bus-servers 3 --standbys 1``; a
+   ``kill_<service>`` then kills the instance that holds the service's lease).
    Events fire at seeded fractions of the run's steps (so the schedule does not depend on how
    fast this machine is), each once the job is healthy again (every member of the latest plan
    training, enough spares as the scaler counts them, holding the state if the job has one
@@ -54,8 +57,9 @@ from typing import Any
 
 from schemas.timeouts import DEFAULTS as TIMEOUTS
 
-from . import chaos_guards
+from . import chaos_guards, chaos_hosts
 from .chaos_guards import GUARD_KINDS
+from .chaos_hosts import HOST_GROUP, HOST_KINDS
 
 SERVICES = ("health_monitor", "scaler", "state_broker")
 # Worker faults need a spare each (two for a fault during recovery): then the world size
@@ -69,7 +73,7 @@ WEIGHTS = {"kill": 3, "hang": 2, "stall": 1, "kill_rank0": 1, "spare_kill": 1, "
            "kill_with_service": 1, "kill_all": 1, "capacity_add": 1, "capacity_remove": 1, "priority": 1}
 SPARES_NEEDED = {"kill": 1, "hang": 1, "stall": 1, "kill_rank0": 1, "during_recovery": 2,
                  "kill_with_service": 1, "spare_kill": 1, "capacity_add": 1,
-                 **chaos_guards.SPARES_NEEDED}
+                 **chaos_guards.SPARES_NEEDED, **chaos_hosts.SPARES_NEEDED}
 # Steps per second of the tiny example on a 2-core machine, by world size (to size a run
 # from --duration; the schedule itself is in steps, so a slower machine only runs longer).
 RATE = {1: 12.0, 2: 9.0, 3: 7.0, 4: 5.0}
@@ -138,6 +142,13 @@ class Outcome:
 
 class ChaosFailure(Exception):
     pass
+
+
+def _service_of(name: str) -> str:
+    """The service of a control-plane instance's pids.txt name (``scaler-s1``: a standby of
+    ``scaler``, `up --standbys`); any other name as it is."""
+    base, sep, k = name.rpartition("-s")
+    return base if sep and k.isdigit() and base in SERVICES else name
 
 
 def _signal(pid: int, sig: int, what: str) -> None:
@@ -400,6 +411,20 @@ class Chaos:
     def count(self, name: str) -> int:
         return sum(1 for n, _ in self.c.pids() if n == name)
 
+    async def active(self, service: str) -> str:
+        """The instance of ``service`` that acts: with standbys (`up --standbys`, the host
+        kinds' runs) the one holding its lease, else the only one."""
+        if not any(_service_of(n) == service and n != service for n, _ in self.c.pids()):
+            return service
+        from schemas.subjects import lease_key
+        from services.common.lease import parse_lease
+
+        try:
+            held = parse_lease((await (await self.c.bus.kv()).get(lease_key(service))).value)
+        except Exception:
+            return service
+        return held.holder if held.holder and self.count(held.holder) else service
+
     async def wait(self, pred, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
         while True:
@@ -522,7 +547,8 @@ class Chaos:
         deadline = time.monotonic() + 30
         while True:  # it answers its status endpoint: connected and serving again
             try:
-                await bus.nc.request(bus.subjects.service_status(name), b"", timeout=1.0)
+                await bus.nc.request(bus.subjects.service_status(_service_of(name)), b"",
+                                     timeout=1.0)
                 return
             except Exception:
                 if time.monotonic() > deadline:
@@ -553,7 +579,7 @@ class Chaos:
             else:
                 _signal(h.pid, signal.SIGKILL, h.pod)
             if kind == "kill_with_service":
-                name = SERVICES[int(ev.u2 * len(SERVICES)) % len(SERVICES)]
+                name = await self.active(SERVICES[int(ev.u2 * len(SERVICES)) % len(SERVICES)])
                 before = self.count(name)
                 _signal(self.latest_pid(name), signal.SIGKILL, name)
                 out.target += f" + {name}"
@@ -599,7 +625,8 @@ class Chaos:
             if self.plan().generation != gen and not self.finished():
                 out.detail = f"plan changed to g{self.plan().generation}"
         elif kind.startswith("kill_") or kind == "nats_restart":
-            name = "nats-server" if kind == "nats_restart" else kind[len("kill_"):]
+            name = ("nats-server" if kind == "nats_restart"
+                    else await self.active(kind[len("kill_"):]))
             before = self.count(name)
             _signal(self.latest_pid(name), signal.SIGKILL, name)
             out.injected, out.target = True, name
@@ -628,6 +655,8 @@ class Chaos:
             await self._progress(out, step, t0)
         elif kind in GUARD_KINDS:
             await chaos_guards.inject(self, ev, out)
+        elif kind in HOST_KINDS:
+            await chaos_hosts.inject(self, ev, out)
         else:
             raise ChaosFailure(f"unknown event kind {kind!r}")
         out.survived = True
@@ -636,7 +665,7 @@ class Chaos:
     def pods(self) -> list[tuple[str, int]]:
         """Every live pod `up` (its actuator) started: members, spares, replacements, in
         the run dir and its restarts, as recorded in pids.txt (not services, nats-server)."""
-        return [(n, pid) for n, pid in self.c.live() if n not in SERVICES
+        return [(n, pid) for n, pid in self.c.live() if _service_of(n) not in SERVICES
                 and n not in ("nats-server", "zygote")]
 
     async def _kill_all(self, ev: Event, out: Outcome, step: int, t0: float) -> None:
@@ -787,6 +816,8 @@ async def _chaos_once(run_dir: Path, base: Path, opts: ChaosOptions, steps: int,
         extra += ["--verify-every", str(chaos_guards.VERIFY_EVERY)]
     if any(ev.kind == "slow" for ev in schedule):  # a shorter window: a shorter run
         extra += ["--straggler-window", str(chaos_guards.STRAGGLER_WINDOW)]
+    # host events: 3 hosts, a server on each, a standby of every service off h1
+    extra += chaos_hosts.up_args([ev.kind for ev in schedule])
     ckdir = None
     if kill_alls:
         # Every pod killed at once: `up` restarts the job from its newest last-resort
@@ -898,7 +929,8 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
     survived = [o for o in injected if o.survived]
     downs = [i["downtime"] for i in incidents if i.get("downtime") is not None]
     rec = [o.recover_s for o in survived if o.recover_s is not None
-           and o.kind in ("kill", "hang", "kill_rank0", "during_recovery", "kill_with_service")]
+           and o.kind in ("kill", "hang", "kill_rank0", "during_recovery", "kill_with_service",
+                          "host_loss", "host_during_recovery")]
     by_kind: dict[str, list[int]] = {}
     for o in injected:
         by_kind.setdefault(o.kind, [0, 0])
@@ -960,8 +992,18 @@ def _verdict(base: Path, opts: ChaosOptions, steps: int, schedule: list[Event],
 # ----------------------------------------------------------------------------- CLI
 def cmd_chaos(args: argparse.Namespace) -> int:
     kinds = args.kinds.split(",") if args.kinds else None
+    if kinds and (HOST_GROUP in kinds or set(kinds) & set(HOST_KINDS)):
+        why = chaos_hosts.namespaces_missing()
+        if why is not None:  # `up --hosts` falls back to loopback addresses: no partition
+            print(f"ceaseless chaos: hosts are loopback addresses here ({why}): no "
+                  "partition events", file=sys.stderr)
+            if "partition" in kinds:
+                print("ceaseless chaos: `partition` needs network namespaces", file=sys.stderr)
+                return 2
+        kinds = chaos_hosts.expand(kinds, why)
     if kinds:
-        unknown = set(kinds) - set(KINDS) - set(ELASTIC_KINDS) - set(GUARD_KINDS)
+        unknown = (set(kinds) - set(KINDS) - set(ELASTIC_KINDS) - set(GUARD_KINDS)
+                   - set(HOST_KINDS))
         if unknown:
             print(f"ceaseless chaos: unknown kinds {sorted(unknown)}", file=sys.stderr)
             return 2
@@ -1009,7 +1051,9 @@ def register(sub: Any) -> None:
                    help="also the guards' events: nan, slow, preempt, bitflip (the chaos run "
                         "then verifies every 10 steps)")
     p.add_argument("--kinds", help="comma-separated subset of: "
-                   + ",".join(KINDS + ELASTIC_KINDS + GUARD_KINDS))
+                   + ",".join(KINDS + ELASTIC_KINDS + GUARD_KINDS + HOST_KINDS)
+                   + f"; `{HOST_GROUP}`: every host kind this machine can run (the run's "
+                   "`up` then gets " + " ".join(chaos_hosts.UP_ARGS) + ")")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", choices=["float32", "float64"],
                    help="the example's dtype (default: float64 with --elastic, else float32)")

@@ -405,11 +405,11 @@ def build_inject(args: argparse.Namespace) -> tuple[str, Any]:
             raise ValueError("priority needs --release N")
         return s.priority, Priority(release=args.release, priority=args.priority,
                                     reason=args.reason or "operator")
-    if args.action in ("host-loss", "partition"):
+    if args.action in ("host-loss", "partition", "host-return"):
         if getattr(args, "host", None) is None or args.rank is not None or args.pod is not None:
             raise ValueError(f"inject {args.action} needs --host hK (and no --rank or --pod)")
         if (args.action == "partition") != (getattr(args, "for_s", None) is not None):
-            raise ValueError("inject partition needs --for S; host-loss takes no --for")
+            raise ValueError(f"inject partition needs --for S; {args.action} takes no --for")
         return s.inject, Inject(action=InjectAction(args.action), host=args.host,
                                 for_s=args.for_s)
     if (args.rank is None) == (args.pod is None):
@@ -584,7 +584,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="emulate H hosts on this machine (network namespaces as root, else "
                          "loopback addresses): the nats-servers, service instances and pods "
                          "placed over them, h1 running a server, every active service and "
-                         "rank 0; `ceaseless inject host-loss|partition --host hK` "
+                         "rank 0; `ceaseless inject host-loss|partition|host-return --host hK` "
                          "(default 0: none; docs/cluster.md \"Losing a host\")")
     up.add_argument("--model", default="tiny", help="example model: tiny | small | 10m | mlp10m | 124m | 350m | 1b "
                          "(the last three: GPT-2 shapes on synthetic tokens)")
@@ -632,7 +632,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_conn(inj)
     inj.add_argument("action", choices=["kill", "hang", "stall", "resume", "exception", "nan",
                                         "preempt", "slow", "bitflip", "capacity", "priority",
-                                        "host-loss", "partition"])
+                                        "host-loss", "partition", "host-return"])
     inj.add_argument("amount", nargs="?", help="capacity: +N or -N")
     inj.add_argument("--rank", type=int)
     inj.add_argument("--pod")
@@ -640,7 +640,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inj.add_argument("--deadline", type=float, help="preempt: seconds the pod has (default 30)")
     inj.add_argument("--factor", type=float, help="slow: each step's compute takes F times as long")
     inj.add_argument("--tensor", help="bitflip: the parameter's name (default: the first)")
-    inj.add_argument("--host", help="host-loss, partition: the emulated host (`up --hosts`)")
+    inj.add_argument("--host", help="host-loss, partition, host-return (a lost host back): "
+                                    "the emulated host (`up --hosts`)")
     inj.add_argument("--for", dest="for_s", type=float,
                      help="partition: seconds the host's link stays cut")
     inj.add_argument("--release", type=int)

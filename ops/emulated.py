@@ -5,7 +5,10 @@ each host's state, and does what `up` needs of them: the nats-servers' addresses
 each is run, a service instance's and a pod's command prefix and environment (its host's
 address for gloo), a host's injection (``ceaseless inject host-loss|partition``: the
 actuator's ``on_host_inject``) and ``hosts.json`` in the run dir, which `ceaseless status`
-reads. A host's state moves UP -> LOST (for good) or UP -> CUT -> UP (a partition healed).
+reads. A host's state moves UP -> CUT -> UP (a partition healed) or UP -> LOST, and LOST ->
+UP only by ``inject host-return`` (a replacement machine with its name, address and disk:
+its server and instances are started again by `up`'s own restart loops, which skip only
+what is on a lost host).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class HostRun:
         self.act: Any = None
         self.events: list[str] = []  # for `up`'s log
         self._heals: set[asyncio.Task] = set()
+        self._losing: set[str] = set()  # lost, its processes not killed yet (answer first)
 
     # ------------------------------------------------------------------ placing
     def servers(self) -> tuple[list[str], list[list[str]]]:
@@ -83,6 +87,8 @@ class HostRun:
         name = inj.host or ""
         if name not in self.state:
             return f"no host {name!r} (hosts: {', '.join(self.state)})"
+        if inj.action == InjectAction.host_return:
+            return self.restore(name)
         if self.state[name] != HostState.up:
             return f"host {name} is {self.state[name].value}"
         if inj.action == InjectAction.partition:
@@ -95,6 +101,7 @@ class HostRun:
             t.add_done_callback(self._heals.discard)
             return None
         self.state[name] = HostState.lost  # from now on nothing is placed or restarted there
+        self._losing.add(name)
         # answered first: the server the answer goes through may be on that host
         t = asyncio.create_task(self._lose_soon(name))
         self._heals.add(t)
@@ -116,7 +123,30 @@ class HostRun:
 
     async def _lose_soon(self, name: str) -> None:
         await asyncio.sleep(ANSWER_FIRST_S)
-        self.lose(name)
+        try:
+            self.lose(name)
+        finally:
+            self._losing.discard(name)
+
+    def restore(self, name: str) -> str | None:
+        """A lost host back (``inject host-return``): its link healed where it was cut, then
+        it is UP again, so `up`'s loops start its nats-server again (same ports and store:
+        it rejoins and catches up) and its service instances (standbys now), and new pods
+        may go there. A refusal (why), or None."""
+        if self.state[name] != HostState.lost:
+            return f"host {name} is {self.state[name].value}: only a lost host returns"
+        if name in self._losing:
+            return f"host {name} is being lost: its processes are not killed yet"
+        if self.hosts.is_cut(name):
+            self.hosts.heal(name)
+        if self.srv is not None:
+            for s in self.placement.on(name)["servers"]:
+                self.srv.down.discard(int(s[1:]) - 1)
+        self.state[name] = HostState.up
+        self._say(f"host {name} returned: link up, its server and service instances start "
+                  "again, pods may be placed there")
+        self.write()
+        return None
 
     def lose(self, name: str) -> list[int]:
         """Cut the host's link (where it has one), then kill every process on it at once,

@@ -131,10 +131,15 @@ class InjectAction(str, Enum):
     # that host's link cut for ``for_s`` seconds with its processes alive, then healed.
     # Added 2026-12-06 (issue 42).
     partition = "partition"
+    # a lost host back, as a replacement machine with its name, address and disk: its link
+    # healed, its nats-server started again on its ports and store (it catches up from its
+    # peers), its service instances started again (standbys: the leases are held
+    # elsewhere), new pods placed there again (``host``). Added 2026-12-07 (issue 42).
+    host_return = "host-return"
 
 
 # injections the supervisor runs on a whole host, not a pod's
-HOST_ACTIONS = (InjectAction.host_loss, InjectAction.partition)
+HOST_ACTIONS = (InjectAction.host_loss, InjectAction.partition, InjectAction.host_return)
 
 
 class CapacityChange(str, Enum):
@@ -489,8 +494,8 @@ class Inject(Message):
     # reason, by the pod that runs it or by the supervisor. Added 2026-12-06 (issue 41),
     # optional: older requests still validate (and get an id nobody waits for).
     request_id: Annotated[str, Field(max_length=128)] = Field(default_factory=new_id)
-    # host-loss / partition: the emulated host (``h1``..); partition: for how long. Added
-    # 2026-12-06 (issue 42), optional: a pod or rank injection names no host.
+    # host-loss / partition / host-return: the emulated host (``h1``..); partition: for how
+    # long. Added 2026-12-06 (issue 42), optional: a pod or rank injection names no host.
     host: Annotated[str, Field(pattern=r"^h[1-9][0-9]?$")] | None = None
     for_s: Annotated[float, Field(gt=0, le=3600)] | None = None
 

@@ -47,6 +47,63 @@ def test_schedule_covers_every_kind_before_repeating():
     assert sorted(e.kind for e in two) == ["kill", "kill_all"]
 
 
+def test_host_kinds_are_chosen_for_a_host_run_and_spread_over_it():
+    """Issue 42: `--kinds host,...` expands to the host kinds this machine can run (no
+    partition without namespaces), each is scheduled within the 300 s run, the events stay
+    ordered and apart, and only a schedule with host kinds gets `up --hosts 3 --bus-servers
+    3 --standbys 1`."""
+    from ops.chaos_hosts import HOST_KINDS, UP_ARGS, expand, up_args
+
+    asked = ["host", "kill", "kill_rank0", "hang", "kill_scaler"]
+    kinds = expand(asked, None)
+    assert kinds == [*HOST_KINDS, "kill", "kill_rank0", "hang", "kill_scaler"]
+    assert "partition" not in expand(asked, "network namespaces need root")
+    assert expand(["host", "host_loss"], None) == list(HOST_KINDS)
+    ev = make_schedule(CI_SEED, 300, kinds=kinds)
+    assert len(ev) == 300 // 8 and set(HOST_KINDS) <= {e.kind for e in ev}
+    fr = [e.at_fraction for e in ev]
+    gap = (0.80 - 0.05) / len(ev)
+    assert all(b - a >= 0.3 * gap - 1e-4 for a, b in zip(fr, fr[1:])), fr
+    assert up_args([e.kind for e in ev]) == UP_ARGS == ["--hosts", "3", "--bus-servers", "3",
+                                                        "--standbys", "1"]
+    assert up_args(["kill", "hang"]) == []
+
+
+def test_a_host_is_lost_only_where_the_other_hosts_spares_replace_its_members():
+    """`pick_host`: with the default placement of 3 workers + 2 spares over 3 hosts (h1: w0;
+    h2: w1, s0; h3: w2, s1) any host can go while both spares are ready; with s1 gone h3
+    can (s0 is elsewhere), h2 cannot (its only spare goes with it); with none, no host with
+    a member."""
+    from ops.chaos_hosts import pick_host
+    from ops.placement import place
+
+    hosts = ["h1", "h2", "h3"]
+    pods = place(hosts, 3, ["scaler"], 1, 3, 2).pods
+    members = {"w0", "w1", "w2"}
+    assert [pick_host(hosts, pods, members, {"s0", "s1"}, u) for u in (0, 0.4, 0.9)] == hosts
+    assert {pick_host(hosts, pods, members, {"s0"}, u) for u in (0, 0.5, 0.99)} == {"h1", "h3"}
+    assert pick_host(hosts, pods, members, {"s0"}, 0, prefer="h2") == "h1"  # h2 cannot go
+    assert pick_host(hosts, pods, members, {"s0"}, 0, prefer="h3") == "h3"
+    assert pick_host(hosts, pods, members, set(), 0.5) is None
+    assert pick_host(["h2", "h3"], pods, members, {"s0", "s1"}, 0) == "h2"  # h1 lost: not up
+    # h2 just given back holds nothing: a host with a member goes first, h2 only if none can
+    moved = {**pods, "w1": "h3", "s0": "h3"}
+    assert {pick_host(hosts, moved, members, {"s0", "s1"}, u) for u in (0, 0.5, 0.99)} == \
+        {"h1"}
+    assert pick_host(hosts, moved, members, set(), 0.5) == "h2"
+
+
+def test_a_standby_instance_is_the_control_planes_not_a_pod():
+    """kill_all kills pods only: `up --standbys` names its standby instances `<service>-sK`
+    in pids.txt, while spares are `s0..`."""
+    from ops.chaos import _service_of
+
+    assert _service_of("scaler-s1") == "scaler" and _service_of("health_monitor-s2") == \
+        "health_monitor"
+    assert [_service_of(n) for n in ("s1", "w0", "nats-server", "w-s1")] == \
+        ["s1", "w0", "nats-server", "w-s1"]
+
+
 def test_kill_all_checkpoints_often_enough_to_recompute_a_little():
     assert checkpoint_every(144) == 10 and checkpoint_every(810) == 32
 

@@ -201,7 +201,7 @@ async def test_a_hosts_loss_kills_its_processes_and_nothing_goes_there_again(tmp
     """`HostRun` (ops/emulated.py) on loopback hosts, with real processes standing for a
     server, an instance and a pod of h1 and of h2: the loss of h1 kills h1's, by pid, and
     only those; a second loss and a partition (no namespaces) are refused with why; a pod
-    started later goes to h2; hosts.json says it all."""
+    started later goes to h2; hosts.json says it all; h1's return makes it a host again."""
     import asyncio
     from types import SimpleNamespace
 
@@ -244,6 +244,15 @@ async def test_a_hosts_loss_kills_its_processes_and_nothing_goes_there_again(tmp
         st = read_hosts(tmp_path)
         assert st["hosts"]["h1"]["state"] == "lost" and st["pods"] == {"w1": "h2", "s0": "h2"}
         assert st["servers"]["s1"] == {"host": "h1", "url": "nats://127.0.1.1:1"}
+        # `inject host-return`: h1 is up again, its server and instance no longer skipped by
+        # `up`'s restart loops, and the next pod goes there (the host with the fewest)
+        assert await run.on_inject(Inject(action=InjectAction.host_return, host="h2")) == \
+            "host h2 is up: only a lost host returns"
+        assert await run.on_inject(Inject(action=InjectAction.host_return, host="h1")) is None
+        assert run.srv.down == set() and not run.instance_down("scaler")
+        assert run.where("s1")[1]["CEASELESS_GLOO_HOSTNAME"] == "127.0.1.1"
+        assert read_hosts(tmp_path)["hosts"]["h1"]["state"] == "up"
+        assert any("host h1 returned" in e for e in run.events)
     finally:
         for p in procs.values():
             p.kill()

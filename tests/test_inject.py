@@ -197,6 +197,24 @@ async def test_the_supervisor_answers_what_it_signals_and_what_no_pod_can(bus, t
             await bus.publish(bus.subjects.inject, inj)
             d = await asyncio.wait_for(q.get(), 10)
             assert not d.accepted and d.request_id == inj.request_id and why in d.reason, d
+        # where `up` runs emulated hosts, each host injection its handler accepts is answered
+        # with what was done (a host-return's answer failed to format: no answer at all)
+        ran: list[Inject] = []
+
+        async def on_host(inj: Inject) -> None:
+            ran.append(inj)
+
+        act.on_host_inject = on_host
+        for inj, what in ((Inject(action=InjectAction.host_loss, host="h1"), "host h1 lost"),
+                          (Inject(action=InjectAction.host_return, host="h1"),
+                           "host h1 returned"),
+                          (Inject(action=InjectAction.partition, host="h2", for_s=10),
+                           "host h2 cut off for 10s")):
+            await bus.publish(bus.subjects.inject, inj)
+            d = await asyncio.wait_for(q.get(), 10)
+            assert d.accepted and d.request_id == inj.request_id and what in d.reason, d
+        assert [i.action for i in ran] == [InjectAction.host_loss, InjectAction.host_return,
+                                           InjectAction.partition]
         # one its pod runs: passed on; the pod's refusal (here published by hand) is in
         # `up`'s log, the actuator's
         nan = Inject(action=InjectAction.nan, pod=pods[0], at_step=3)
@@ -236,15 +254,17 @@ async def test_an_injection_by_rank_before_the_plan_message_reads_the_stored_pla
 
 
 def test_a_hosts_injection_names_a_host_and_nothing_else():
-    """Inject's host field (issue 42): host-loss / partition name a host (a partition its
-    duration too) and no pod or rank; no other action names a host."""
+    """Inject's host field (issue 42): host-loss / partition / host-return name a host (a
+    partition its duration too) and no pod or rank; no other action names a host."""
     from pydantic import ValidationError
 
     Inject(action=InjectAction.host_loss, host="h2")
     Inject(action=InjectAction.partition, host="h1", for_s=10)
     assert not Inject(action=InjectAction.partition, host="h1", for_s=10).by_pod
+    assert not Inject(action=InjectAction.host_return, host="h1").by_pod
     for bad in ({"action": "host-loss"}, {"action": "host-loss", "host": "h1", "rank": 0},
                 {"action": "host-loss", "host": "h1", "for_s": 3},
+                {"action": "host-return"}, {"action": "host-return", "host": "h1", "for_s": 3},
                 {"action": "partition", "host": "h1"},
                 {"action": "kill", "rank": 0, "host": "h1"},
                 {"action": "host-loss", "host": "node1"}):

@@ -6,7 +6,7 @@ answers on ``decision``. The rest, and anything at a step, its pod runs and answ
 (``agent/inject.py``); refused here is only what no pod could answer: injection not
 enabled, a rank nobody holds, a pod that is not running. A pod's refusal reaches `up`'s
 log from here too (the pod's own log is not the operator's). A host's injection
-(host-loss, partition: issue 42) goes to ``act.on_host_inject``, set by `up` when it runs
+(host-loss, partition, host-return: issue 42) goes to ``act.on_host_inject``, set by `up` when it runs
 emulated hosts, which returns a refusal or None; without one it is refused.
 """
 
@@ -93,9 +93,10 @@ class InjectDesk:
         sig = {InjectAction.kill: "SIGKILL", InjectAction.hang: "SIGSTOP"}.get(inj.action,
                                                                              "SIGCONT")
         if refusal is None and host is not None:
-            reason = (f"inject {inj.action.value}: host {host} " + (
+            reason = f"inject {inj.action.value}: host {host} " + (
                 "lost (link cut, every process killed)" if inj.action == InjectAction.host_loss
-                else f"cut off for {inj.for_s:g}s"))
+                else "returned (its server and instances start again)"
+                if inj.action == InjectAction.host_return else f"cut off for {inj.for_s:g}s")
         elif refusal is None:
             reason = f"inject {inj.action.value}: {sig} sent to {pod}"
         else:
