@@ -357,8 +357,33 @@ def quantile(v: list[float], q: float) -> float | None:
 
 
 # ---------------------------------------------------------------------------- all sizes
+def sizes_of(a: argparse.Namespace) -> list[int]:
+    """The sizes to run, each checked before anything starts: a size the scaler's policy
+    refuses (ValueError, the policy's reason) would otherwise fail only once its services
+    are up."""
+    from schemas.policy import ScalingPolicy
+
+    try:
+        sizes = [int(x) for x in a.agents.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--agents {a.agents!r}: give sizes as integers, e.g. 1024,4096") from None
+    if not sizes:
+        raise ValueError("--agents names no size")
+    for n in sizes:
+        try:  # as the scaler is started below: --max-replicas N --min-replicas 1
+            ScalingPolicy(min_replicas=1, max_replicas=n)
+        except ValueError as e:
+            raise ValueError(f"{n} agents: the scaler's policy refuses it: {e}") from None
+    return sizes
+
+
+def failures(res: dict[str, Any]) -> list[str]:
+    """Why each size that could not run did not (empty: every size ran)."""
+    return [f"{r['agents']} agents: {r['failed']}" for r in res["runs"] if r.get("failed")]
+
+
 async def run_all(a: argparse.Namespace) -> dict[str, Any]:
-    sizes = [int(x) for x in a.agents.split(",") if x.strip()]
+    sizes = sizes_of(a)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
     rng = random.Random(a.seed)
     runs = []
@@ -445,8 +470,19 @@ def plot(res: dict[str, Any]) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
+    """0 when every size ran (a run that did not keep up is a result: its figures say so);
+    non-zero, with the reason on stderr, when a size could not run at all."""
+    try:
+        sizes_of(a)
+    except ValueError as e:
+        print(f"control-plane bench: {e}", file=sys.stderr, flush=True)
+        return 2
     res = asyncio.run(run_all(a))
-    return emit_with_plot(a, res, markdown(res), SECTION, "bench-control-plane.svg", plot)
+    rc = emit_with_plot(a, res, markdown(res), SECTION, "bench-control-plane.svg", plot)
+    bad = failures(res)
+    for why in bad:
+        print(f"control-plane bench: could not run {why}", file=sys.stderr, flush=True)
+    return rc or (1 if bad else 0)
 
 
 def _agents(argv: list[str]) -> None:
