@@ -539,7 +539,8 @@ class ActuatorCommand(Message):
     action: ActuatorAction
     pod: PodId | None = None
     role: Role = Role.spare
-    count: Annotated[int, Field(ge=1, le=1024)] = 1
+    # a capacity add's pods, started at once (was at most 1,024: a larger add failed)
+    count: Annotated[int, Field(ge=1, le=MAX_MEMBERS)] = 1
     reason: Text = ""
     # The lease term of the scaler that sent it (issue 42, added 2026-12-06, optional: None
     # from an older sender or an operator's tool, always acted on). The actuator refuses a
@@ -550,7 +551,7 @@ class ActuatorCommand(Message):
 class ActuatorReply(Message):
     subject_kind: ClassVar[str] = "actuator_reply"
     ok: bool
-    pods: Annotated[list[PodId], Field(max_length=1024)] = []
+    pods: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []  # (the pods started)
     error: Text = ""
 
 

@@ -19,6 +19,12 @@ def test_no_cap_below_65536_replicas():
     assert p.world_size == 16384 and p.rank_of("w16383") == 16383
     with pytest.raises(ValueError):
         ScalingPolicy(max_replicas=MAX_MEMBERS + 1)
+    # a capacity add of more than 1,024 pods: the scaler's start command and its reply
+    from schemas.messages import ActuatorCommand, ActuatorReply, Capacity
+
+    assert Capacity(change="add", count=4096).count == 4096
+    assert ActuatorCommand(action="start", count=4096).count == 4096
+    assert len(ActuatorReply(ok=True, pods=[f"s{i}" for i in range(4096)]).pods) == 4096
 
 
 def test_a_complete_health_view_lists_every_pod_a_service_may_track():
