@@ -40,6 +40,7 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "recovery": "downtime and phases of in-process recovery",
         "overhead": "step time under Ceaseless vs plain DDP (or --bus-servers N vs 1)",
         "control-plane": "simulated agents vs the services: detection, plan delivery, CPU",
+        "message-sizes": "messages that grow with the job (plan, health view, status), by size",
         "init": "process-group creation: NATS-backed store vs TCPStore, per generation",
         "elastic": "capacity/priority events: join and release times, pause of the others",
         "goodput": "fixed-length run with a fault every K seconds: useful time / wall time",
@@ -64,6 +65,7 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "recovery", "bench.recovery")
     _module(bsub, "overhead", "bench.overhead")
     _module(bsub, "control-plane", "bench.control_plane")
+    _module(bsub, "message-sizes", "bench.message_sizes")
     _module(bsub, "init", "bench.init_bench")
     _module(bsub, "elastic", "bench.elastic")
     _module(bsub, "goodput", "bench.goodput")

@@ -142,6 +142,17 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of ``pid`` now (``VmRSS``)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
 async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     from schemas.messages import Fault, Plan
     from plumbing.bus import Bus
@@ -265,6 +276,9 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         wall = time.monotonic() - w0
         cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
         cpu1["nats-server"] = cpu_seconds(srv.proc.pid)
+        rss = {name: rss_bytes(p.pid) for name, p in procs.items()
+               if not name.startswith("agents")}
+        rss["nats-server"] = rss_bytes(srv.proc.pid)
         for s in silenced:
             hit = faults.get(s["pod"])
             if hit is None:
@@ -294,7 +308,7 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         return {"agents": n, "procs": len(outs), "silences": silenced, "plans": deliveries,
                 "initial_plan_delivery_s": init_delivery,
                 "setup_s": round(t_g1 - t_setup, 3),
-                "measured_s": wall, "cpu_core_fraction": cpu,
+                "measured_s": wall, "cpu_core_fraction": cpu, "rss_bytes": rss,
                 "detect_p50_s": quantile(det, 0.5), "detect_p99_s": quantile(det, 0.99),
                 "detect_max_s": max(det) if det else None,
                 "plan_delivery": summary(x["ts_to_all_s"] for x in deliveries),
@@ -357,8 +371,33 @@ def quantile(v: list[float], q: float) -> float | None:
 
 
 # ---------------------------------------------------------------------------- all sizes
+def sizes_of(a: argparse.Namespace) -> list[int]:
+    """The sizes to run, each checked before anything starts: a size the scaler's policy
+    refuses (ValueError, the policy's reason) would otherwise fail only once its services
+    are up."""
+    from schemas.policy import ScalingPolicy
+
+    try:
+        sizes = [int(x) for x in a.agents.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--agents {a.agents!r}: give sizes as integers, e.g. 1024,4096") from None
+    if not sizes:
+        raise ValueError("--agents names no size")
+    for n in sizes:
+        try:  # as the scaler is started below: --max-replicas N --min-replicas 1
+            ScalingPolicy(min_replicas=1, max_replicas=n)
+        except ValueError as e:
+            raise ValueError(f"{n} agents: the scaler's policy refuses it: {e}") from None
+    return sizes
+
+
+def failures(res: dict[str, Any]) -> list[str]:
+    """Why each size that could not run did not (empty: every size ran)."""
+    return [f"{r['agents']} agents: {r['failed']}" for r in res["runs"] if r.get("failed")]
+
+
 async def run_all(a: argparse.Namespace) -> dict[str, Any]:
-    sizes = [int(x) for x in a.agents.split(",") if x.strip()]
+    sizes = sizes_of(a)
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-bench-"))
     rng = random.Random(a.seed)
     runs = []
@@ -376,12 +415,14 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         if res["error"]:
             print(f"{n:>5} agents: did not keep up: {res['error']}", flush=True)
         f3 = (lambda v: f"{v:.3f}" if v is not None else "-")
+        kb = {k: f"{v / n / 1024:.1f}" if v else "-" for k, v in res["rss_bytes"].items()}
         print(f"{n:>5} agents: detect p50 {f3(res['detect_p50_s'])}s p99 "
               f"{f3(res['detect_p99_s'])}s; plan to all {fmt(res['plan_delivery'])}; initial "
               f"plan {f3(res['initial_plan_delivery_s'])}s; CPU monitor "
               f"{c.get('health_monitor') or 0:.2f} scaler {c.get('scaler') or 0:.2f} broker "
-              f"{c.get('state_broker') or 0:.2f} nats {c.get('nats-server') or 0:.2f}",
-              flush=True)
+              f"{c.get('state_broker') or 0:.2f} nats {c.get('nats-server') or 0:.2f}; RSS KiB per "
+              f"agent monitor {kb.get('health_monitor')} scaler {kb.get('scaler')} broker "
+              f"{kb.get('state_broker')} nats {kb.get('nats-server')}", flush=True)
     return {"benchmark": "control-plane", "machine": machine(),
             "config": config(a) | {"command": "python -m bench.control_plane "
                                    + " ".join(sys.argv[1:])}, "runs": runs}
@@ -445,8 +486,19 @@ def plot(res: dict[str, Any]) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
+    """0 when every size ran (a run that did not keep up is a result: its figures say so);
+    non-zero, with the reason on stderr, when a size could not run at all."""
+    try:
+        sizes_of(a)
+    except ValueError as e:
+        print(f"control-plane bench: {e}", file=sys.stderr, flush=True)
+        return 2
     res = asyncio.run(run_all(a))
-    return emit_with_plot(a, res, markdown(res), SECTION, "bench-control-plane.svg", plot)
+    rc = emit_with_plot(a, res, markdown(res), SECTION, "bench-control-plane.svg", plot)
+    bad = failures(res)
+    for why in bad:
+        print(f"control-plane bench: could not run {why}", file=sys.stderr, flush=True)
+    return rc or (1 if bad else 0)
 
 
 def _agents(argv: list[str]) -> None:

@@ -306,6 +306,8 @@ def _render_status(st: dict[str, Any]) -> str:
                          f"{p.get('generation', '-'):>4}{str(p.get('rank', '-')):>5}"
                          f"{p.get('step', '-'):>7}{p.get('age', 0):>8.2f}  "
                          f"{str(p.get('device') or '-'):<16}{p.get('health', '')}")
+        if (mon.get("pods_total") or 0) > len(pods):  # a status lists the first (not ok first)
+            lines.append(f"... and {mon['pods_total'] - len(pods)} more pods not listed")
     waiting = mon.get("waiting") or {}
     if waiting:
         lines.append("waiting in the all-reduce: "

@@ -17,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .subjects import ID_PATTERN
 
 SCHEMA_VERSION = 1
-MAX_MEMBERS = 8192
+# The largest job the wire describes (issue 45: was 8,192). A job's size is its policy's; this
+# only bounds what a receiver accepts. Messages that name every member grow with it
+# (docs/benchmarks.md, "Message sizes"): at 65,536 a plan no longer fits MAX_PAYLOAD_BYTES.
+MAX_MEMBERS = 65536
+# Pods a service keeps per-pod state for at most (members and spares, bounding what spoofed
+# pod ids can make it hold).
+MAX_PODS = 2 * MAX_MEMBERS
 MAX_PAYLOAD_BYTES = 1024 * 1024  # NATS' default max_payload
 
 PodId = Annotated[str, Field(pattern=ID_PATTERN, description="stable pod id")]
@@ -204,6 +210,8 @@ class Seen(BaseModel):
 
 MAX_VIEW_PODS = 512  # full heartbeats per message: well under MAX_PAYLOAD_BYTES
 MAX_VIEW_LIVE = 4096  # compact entries per message (at most ~160 bytes each)
+# messages of one listing: enough for MAX_PODS full heartbeats, MAX_VIEW_PODS per message
+MAX_VIEW_CHUNKS = -(-MAX_PODS // MAX_VIEW_PODS)
 
 
 class HealthView(Message):
@@ -219,8 +227,8 @@ class HealthView(Message):
     monitor: Annotated[str, Field(max_length=64)]
     seq: Annotated[int, Field(ge=0)]
     full: bool = False
-    chunk: Annotated[int, Field(ge=0, lt=64)] = 0
-    chunks: Annotated[int, Field(ge=1, le=64)] = 1
+    chunk: Annotated[int, Field(ge=0, lt=MAX_VIEW_CHUNKS)] = 0
+    chunks: Annotated[int, Field(ge=1, le=MAX_VIEW_CHUNKS)] = 1
     interval: Annotated[float, Field(gt=0, le=60)]
     pods: Annotated[list[Seen], Field(max_length=MAX_VIEW_PODS)] = []
     live: Annotated[list[PodId], Field(max_length=MAX_VIEW_LIVE)] = []
@@ -536,7 +544,8 @@ class ActuatorCommand(Message):
     action: ActuatorAction
     pod: PodId | None = None
     role: Role = Role.spare
-    count: Annotated[int, Field(ge=1, le=1024)] = 1
+    # a capacity add's pods, started at once (was at most 1,024: a larger add failed)
+    count: Annotated[int, Field(ge=1, le=MAX_MEMBERS)] = 1
     reason: Text = ""
     # The lease term of the scaler that sent it (issue 42, added 2026-12-06, optional: None
     # from an older sender or an operator's tool, always acted on). The actuator refuses a
@@ -547,7 +556,7 @@ class ActuatorCommand(Message):
 class ActuatorReply(Message):
     subject_kind: ClassVar[str] = "actuator_reply"
     ok: bool
-    pods: Annotated[list[PodId], Field(max_length=1024)] = []
+    pods: Annotated[list[PodId], Field(max_length=MAX_MEMBERS)] = []  # (the pods started)
     error: Text = ""
 
 

@@ -28,11 +28,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .messages import MAX_MEMBERS
+
 POLICY_ENV = "CEASELESS_POLICY"
 SCALE_KEY = "scale"  # KV key of ScaleState (written by the scaler only)
 SCRIPT_KEY = "script"  # KV key of ScriptInfo (written by the script's rank 0)
 DEPARTURES_KEY = "departures"  # KV key of Departures (written by the scaler only)
-MAX_REPLICAS = 8192
+MAX_REPLICAS = MAX_MEMBERS  # a plan's bound: every replica is a member
 
 
 class PerScale(BaseModel):

@@ -20,7 +20,7 @@ UNIT_FILES = {
     "test_scaler.py", "test_schemas_timeouts.py", "test_session_local.py",
     "test_state_broker.py", "test_store.py", "test_trace_cli.py", "test_transfer.py",
     "test_up_threads.py", "test_ledger.py", "test_guards.py", "test_prefork.py",
-    "test_stragglers.py",
+    "test_stragglers.py", "test_scale.py",
     "test_inject.py", "test_actuator.py", "test_schemas_export.py",
     "test_graveyard.py", "test_standby.py", "test_placement.py", "test_hosts.py",
 }

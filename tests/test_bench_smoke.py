@@ -187,6 +187,7 @@ def test_control_plane(tmp_path):
     assert 0.9 <= run["detect_p50_s"] < 10
     assert run["plan_delivery"]["n"] >= 1
     assert run["cpu_core_fraction"]["health_monitor"] is not None
+    assert run["rss_bytes"]["health_monitor"] > 0 and run["rss_bytes"]["nats-server"] > 0
 
 
 @pytest.mark.timeout(LIMIT)

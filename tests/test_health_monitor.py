@@ -214,6 +214,50 @@ async def test_peer_error_accelerates(env, bus):
     assert len(env.faults) == 1
 
 
+async def test_peer_error_reports_cost_the_silent_pods_not_the_members(env, bus):
+    """Issue 45: while an all-reduce waits, every member reports peer_error every heartbeat
+    interval; a report used to look at every member (N² per round at N ranks). Now it looks
+    at the pods silent for the suspect timeout (none here) and stops at the first one heard
+    from: N reports, about N pods looked at. Then a member falls silent: the next report
+    still finds it, among the members, and a silent non-member (a spare) is not declared
+    by it."""
+    n = 300
+    pods = [f"w{i}" for i in range(n)]
+    # members seeded from the plan count as heard at its adoption: fresh for 10 s
+    m = await env.monitor(make_plan(pods, spares=["s0"]), fault_timeout=30.0,
+                          suspect_timeout=10.0, stall_timeout=40.0, collective_timeout=60.0)
+    await until(lambda: len(m.pods) == n, what="members watched")
+    for p in pods:
+        await bus.publish(bus.subjects.report(p), Report(
+            pod=p, report="peer_error", generation=1, error="all-reduce waiting for 0.50s"))
+    await until(lambda: m.peer_errors == n, what="every report taken")
+    assert m.peer_error_looked <= 2 * n, m.peer_error_looked  # was n * n
+    assert len(m.waiting) == n and not env.faults
+    assert m.status()["peer_errors"] == {"reports": n, "pods_looked_at": m.peer_error_looked}
+    # a spare, then every member but w5 is heard from
+    await bus.publish(bus.subjects.heartbeat("s0"), Heartbeat(pod="s0", role=Role.spare,
+                                                              generation=1))
+    await until(lambda: "s0" in m.pods, what="the spare watched")
+    for p in pods:
+        if p != "w5":
+            await bus.publish(bus.subjects.heartbeat(p), Heartbeat(
+                pod=p, role=Role.worker, generation=1, rank=int(p[1:]), step=3))
+    await until(lambda: all(m.pods[p].heartbeated for p in pods if p != "w5"),
+                what="every heartbeat taken")
+    order = [v.last_hb for v in m.pods.values()]
+    assert order == sorted(order) and next(iter(m.pods)) == "w5"  # least recently heard first
+    # w5 and s0, the front, silent past the suspect timeout (not the fault timeout)
+    m.pods["w5"].last_hb -= 15.0
+    m.pods["s0"].last_hb = m.pods["w5"].last_hb
+    looked = m.peer_error_looked
+    await bus.publish(bus.subjects.report("w0"), Report(pod="w0", report="peer_error",
+                                                        generation=1))
+    await until(lambda: env.faults, what="the silent member declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w5", "lost")]
+    assert "peer_error from w0" in env.faults[0].reason
+    assert m.peer_error_looked - looked == 3  # w5, s0, then the first pod heard from
+
+
 async def test_dead_spare_reported(env, bus):
     m = await env.monitor(make_plan(["w0"], spares=["s0"]))
     env.beat("w0", rank=0)

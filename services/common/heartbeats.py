@@ -23,7 +23,7 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
-from schemas.messages import MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat, Seen, new_id
+from schemas.messages import MAX_PODS, MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat, Seen, new_id
 from schemas.timeouts import VIEW_INTERVAL
 
 from plumbing.aio import cancel_all, wait_event
@@ -36,7 +36,7 @@ OnBeats = Callable[[list[str], list[int], list[int], list[str], list[float]], No
 # the monitor's watched pods (or those named): (last heartbeat, monotonic time received)
 Heard = Callable[[Iterable[str] | None], list[tuple[Heartbeat, float]]]
 COMPLETE_EVERY = 8  # a complete listing (full heartbeats) every 8 intervals
-_MAX_TRACKED = 16384
+_MAX_TRACKED = MAX_PODS
 
 
 def _key(hb: Heartbeat) -> tuple[Any, ...]:
@@ -97,27 +97,37 @@ class ViewPublisher:
         self.seq += 1
         return HealthView(monitor=self.id, seq=self.seq, interval=self.interval, **kw)
 
-    async def _publish_full(self, heard: list[tuple[Heartbeat, float]], complete: bool) -> None:
-        now = time.monotonic()
+    def full_views(self, heard: list[tuple[Heartbeat, float]], complete: bool,
+                   now: float) -> list[HealthView]:
+        """The messages of one listing of full heartbeats (none: nothing to send)."""
         seen = [Seen(hb=hb, age=min(3600.0, max(0.0, now - t))) for hb, t in heard]
         if not seen and not complete:
-            return
+            return []
         chunks = [seen[i:i + MAX_VIEW_PODS] for i in range(0, len(seen), MAX_VIEW_PODS)] or [[]]
-        for i, part in enumerate(chunks):
-            await self.bus.publish(self.bus.subjects.health, self._view(
-                full=complete, chunk=i, chunks=len(chunks), pods=part))
-        self.published += 1
+        return [self._view(full=complete, chunk=i, chunks=len(chunks), pods=part)
+                for i, part in enumerate(chunks)]
+
+    def compact_views(self, items: list[tuple[Heartbeat, float]],
+                      now: float) -> list[HealthView]:
+        """The messages of one compact listing of ``items``."""
+        chunks = [items[i:i + MAX_VIEW_LIVE] for i in range(0, len(items), MAX_VIEW_LIVE)] or [[]]
+        return [self._view(chunk=i, chunks=len(chunks), live=[hb.pod for hb, _ in part],
+                           gens=[hb.generation for hb, _ in part],
+                           steps=[hb.step for hb, _ in part],
+                           digests=[hb.step_digest for hb, _ in part],
+                           ages=[min(3600.0, max(0.0, now - t)) for _, t in part])
+                for i, part in enumerate(chunks)]
+
+    async def _publish_full(self, heard: list[tuple[Heartbeat, float]], complete: bool) -> None:
+        views = self.full_views(heard, complete, time.monotonic())
+        for v in views:
+            await self.bus.publish(self.bus.subjects.health, v)
+        if views:
+            self.published += 1
 
     async def _publish_compact(self) -> None:
-        now = time.monotonic()
-        items = self.heard(None)
-        chunks = [items[i:i + MAX_VIEW_LIVE] for i in range(0, len(items), MAX_VIEW_LIVE)] or [[]]
-        for i, part in enumerate(chunks):
-            await self.bus.publish(self.bus.subjects.health, self._view(
-                chunk=i, chunks=len(chunks), live=[hb.pod for hb, _ in part],
-                gens=[hb.generation for hb, _ in part], steps=[hb.step for hb, _ in part],
-                digests=[hb.step_digest for hb, _ in part],
-                ages=[min(3600.0, max(0.0, now - t)) for _, t in part]))
+        for v in self.compact_views(self.heard(None), time.monotonic()):
+            await self.bus.publish(self.bus.subjects.health, v)
         self.published += 1
 
 

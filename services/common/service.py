@@ -10,7 +10,8 @@ import os
 import signal
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Protocol
+from itertools import islice
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 import nats.micro
 
@@ -30,7 +31,9 @@ class Part(Protocol):
     async def stop(self) -> None: ...
 
 
-Subscription = tuple[str, type, Callable[..., Awaitable[None]]]  # subject, message, handler
+# subject, message, handler[, only: the bytes a payload must hold to be decoded (Bus.subscribe)]
+Subscription = tuple[Any, ...]
+STATUS_ITEMS = 1000  # per-pod entries one status lists at most (Service.listed)
 
 
 class Service:
@@ -105,13 +108,23 @@ class Service:
         for part in self.parts():
             await part.start()
             self._started.append(part)
-        for subject, cls, handler in self.subscriptions():
-            self._subs.append(await self.bus.subscribe(subject, cls, handler))
+        for subject, cls, handler, *only in self.subscriptions():
+            self._subs.append(await self.bus.subscribe(subject, cls, handler,
+                                                       only=only[0] if only else None))
         await self.lease.start()
         await self.on_start()
 
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    @staticmethod
+    def listed(items: Iterable[tuple[Any, Any]], count: int,
+               limit: int | None = None) -> dict[Any, Any]:
+        """The first ``limit`` (STATUS_ITEMS) of ``count`` per-pod entries of a status: the
+        reply is one message (at most MAX_PAYLOAD_BYTES), and a listing of every pod is
+        megabytes at 16,384 (docs/benchmarks.md, "Message sizes"). The status gives the
+        count beside it (``*_total``)."""
+        return dict(islice(items, STATUS_ITEMS if limit is None else limit))
 
     def base_status(self) -> dict[str, Any]:
         return {
@@ -120,6 +133,7 @@ class Service:
             "uptime_s": round(time.time() - self.started_at, 3),
             "received": dict(self.bus.received),
             "dropped": {f"{k}:{r}": n for (k, r), n in self.bus.dropped.items()},
+            "skipped": dict(self.bus.skipped),  # not decoded: not what it subscribed for
             "handler_errors": self.bus.handler_errors,
             "lease": self.lease.status(),
         }

@@ -22,7 +22,9 @@ Rules (docs/architecture.md, recovery step 1):
   ``stalled`` (the member's own watchdog: no step boundary and no collective for its stall
   timeout, e.g. a training thread stuck in user code while heartbeats go on) -> ``hang``;
 * a ``peer_error`` report makes every member of the current generation whose heartbeat is
-  older than ``suspect_timeout`` ``lost`` at once;
+  older than ``suspect_timeout`` ``lost`` at once (``pods`` is kept in the order the pods
+  were last heard from, so a report looks only at the silent ones: every waiting member
+  reports every heartbeat interval, N reports a second at N ranks, issue 45);
 * absent member: while members keep reporting that they wait in the gradient all-reduce
   (``peer_error`` every heartbeat interval, then the timeout itself), a member that is alive
   but not among them once one has waited the agents' ``collective_timeout`` -> ``hang``
@@ -45,13 +47,14 @@ from schemas.timeouts import check_timeouts
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from schemas.messages import MAX_PODS  # bounds what spoofed pod ids can make it track
 from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, JobFailed,
                               JobFailedKind, Lifecycle, LifecycleEvent, Plan, Report,
                               ReportKind, Role)
@@ -68,7 +71,6 @@ from .repeats import Failure, RepeatDetector, injected
 tracer = trace.get_tracer("ceaseless")
 GONE_STATES = (AgentState.done, AgentState.leaving)
 EXCEPTION_REPORTS = (ReportKind.exception, ReportKind.digest_mismatch, ReportKind.recovery_failed)
-MAX_PODS = 16384  # bounds what spoofed pod ids can make it track
 CHECK_INTERVAL = 0.05  # seconds between liveness checks
 # A straggler: its own compute of a step over STRAGGLER_FACTOR x the others' (or its own
 # slowdown over that factor x theirs) for most of STRAGGLER_WINDOW_S seconds (stragglers.py)
@@ -140,7 +142,11 @@ class HealthMonitor(Service):
             stragglers.Rule(factor=straggler_factor, window=straggler_window)
             if straggler_factor > 0 else stragglers.Rule())
         self.plans = PlanFollower(bus, self.log, on_change=self._on_plan)
-        self.pods: dict[str, PodView] = {}
+        # every watched pod, least recently heard first (``_heard_at`` moves a pod to the
+        # end as its ``last_hb`` is set): the silent ones are a prefix, found without a scan
+        self.pods: OrderedDict[str, PodView] = OrderedDict()
+        self.peer_errors = 0        # peer_error reports taken
+        self.peer_error_looked = 0  # pods they looked at (the silent prefix, plus one each)
         self.faulted = BoundedSet(MAX_PODS)     # pods a fault was declared for: not watched any more
         self.gone = BoundedSet(MAX_PODS)        # exited 0: done
         self.incidents = BoundedSet(MAX_PODS)   # incident ids declared (dedupe)
@@ -259,7 +265,7 @@ class HealthMonitor(Service):
                 v.rank = m.rank
                 v.last_advance, v.last_advance_wall = now, wall  # recovery is not a stall
         self.log.info("plan adopted", generation=new.generation, world_size=new.world_size,
-                      members={m.rank: m.pod for m in new.members})
+                      members={m.rank: m.pod for m in new.members[:64]})  # a line, not MBs
 
     # ------------------------------------------------------------------ inputs
     async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
@@ -297,7 +303,8 @@ class HealthMonitor(Service):
                          "using the plan's", level="debug", pod=hb.pod)
         v.role, v.generation, v.step, v.state = hb.role, hb.generation, hb.step, hb.state
         v.rank = plan_rank if plan_rank is not None else hb.rank
-        v.last_hb, v.last_seen, v.heartbeated, v.deadline_extra = now, wall, True, 0.0
+        self._heard_at(v, now)
+        v.last_seen, v.heartbeated, v.deadline_extra = wall, True, 0.0
         if hb.solo_until is not None:
             v.solo_until, v.solo_ended = hb.solo_until, None
         elif v.solo_until is not None:
@@ -309,6 +316,12 @@ class HealthMonitor(Service):
             self.view.note(v.hb, hb)
         v.hb = hb
 
+    def _heard_at(self, v: PodView, now: float) -> None:
+        """``v`` was heard from at ``now`` (monotonic, never earlier than any before): the
+        only place ``last_hb`` moves forward for one pod, keeping ``pods`` in that order."""
+        v.last_hb = now
+        self.pods.move_to_end(v.pod)
+
     def _heard(self, pods: Iterable[str] | None) -> list[tuple[Heartbeat, float]]:
         views = self.pods.values() if pods is None else (self.pods.get(p) for p in pods)
         return [(v.hb, v.last_hb) for v in views if v is not None and v.hb is not None]
@@ -317,7 +330,8 @@ class HealthMonitor(Service):
         if ev.event == LifecycleEvent.started:
             v = self.pods.get(ev.pod)
             if v is not None and not v.heartbeated:  # a member seeded from the plan: its
-                v.last_hb, v.last_seen = time.monotonic(), time.time()  # grace runs from now
+                self._heard_at(v, time.monotonic())  # grace runs from now
+                v.last_seen = time.time()
             return
         if ev.event != LifecycleEvent.exited:
             return
@@ -479,17 +493,18 @@ class HealthMonitor(Service):
                          f"{self.generation}", pod=r.pod)
             return
         now = time.monotonic()
+        self.peer_errors += 1
+        # Only the pods silent for suspect_timeout, the front of ``pods`` (least recently
+        # heard first): a report costs the silent pods, not the members.
         suspects = []
-        for m in plan.members:
-            if m.pod == r.pod or m.pod in self.faulted:
-                continue
-            v = self.pods.get(m.pod)
-            if v is None or v.state in GONE_STATES:
-                continue
-            if now - v.last_hb > self.suspect_timeout:
+        for v in self.pods.values():
+            self.peer_error_looked += 1
+            if now - v.last_hb <= self.suspect_timeout:
+                break  # heard from since: so is every pod after it
+            if (v.pod != r.pod and v.pod not in self.faulted and v.state not in GONE_STATES
+                    and plan.rank_of(v.pod) is not None):
                 suspects.append(v)
-        self.log.info("peer error reported", subject=env.subject, pod=r.pod, error=r.error[:200],
-                      suspects=[v.pod for v in suspects])
+        started = False
         if plan.rank_of(r.pod) is not None and r.pod not in self.faulted:
             w = self.waiting.get(r.pod)
             # one run = one wait: a report for another step (the member committed in between,
@@ -497,8 +512,12 @@ class HealthMonitor(Service):
             if w is None or w.generation != r.generation or w.step != r.step or \
                     now - w.last > self.fault_timeout:
                 self.waiting[r.pod] = Waiting(r.generation, now, now, r.step)
+                started = True
             else:
                 w.last = now
+        if started or suspects:  # a wait's repeats (every heartbeat interval) are not logged
+            self.log.info("peer error reported", subject=env.subject, pod=r.pod,
+                          error=r.error[:200], suspects=[v.pod for v in suspects[:16]])
         for v in suspects:
             await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen, since=v.last_seen,
                                 reason=f"peer_error from {r.pod} and no heartbeat for "
@@ -803,27 +822,31 @@ class HealthMonitor(Service):
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         plan = self.plan
-        members = {m.pod for m in plan.members} if plan else set()
         lat = sorted(self.latencies)
+        health = {v.pod: self._health(v, now) for v in self.pods.values()}
+        # the pods not "ok" first: at thousands of pods not every one is listed
+        views = sorted(self.pods.values(), key=lambda v: (health[v.pod] == "ok", v.pod))
+        waiting = sorted((p, round(now - w.since, 3)) for p, w in self.waiting.items()
+                         if w.generation == self.generation
+                         and now - w.last <= self.fault_timeout)
         return {
             "generation": self.generation,
             "job_failed": (self.job_failed.model_dump(mode="json")
                            if self.job_failed is not None else None),
-            "pods": {
-                v.pod: {"role": v.role.value, "member": v.pod in members, "gen": v.generation,
+            "pods": self.listed(((
+                v.pod, {"role": v.role.value, "member": self._is_member(v.pod),
+                        "gen": v.generation,
                         "generation": v.generation, "rank": v.rank, "step": v.step,
                         "age": round(now - v.last_hb, 3),
                         "since_advance": round(now - v.last_advance, 3),
                         "state": v.state.value, "heartbeated": v.heartbeated,
                         "device": v.hb.device if v.hb is not None else None,
-                        "health": self._health(v, now)}
-                for v in sorted(self.pods.values(), key=lambda v: v.pod)
-            },
+                        "health": health[v.pod]}) for v in views), len(views)),
+            "pods_total": len(views),
             # members reporting that they wait in a collective, and for how long (the
             # absent-member rule acts once one reaches collective_timeout)
-            "waiting": {p: round(now - w.since, 3) for p, w in sorted(self.waiting.items())
-                        if w.generation == self.generation
-                        and now - w.last <= self.fault_timeout},
+            "waiting": self.listed(waiting, len(waiting)),
+            "waiting_total": len(waiting),
             "faults_declared": len(self.incidents),
             "faults": list(self.faults)[-50:],
             "detection_latency": None if not lat else {
@@ -831,6 +854,7 @@ class HealthMonitor(Service):
                 "median": round(lat[len(lat) // 2], 4),
                 "last": round(self.latencies[-1], 4)},
             "ignored": dict(self.ignored),
+            "peer_errors": {"reports": self.peer_errors, "pods_looked_at": self.peer_error_looked},
             "config": {"fault_timeout": self.fault_timeout, "stall_timeout": self.stall_timeout,
                        "collective_timeout": self.collective_timeout,
                        "suspect_timeout": self.suspect_timeout,

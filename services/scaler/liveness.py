@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from plumbing.bounded import BoundedSet
-from schemas.messages import AgentState, Heartbeat, Lifecycle, Plan, Role
+from schemas.messages import MAX_PODS, AgentState, Heartbeat, Lifecycle, Plan, Role
 from schemas.timeouts import VIEW_INTERVAL
 
 GONE_STATES = (AgentState.done, AgentState.leaving)
-MAX_TRACKED = 16384
+MAX_TRACKED = MAX_PODS
 
 Ignore = Callable[..., None]  # Service._ignore: (subject, reason, level=..., **kw)
 

@@ -40,7 +40,7 @@ from plumbing.terms import NewestTerm
 from services.common.heartbeats import HeartbeatFeed
 from services.common.lease import LeaseState
 from services.common.plans import PlanFollower
-from services.common.service import Service, wait_event
+from services.common.service import STATUS_ITEMS, Service, wait_event
 
 from . import faults, policy, script
 from .actuation import Actuation
@@ -187,7 +187,10 @@ class Scaler(Service):
     def subscriptions(self) -> list:
         s = self.bus.subjects
         return [(s.lifecycle(), Lifecycle, self._on_lifecycle), (s.fault, Fault, self._on_fault),
-                (s.report(), Report, self._on_report),
+                # only preemption notices: not the N peer_error reports a second that N
+                # members waiting in an all-reduce send (issue 45)
+                (s.report(), Report, self._on_report,
+                 f'"{ReportKind.preempted.value}"'.encode()),
                 (s.capacity, Capacity, self._on_capacity),
                 (s.priority, Priority, self._on_priority),
                 (s.job_failed, JobFailed, self._on_job_failed)]
@@ -820,21 +823,27 @@ class Scaler(Service):
     def status(self) -> dict[str, Any]:
         plan = self.plans.plan
         now = time.monotonic()
+        alive = sorted(p for p in self.pods if self._alive(p, now))
         return {
             "scaler_id": self.scaler_id,
             "lease_holder": self.acting,
             "lease": self.lease.status(),
             "plan": None if plan is None else {
                 "generation": plan.generation, "revision": self.plans.revision,
-                "members": {m.rank: m.pod for m in plan.members},
+                # the first ranks' (the whole plan is in KV: `ceaseless status` reads it there)
+                "members": self.listed(((m.rank, m.pod) for m in plan.members),
+                                       plan.world_size),
                 "world_size": plan.world_size, "shard_size": plan.shard_size,
-                "replicas": plan.replicas, "shares": plan.shares, "reason": plan.reason,
+                "replicas": plan.replicas,
+                "shares": self.listed(plan.shares.items(), plan.world_size),
+                "reason": plan.reason,
                 "incident": plan.incident, "spares": plan.spares, "fenced": plan.fenced[-16:],
             },
             "plan_problem": self.plans.problem or None,
             "alive_spares": self.alive_spares(plan, now),
             "heartbeats_from": self.feed.source,
-            "alive_pods": sorted(p for p in self.pods if self._alive(p, now)),
+            "alive_pods": alive[:STATUS_ITEMS],  # (the first: Service.listed)
+            "alive_pods_total": len(alive),
             "pending": {p.pod: {"incident": p.incident, "kind": p.kind,
                                 "age": round(now - p.since, 3)} for p in self.pending.values()},
             "waiting": self.waiting or None,

@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from plumbing import telemetry
 from plumbing.bus import Bus
-from schemas import PLAN_KEY
+from schemas import MAX_PAYLOAD_BYTES, PLAN_KEY
 from schemas.messages import Plan
 from services.common.plans import PlanFollower
 
@@ -35,6 +35,11 @@ class PlanWriter:
                     on_written: Callable[[], None]) -> bool:
         """False: the compare-and-set lost (the plan is reloaded). ``on_written`` runs
         once it is in KV, before it is published."""
+        data = new.model_dump_json().encode()
+        if len(data) > MAX_PAYLOAD_BYTES:  # nats-server would refuse it: say why
+            raise ValueError(f"plan generation {new.generation} of {new.world_size} members "
+                             f"is {len(data)} bytes, over the {MAX_PAYLOAD_BYTES} one "
+                             "message may carry (docs/benchmarks.md, Message sizes)")
         parent = pend[0].ctx if pend and pend[0].ctx is not None else None
         links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())
                  for p in pend[1:] if p.ctx is not None]
@@ -46,7 +51,6 @@ class PlanWriter:
             attrs["ceaseless.pod"] = ",".join(p.pod for p in pend)
         with tracer.start_as_current_span("plan", context=parent, links=links,
                                           attributes=attrs) as span:
-            data = new.model_dump_json().encode()
             try:
                 if revision is None:
                     rev = await self.kv.create(PLAN_KEY, data)
@@ -69,7 +73,8 @@ class PlanWriter:
             on_written()
             self.log.info("plan committed", generation=new.generation, revision=rev,
                           world_size=new.world_size, reason=new.reason, incident=new.incident,
-                          members={m.rank: m.pod for m in new.members}, spares=new.spares)
+                          members={m.rank: m.pod for m in new.members[:64]},  # a line, not MBs
+                          spares=new.spares[:64])
             await self.bus.publish(self.bus.subjects.plan, new,
                                    msg_id=f"plan-g{new.generation}-r{rev}", ctx=ctx)
         return True

@@ -36,16 +36,15 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from schemas.messages import Heartbeat, Plan, StateLost, Transfer
+from schemas.messages import MAX_PODS, Heartbeat, Plan, StateLost, Transfer
 from plumbing.bus import Bus, Envelope
 from services.common.heartbeats import HeartbeatFeed
 from services.common.plans import PlanFollower
-from services.common.service import Service, cancel_all, wait_event
+from services.common.service import STATUS_ITEMS, Service, cancel_all, wait_event
 
 from .high_water import HighWaterRecord
 
 tracer = trace.get_tracer("ceaseless")
-MAX_PODS = 16384
 MAX_SOURCES = 8  # sources one recipient stripes over
 MEMBER_WAIT = 10.0  # every member's heartbeat of a new generation is waited for this long
 STATE_WAIT = 30.0   # ... and a live member with newer committed state this long
@@ -461,14 +460,17 @@ class StateBroker(Service):
             "handled_generation": self.handled_generation,
             "waiting_for": (None if self._task is None or self._task.done()
                             else {"generation": self._task_gen,
-                                  "missing": self._reported(plan)[1] if plan else []}),
+                                  "missing": (self._reported(plan)[1][:STATUS_ITEMS]
+                                              if plan else [])}),
             "high_water": self.high_water,
             "high_water_kv": self.record.status(),
             "heartbeats_from": self.feed.source,
-            "pods": {p: {"rank": members.get(p, c.rank), "member": p in members,
-                         "gen": c.generation, "step": c.step, "digest": c.digest[:16],
-                         "age": round(time.time() - c.ts, 3)}
-                     for p, c in sorted(self.pods.items())},
+            "pods": self.listed(((p, {"rank": members.get(p, c.rank), "member": p in members,
+                                      "gen": c.generation, "step": c.step,
+                                      "digest": c.digest[:16],
+                                      "age": round(time.time() - c.ts, 3)})
+                                 for p, c in sorted(self.pods.items())), len(self.pods)),
+            "pods_total": len(self.pods),
             "last_transfer": self.last_result,
             "transfers_published": self.transfers_published,
             "state_lost_published": self.state_lost_published,
