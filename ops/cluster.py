@@ -42,6 +42,7 @@ log = logs.get("up")
 SERVICES = ("health_monitor", "scaler", "state_broker")
 # A bound on a clustered bus's first JetStream meta-leader election (a loaded machine is slower)
 BUS_READY_S = 30.0
+QUORUM_EVERY_S = 1.0  # how often `up` asks its servers whether a majority answers
 
 
 @dataclass
@@ -102,6 +103,9 @@ class UpOptions:
     standbys: int = 0
     # emulated hosts (issue 42): 0 none (everything on this machine's loopback, as always)
     hosts: int = 0
+    # the first K of them run the bus and the services only, the pods the others (0: pods
+    # on every host, rank 0 with the active services on h1; ops/placement.py)
+    control_hosts: int = 0
 
     @property
     def batch_given(self) -> bool:
@@ -361,6 +365,22 @@ class StoreKeeper:
         return True
 
 
+async def _watch_quorum(srv: BusServers, out: Any, started: float,
+                        every: float = QUORUM_EVERY_S) -> None:
+    """A bus of several servers: say when JetStream loses its quorum (fewer than a majority
+    of the servers answer), why, and when it is back (ops/quorum.py)."""
+    from .quorum import QuorumWatch, probe
+
+    watch = QuorumWatch()
+    while True:
+        v = await probe(srv.url, down={f"s{i + 1}" for i in srv.down})
+        line = watch.observe(v, time.monotonic())
+        if line is not None:
+            print(f"[{time.time() - started:7.2f}s] {line}", file=out, flush=True)
+            (log.warning if not v.has_quorum else log.info)("bus quorum", line=line)
+        await asyncio.sleep(every)
+
+
 def failover_suspect(fault_timeout: float) -> float:
     """The monitor's suspect timeout on a bus of several servers: a client's failover
     (plumbing/bus.py FAILOVER_S), kept below the fault timeout."""
@@ -380,7 +400,8 @@ async def run(opts: UpOptions) -> int:
 
     hosts = Hosts.make(opts.hosts)
     hosted = HostRun(hosts, place(hosts.names(), opts.bus_servers, list(SERVICES),
-                                  opts.standbys, opts.workers, opts.spares), run_dir)
+                                  opts.standbys, opts.workers, opts.spares,
+                                  control=opts.control_hosts), run_dir)
     print(f"ceaseless up: {opts.hosts} emulated hosts, " + (
         "each a network namespace (" + ", ".join(f"{h.name} {h.addr}" for h in hosts.hosts)
         + ")" if hosts.mode == "netns" else
@@ -614,6 +635,8 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     finished_w, after = 0, ""   # set when every member finished
     tty = out.isatty() and opts.live
     store = StoreKeeper()
+    quorum_task = (asyncio.create_task(_watch_quorum(srv, out, info.started))
+                   if len(srv.servers) > 1 else None)
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
@@ -717,8 +740,11 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         summary = _summary(run_dir, obs, exits, code, reason, launched=info.started,
                            spans=spans, committed=await _read_committed(bus))
         sup.stopping = True
-        sup_task.cancel()
-        await asyncio.gather(sup_task, return_exceptions=True)
+        for t in (sup_task, quorum_task):
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(sup_task, *([quorum_task] if quorum_task else []),
+                             return_exceptions=True)
         await bus.close()
         sup.stop_all()
         srv.stop()

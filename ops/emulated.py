@@ -65,7 +65,8 @@ class HostRun:
         """A pod's host: its placement, else (a pod started later) the live host with the
         fewest pods. Its prefix, and gloo's address: the host's."""
         h = self.placement.pods.get(pod)
-        live = [x for x, s in self.state.items() if s == HostState.up]
+        live = [x for x, s in self.state.items() if s == HostState.up
+                and (not self.placement.pod_hosts or x in self.placement.pod_hosts)]
         if h is None or h not in live:
             h = host_for_new_pod(self.pods, live)
         self.pods[pod] = h
