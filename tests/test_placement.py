@@ -111,3 +111,12 @@ def test_a_later_pod_never_goes_to_a_control_host(tmp_path):
             assert run.where(f"s{k}")[1]["CEASELESS_GLOO_HOSTNAME"] == hosts["h4"].addr
     finally:
         hosts.destroy()
+
+
+def test_up_refuses_control_hosts_that_leave_no_pod_host(capsys):
+    from ops.cli import main
+
+    for argv in (["--control-hosts", "1"], ["--hosts", "3", "--control-hosts", "3"],
+                 ["--hosts", "3", "--control-hosts", "-1"]):
+        assert main(["up", *argv]) == 2, argv
+        assert "--control-hosts" in capsys.readouterr().err
