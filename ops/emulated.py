@@ -171,6 +171,8 @@ class HostRun:
                         for i, h in enumerate(self.placement.servers)},
             "instances": dict(self.placement.instances),
             "pods": dict(sorted(self.pods.items())),
+            # where pods may go: every host, or those that are not control hosts
+            "pod_hosts": list(self.placement.pod_hosts or self.hosts.names()),
             "updated": time.time(),
         }
 

@@ -109,6 +109,9 @@ def test_a_later_pod_never_goes_to_a_control_host(tmp_path):
         assert run.where("w0")[1]["CEASELESS_GLOO_HOSTNAME"] == hosts["h4"].addr
         for k in range(3):  # h4 the only pod host: however loaded, never h1..h3
             assert run.where(f"s{k}")[1]["CEASELESS_GLOO_HOSTNAME"] == hosts["h4"].addr
+        from ops.emulated import read_hosts
+
+        assert read_hosts(tmp_path)["pod_hosts"] == ["h4"]
     finally:
         hosts.destroy()
 
