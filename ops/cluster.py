@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
                               StateLost, Transfer)
+from schemas import PLAN_KEY
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
@@ -365,20 +366,37 @@ class StoreKeeper:
         return True
 
 
-async def _watch_quorum(srv: BusServers, out: Any, started: float,
+async def _watch_quorum(srv: BusServers, bus: Bus, out: Any, started: float,
                         every: float = QUORUM_EVERY_S) -> None:
     """A bus of several servers: say when JetStream loses its quorum (fewer than a majority
-    of the servers answer), why, and when it is back (ops/quorum.py)."""
-    from .quorum import QuorumWatch, probe
+    of the servers answer), why, and when it answers again (ops/quorum.py)."""
+    from .quorum import QuorumWatch, Watch, probe
 
     watch = QuorumWatch()
     while True:
         v = await probe(srv.url, down={f"s{i + 1}" for i in srv.down})
-        line = watch.observe(v, time.monotonic())
+        # on the way back only: does JetStream answer a read yet?
+        js = await _jetstream_answers(bus) if watch.state in (Watch.lost, Watch.electing) \
+            and v.has_quorum else None
+        line = watch.observe(v, time.monotonic(), js)
         if line is not None:
             print(f"[{time.time() - started:7.2f}s] {line}", file=out, flush=True)
-            (log.warning if not v.has_quorum else log.info)("bus quorum", line=line)
+            (log.info if watch.state is Watch.ok else log.warning)("bus quorum", line=line)
         await asyncio.sleep(every)
+
+
+async def _jetstream_answers(bus: Bus, timeout: float = 1.0) -> bool:
+    """Does JetStream answer a read of the job's bucket (a missing key is an answer)?"""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    try:
+        kv = await asyncio.wait_for(bus.kv(), timeout)
+        await asyncio.wait_for(kv.get(PLAN_KEY), timeout)
+        return True
+    except (KeyNotFoundError, NotFoundError):
+        return True
+    except Exception:  # a timeout, 503 "JetStream system temporarily unavailable"
+        return False
 
 
 def failover_suspect(fault_timeout: float) -> float:
@@ -635,7 +653,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     finished_w, after = 0, ""   # set when every member finished
     tty = out.isatty() and opts.live
     store = StoreKeeper()
-    quorum_task = (asyncio.create_task(_watch_quorum(srv, out, info.started))
+    quorum_task = (asyncio.create_task(_watch_quorum(srv, bus, out, info.started))
                    if len(srv.servers) > 1 else None)
     try:
         while not stop.is_set():

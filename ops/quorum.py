@@ -9,7 +9,9 @@ services plan nothing and training goes on in the generation it has, over gloo.
 
 ``probe`` asks each server whether it answers (a TCP connection and the INFO line every
 nats-server sends first); ``judge`` (pure) turns what answered into a verdict and its line;
-``QuorumWatch`` says it once per change (no quorum, quorum back and after how long). Seen
+``QuorumWatch`` says it once per change: no quorum; a majority back but JetStream not
+answering yet (after a partition the servers' routes and raft groups take seconds to come
+back and elect); JetStream answering again, and after how long. Seen
 from one place (`up`'s machine) a server may answer while its peers do not reach it: the
 line counts the servers that answer here, JetStream's own errors say the rest.
 """
@@ -32,7 +34,7 @@ def majority(n: int) -> int:
 
 
 class Quorum(str, Enum):
-    ok = "quorum"
+    ok = "quorum"       # a majority answers
     lost = "no quorum"
 
 
@@ -68,26 +70,52 @@ def judge(answered: dict[str, bool]) -> Verdict:
     return Verdict(state, up, total)
 
 
+class Watch(str, Enum):
+    ok = "quorum"
+    lost = "no quorum"
+    electing = "majority back, JetStream not answering yet"
+
+
 class QuorumWatch:
-    """Says each change once: ``observe`` returns the line to log (None: no change). The
-    first verdict is said only when it is a loss (a bus that starts with quorum is normal)."""
+    """Says each change once: ``observe`` returns the line to log (None: no change).
+
+    OK -> LOST (fewer than a majority answer) -> ELECTING (a majority answers again, but
+    JetStream does not yet: its routes and raft groups come back, then elect leaders) ->
+    OK (JetStream answers). ``js_ok`` (did a JetStream read answer; None: not asked) matters
+    only on the way back: while OK, a failing read is an ordinary election after one lost
+    server and says nothing. The first verdict is said only when it is a loss."""
 
     def __init__(self) -> None:
-        self.verdict: Verdict | None = None
-        self.lost_at: float | None = None  # when quorum was lost (the caller's clock)
+        self.state: Watch | None = None
+        self.lost_at: float | None = None   # the caller's clock
+        self.back_at: float | None = None   # when a majority answered again
 
-    def observe(self, verdict: Verdict, now: float) -> str | None:
-        old, self.verdict = self.verdict, verdict
-        if old is not None and old.state is verdict.state:
-            return None
+    def observe(self, verdict: Verdict, now: float, js_ok: bool | None = None) -> str | None:
+        old = self.state
         if not verdict.has_quorum:
-            self.lost_at = now
-            return verdict.line()
-        if old is None:
+            new = Watch.lost
+        elif old in (Watch.lost, Watch.electing) and js_ok is False:
+            new = Watch.electing
+        else:
+            new = Watch.ok
+        self.state = new
+        if new is old or (old is None and new is Watch.ok):
             return None
+        if new is Watch.lost:
+            self.lost_at, self.back_at = now, None
+            return verdict.line()
         lost_for = now - self.lost_at if self.lost_at is not None else 0.0
-        self.lost_at = None
-        return f"{verdict.line()} again, after {lost_for:.1f}s without"
+        n = f"{len(verdict.reachable)} of {verdict.total} servers reachable " \
+            f"({', '.join(verdict.reachable)})"
+        if new is Watch.electing:
+            self.back_at = now
+            return (f"the bus has a majority again: {n} after {lost_for:.1f}s; JetStream "
+                    "does not answer yet (its routes and leaders come back): still no plan")
+        waited = f", JetStream answering {now - self.back_at:.1f}s after the majority" \
+            if self.back_at is not None else ""
+        self.lost_at = self.back_at = None
+        return (f"the bus has JetStream quorum again: {n}, {lost_for:.1f}s without"
+                f"{waited}")
 
 
 def server_names(url: str) -> dict[str, tuple[str, int]]:

@@ -37,14 +37,24 @@ def test_each_change_is_said_once():
     w = QuorumWatch()
     ok = judge({"s1": True, "s2": True, "s3": True})
     lost = judge({"s1": False, "s2": False, "s3": True})
-    assert w.observe(ok, 0.0) is None  # starting with quorum is nothing to say
-    assert w.observe(ok, 1.0) is None
-    assert w.observe(lost, 2.0) == lost.line()
-    assert w.observe(lost, 3.0) is None
     back = judge({"s1": False, "s2": True, "s3": True})
-    assert w.observe(back, 14.5) == ("the bus has JetStream quorum: 2 of 3 servers reachable "
-                                     "(s2, s3) again, after 12.5s without")
-    assert w.observe(ok, 15.0) is None  # a third server back: still quorum, nothing new
+    assert w.observe(ok, 0.0) is None  # starting with quorum is nothing to say
+    assert w.observe(ok, 1.0, js_ok=False) is None  # an election after one loss: ordinary
+    assert w.observe(lost, 2.0) == lost.line()
+    assert w.observe(lost, 3.0, js_ok=False) is None
+    # a majority back, JetStream not answering yet: said, and still no quorum to act on
+    assert w.observe(back, 14.5, js_ok=False) == (
+        "the bus has a majority again: 2 of 3 servers reachable (s2, s3) after 12.5s; "
+        "JetStream does not answer yet (its routes and leaders come back): still no plan")
+    assert w.observe(back, 15.0, js_ok=False) is None
+    assert w.observe(back, 20.5, js_ok=True) == (
+        "the bus has JetStream quorum again: 2 of 3 servers reachable (s2, s3), 18.5s "
+        "without, JetStream answering 6.0s after the majority")
+    assert w.observe(ok, 21.0) is None  # a third server back: still quorum, nothing new
+    # back with JetStream answering at once (or not asked)
+    assert w.observe(lost, 30.0) == lost.line()
+    assert w.observe(back, 31.0) == ("the bus has JetStream quorum again: 2 of 3 servers "
+                                     "reachable (s2, s3), 1.0s without")
     first = QuorumWatch()  # a bus that starts without quorum says so at once
     assert first.observe(lost, 0.0) == lost.line()
 
