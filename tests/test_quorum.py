@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import pytest
 
 from ops.quorum import (Quorum, QuorumWatch, answers, judge, majority, probe,
                         server_names)
-from services.common.natsserver import NatsServer, free_port
+from services.common.natsserver import NatsServer
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -68,7 +69,9 @@ def test_server_names_of_a_bus_url():
 async def test_the_probe_asks_real_servers(tmp_path):
     a = NatsServer.start(tmp_path / "a")
     b = NatsServer.start(tmp_path / "b")
-    gone = free_port()
+    hold = socket.socket()  # bound, not listening: the port stays ours and refuses
+    hold.bind(("127.0.0.1", 0))
+    gone = hold.getsockname()[1]
     try:
         assert await answers("127.0.0.1", a.port)
         assert not await answers("127.0.0.1", gone)
@@ -78,6 +81,7 @@ async def test_the_probe_asks_real_servers(tmp_path):
         assert (await probe(url, down={"s2"})).state is Quorum.lost  # a lost host's: not asked
         os.kill(b.proc.pid, signal.SIGSTOP)  # accepts (the kernel does) but says nothing
         try:
+            _stopped(b.proc.pid)
             assert not await answers("127.0.0.1", b.port, timeout=0.3)
             v = await probe(url, timeout=0.3)
             assert v.state is Quorum.lost and v.reachable == ("s1",)
@@ -85,5 +89,27 @@ async def test_the_probe_asks_real_servers(tmp_path):
             os.kill(b.proc.pid, signal.SIGCONT)
         assert (await probe(url)).reachable == ("s1", "s2")
     finally:
+        hold.close()
         a.stop()
         b.stop()
+
+
+def _stopped(pid: int, within_s: float = 10.0) -> None:
+    """Until the kernel has stopped every thread of ``pid`` (a signal is delivered late
+    on a loaded machine: a connection accepted meanwhile would still get its INFO)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + within_s
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        states = []
+        for t in tasks.iterdir():
+            try:
+                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(st == "T" for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} not stopped in {within_s}s")
