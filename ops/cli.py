@@ -84,7 +84,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      straggler_factor=args.straggler_factor, verify_every=args.verify_every,
                      straggler_window=args.straggler_window,
                      on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike,
-                     standbys=args.standbys, hosts=args.hosts)
+                     standbys=args.standbys, hosts=args.hosts,
+                     control_hosts=args.control_hosts)
     if opts.hosts and opts.actuator != "local":
         print("ceaseless up: --hosts emulates hosts on this machine: local actuator only",
               file=sys.stderr)
@@ -93,6 +94,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if not 0 <= opts.hosts <= MAX_HOSTS:
         print(f"ceaseless up: --hosts takes 0 (none) to {MAX_HOSTS}", file=sys.stderr)
+        return 2
+    if opts.control_hosts and not 0 < opts.control_hosts < opts.hosts:
+        print(f"ceaseless up: --control-hosts {opts.control_hosts} needs --hosts above it "
+              f"(the pods run on the other hosts; --hosts {opts.hosts})", file=sys.stderr)
         return 2
     if opts.standbys < 0:
         print("ceaseless up: --standbys must be at least 0", file=sys.stderr)
@@ -188,6 +193,18 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
                 out["services"][name] = json.loads(r.data)
             except Exception as e:
                 out["services"][name] = {"error": f"no answer ({type(e).__name__})"}
+        out["bus"] = await _quorum(args)
+        if out["bus"] is not None and not out["bus"]["quorum"]:
+            # JetStream cannot answer: its reads would each wait out their timeout
+            out.update(leases={}, plan=None, script=None, goodput=_ledger(args),
+                       streams={"error": "no JetStream quorum"})
+            from .emulated import placement_status, read_hosts
+            from .runinfo import find_run_dir
+
+            hosts = None if args.nats else read_hosts(find_run_dir(args.run_dir))
+            if hosts is not None:
+                out["hosts"] = placement_status(hosts, {})
+            return out
         out["leases"] = await _leases(bus)
         try:
             kv = await bus.js.key_value(bus.subjects.kv_bucket)
@@ -205,6 +222,18 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         return out
     finally:
         await bus.close()
+
+
+async def _quorum(args: argparse.Namespace) -> dict[str, Any] | None:
+    """A bus of several servers: how many answer, whether that is a JetStream quorum
+    (ops/quorum.py); None for a single server."""
+    from .quorum import probe, server_names
+    from .runinfo import ClusterInfo, find_run_dir
+
+    url = args.nats or ClusterInfo.read(find_run_dir(args.run_dir)).nats_url
+    if len(server_names(url)) < 2:
+        return None
+    return (await probe(url)).as_dict()
 
 
 async def _placement(args: argparse.Namespace, bus: Any, out: dict[str, Any]) -> None:
@@ -262,6 +291,8 @@ def _ledger(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _render_status(st: dict[str, Any]) -> str:
     lines = [f"job {st['job']}"]
+    if st.get("bus"):
+        lines.append(st["bus"]["line"])
     plan = st.get("plan")
     if plan:
         members = sorted(plan["members"], key=lambda m: m["rank"])
@@ -588,6 +619,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          "placed over them, h1 running a server, every active service and "
                          "rank 0; `ceaseless inject host-loss|partition|host-return --host hK` "
                          "(default 0: none; docs/cluster.md \"Losing a host\")")
+    up.add_argument("--control-hosts", type=int, default=0, metavar="K",
+                    help="with --hosts: the first K hosts run the nats-servers and the service "
+                         "instances (each host one instance of every service) and no pod; the "
+                         "pods run on the others (default 0: pods on every host; "
+                         "docs/cluster.md \"Losing a host\")")
     up.add_argument("--model", default="tiny", help="example model: tiny | small | 10m | mlp10m | 124m | 350m | 1b "
                          "(the last three: GPT-2 shapes on synthetic tokens)")
     up.add_argument("--dtype", default="float32", choices=["float32", "float64"],

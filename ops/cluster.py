@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
 from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
                               StateLost, Transfer)
+from schemas import PLAN_KEY
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
@@ -42,6 +43,7 @@ log = logs.get("up")
 SERVICES = ("health_monitor", "scaler", "state_broker")
 # A bound on a clustered bus's first JetStream meta-leader election (a loaded machine is slower)
 BUS_READY_S = 30.0
+QUORUM_EVERY_S = 1.0  # how often `up` asks its servers whether a majority answers
 
 
 @dataclass
@@ -102,6 +104,9 @@ class UpOptions:
     standbys: int = 0
     # emulated hosts (issue 42): 0 none (everything on this machine's loopback, as always)
     hosts: int = 0
+    # the first K of them run the bus and the services only, the pods the others (0: pods
+    # on every host, rank 0 with the active services on h1; ops/placement.py)
+    control_hosts: int = 0
 
     @property
     def batch_given(self) -> bool:
@@ -361,6 +366,39 @@ class StoreKeeper:
         return True
 
 
+async def _watch_quorum(srv: BusServers, bus: Bus, out: Any, started: float,
+                        every: float = QUORUM_EVERY_S) -> None:
+    """A bus of several servers: say when JetStream loses its quorum (fewer than a majority
+    of the servers answer), why, and when it answers again (ops/quorum.py)."""
+    from .quorum import QuorumWatch, Watch, probe
+
+    watch = QuorumWatch()
+    while True:
+        v = await probe(srv.url, down={f"s{i + 1}" for i in srv.down})
+        # on the way back only: does JetStream answer a read yet?
+        js = await _jetstream_answers(bus) if watch.state in (Watch.lost, Watch.electing) \
+            and v.has_quorum else None
+        line = watch.observe(v, time.monotonic(), js)
+        if line is not None:
+            print(f"[{time.time() - started:7.2f}s] {line}", file=out, flush=True)
+            (log.info if watch.state is Watch.ok else log.warning)("bus quorum", line=line)
+        await asyncio.sleep(every)
+
+
+async def _jetstream_answers(bus: Bus, timeout: float = 1.0) -> bool:
+    """Does JetStream answer a read of the job's bucket (a missing key is an answer)?"""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    try:
+        kv = await asyncio.wait_for(bus.kv(), timeout)
+        await asyncio.wait_for(kv.get(PLAN_KEY), timeout)
+        return True
+    except (KeyNotFoundError, NotFoundError):
+        return True
+    except Exception:  # a timeout, 503 "JetStream system temporarily unavailable"
+        return False
+
+
 def failover_suspect(fault_timeout: float) -> float:
     """The monitor's suspect timeout on a bus of several servers: a client's failover
     (plumbing/bus.py FAILOVER_S), kept below the fault timeout."""
@@ -380,7 +418,8 @@ async def run(opts: UpOptions) -> int:
 
     hosts = Hosts.make(opts.hosts)
     hosted = HostRun(hosts, place(hosts.names(), opts.bus_servers, list(SERVICES),
-                                  opts.standbys, opts.workers, opts.spares), run_dir)
+                                  opts.standbys, opts.workers, opts.spares,
+                                  control=opts.control_hosts), run_dir)
     print(f"ceaseless up: {opts.hosts} emulated hosts, " + (
         "each a network namespace (" + ", ".join(f"{h.name} {h.addr}" for h in hosts.hosts)
         + ")" if hosts.mode == "netns" else
@@ -614,6 +653,8 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     finished_w, after = 0, ""   # set when every member finished
     tty = out.isatty() and opts.live
     store = StoreKeeper()
+    quorum_task = (asyncio.create_task(_watch_quorum(srv, bus, out, info.started))
+                   if len(srv.servers) > 1 else None)
     try:
         while not stop.is_set():
             await asyncio.sleep(0.2)
@@ -717,8 +758,11 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         summary = _summary(run_dir, obs, exits, code, reason, launched=info.started,
                            spans=spans, committed=await _read_committed(bus))
         sup.stopping = True
-        sup_task.cancel()
-        await asyncio.gather(sup_task, return_exceptions=True)
+        for t in (sup_task, quorum_task):
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(sup_task, *([quorum_task] if quorum_task else []),
+                             return_exceptions=True)
         await bus.close()
         sup.stop_all()
         srv.stop()

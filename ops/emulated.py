@@ -69,7 +69,8 @@ class HostRun:
         """A pod's host: its placement, else (a pod started later) the live host with the
         fewest pods. Its prefix, and gloo's address: the host's."""
         h = self.placement.pods.get(pod)
-        live = [x for x, s in self.state.items() if s == HostState.up]
+        live = [x for x, s in self.state.items() if s == HostState.up
+                and (not self.placement.pod_hosts or x in self.placement.pod_hosts)]
         if h is None or h not in live:
             h = host_for_new_pod(self.pods, live)
         self.pods[pod] = h
@@ -200,6 +201,8 @@ class HostRun:
                         for i, h in enumerate(self.placement.servers)},
             "instances": dict(self.placement.instances),
             "pods": dict(sorted(self.pods.items())),
+            # where pods may go: every host, or those that are not control hosts
+            "pod_hosts": list(self.placement.pod_hosts or self.hosts.names()),
             "updated": time.time(),
         }
 

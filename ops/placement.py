@@ -6,6 +6,13 @@ the standby instances, the other ranks and the spares, each kind starting after 
 one placed so they spread. With one host everything is on it. A pod started later (a
 replacement spare) goes to the live host with the fewest pods, the later host on a tie, so
 not back to the first host while another has room.
+
+With ``control`` K > 0 the first K hosts are the control plane's, as dedicated
+coordination nodes are (etcd's, a NATS cluster's): they run the nats-servers (server i on
+host i mod K) and the service instances (instance i of every service on host i mod K: each
+control host a whole control plane, the first one active), and no pod; the pods go
+round-robin over the other hosts. Losing a majority of the control hosts then takes the
+bus's JetStream quorum and nothing that trains (issue 42: "two of three hosts lost").
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ class Placement:
     servers: tuple[str, ...]      # the host of nats-server i
     instances: dict[str, str]     # service instance (``scaler``, ``scaler-s1``...) -> host
     pods: dict[str, str]          # pod id -> host (the pods ``up`` starts first)
+    pod_hosts: tuple[str, ...] = ()  # where pods may go (a later one too); () every host
 
     def on(self, host: str) -> dict[str, list[str]]:
         """What ``host`` runs: servers (``s1``..), instances and pods."""
@@ -32,13 +40,26 @@ def instance_name(service: str, i: int) -> str:
 
 
 def place(hosts: list[str], servers: int, services: list[str], standbys: int,
-          workers: int, spares: int) -> Placement:
+          workers: int, spares: int, control: int = 0) -> Placement:
     """Hosts of ``servers`` nats-servers, each service's ``standbys + 1`` instances, the
-    pods ``w0..`` (``w<r>`` starts as rank r) and ``s0..`` (spares)."""
+    pods ``w0..`` (``w<r>`` starts as rank r) and ``s0..`` (spares); ``control`` > 0: the
+    first ``control`` hosts run the servers and instances only (module doc)."""
     if not hosts:
         raise ValueError("no hosts to place on")
     if min(servers, workers) < 1 or min(standbys, spares) < 0:
         raise ValueError("at least one server and one worker; no negative counts")
+    if not 0 <= control < len(hosts):
+        raise ValueError(f"control hosts must leave a host for the pods: {control} of "
+                         f"{len(hosts)} hosts")
+    if control:
+        ctl, rest = hosts[:control], hosts[control:]
+        return Placement(
+            servers=tuple(ctl[i % control] for i in range(servers)),
+            instances={instance_name(s, i): ctl[i % control]
+                       for i in range(standbys + 1) for s in services},
+            pods={p: rest[k % len(rest)] for k, p in enumerate(
+                [f"w{r}" for r in range(workers)] + [f"s{k}" for k in range(spares)])},
+            pod_hosts=tuple(rest))
     first, rest = hosts[0], hosts[1:] or hosts[:1]
     turn = 0
 

@@ -20,7 +20,7 @@ import pytest
 from harness import REPO, run_job
 from ops.hosts import Hosts, Unavailable, _run
 from test_control_plane_down import _slower
-from test_recovery_e2e import _assert_same
+from test_recovery_e2e import _assert_same, _kill
 
 pytestmark = [pytest.mark.timeout(300)]
 SERVICES = ("health_monitor", "scaler", "state_broker")
@@ -151,3 +151,86 @@ async def test_a_partitioned_host_is_fenced_and_comes_back(tmp_path, reference, 
     # their leases back after the heal, which the terms make safe: not asserted)
     print(f"\nafter the heal, active: {[i for i, v in inst.items() if v['active']]}")
     print(f"\npartition h1 {PARTITION_S}s: incidents {s['incidents']}")
+
+
+QUORUM_CUT_S = 15
+
+
+def _partition(c, host: str, for_s: float) -> None:
+    """`inject partition`, asked again when no answer came (`up`'s client may be failing
+    over from the host cut just before: the injection, a plain message, is then lost); a
+    refusal because the host is already cut means an earlier one got through unanswered."""
+    for _ in range(3):
+        r = _cli("inject", "partition", "--host", host, "--for", str(for_s),
+                 "--run-dir", str(c.run_dir))
+        if r.returncode == 0 and "accepted" in r.stdout or f"host {host} is cut" in r.stdout:
+            return
+        assert "no answer" in r.stderr, (r.stdout, r.stderr)
+    raise AssertionError(f"inject partition {host}: no answer three times")
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "known bug, not fixed yet (docs/cluster.md, 'Two of three hosts lost'): after the heal "
+    "JetStream may answer (s1 and s3 a majority) before s1's route to s2, which carries the "
+    "pods' heartbeats, is back; h1's scaler then takes its lease and its once-a-term "
+    "reconcile faults the members its blind view calls silent, and h1's monitor declares "
+    "the rest lost: a shrink to 1 and the state lost (1 run of 2)"))
+async def test_two_of_three_bus_hosts_lost_no_quorum_then_back(tmp_path, reference,
+                                                               namespaces):
+    """`--hosts 5 --bus-servers 3 --control-hosts 3 --standbys 1`: h1..h3 each run a
+    nats-server and one instance of every service (h1's active, h2's standbys), the pods
+    train on h4 and h5. h1 and h3 are partitioned: s2 alone, no JetStream quorum. `up` says
+    so, training goes on stepping, and a member killed meanwhile is NOT replanned (the
+    standbys on h2 see it but can take no lease, and nothing writes a plan) until a host
+    is back; then it is recovered: one new plan, bitwise equal to the fault-free run."""
+    seen: dict = {}
+
+    def said(what: str) -> bool:
+        return what in (c_dir / "up.out").read_text()
+
+    async def fault(c):
+        await c.wait_rank_step(1, 16)
+        hosts = json.loads((c.run_dir / "hosts.json").read_text())
+        assert [hosts["servers"][f"s{i}"]["host"] for i in (1, 2, 3)] == ["h1", "h2", "h3"]
+        assert set(hosts["pods"].values()) <= {"h4", "h5"}, hosts
+        gen = c.plans[-1].generation
+        t_cut = time.time()
+        for h in ("h1", "h3"):
+            _partition(c, h, QUORUM_CUT_S)
+        await c.wait_for(lambda: said("the bus has no JetStream quorum: 1 of 3 servers "
+                                      "reachable (s2)"), 15, "up saying why")
+        at = {h.pod: h.step for h in c.hb.values() if h.role.value == "worker"}
+        await c.wait_for(lambda: all(c.hb[p].step >= s + 3 for p, s in at.items()), 30,
+                         "training stepping without quorum")
+        _kill(c, 1)
+        t_kill = time.time()
+        st = _cli("status", "--json", "--run-dir", str(c.run_dir))
+        assert st.returncode == 0, st.stderr
+        seen["bus"] = json.loads(st.stdout)["bus"]
+        await c.wait_for(lambda: said("the bus has JetStream quorum again"),
+                         QUORUM_CUT_S + 40, "JetStream answering again")
+        seen["js_back_s"] = time.time() - (t_cut + QUORUM_CUT_S)
+        # the loss went unplanned for longer than a fault timeout and a lease TTL: with a
+        # quorum a plan would have come (else the run proves nothing: too slow a machine)
+        assert t_cut + QUORUM_CUT_S - t_kill > 3.5 + 2.7, "the kill came too late"
+        assert all(p.generation <= gen for p in c.plans if p.ts < t_cut + QUORUM_CUT_S), \
+            c.plans
+        await c.wait_for(lambda: c.plans[-1].generation > gen, 60, "the plan after the heal")
+        seen["plan_after_heal_s"] = c.plans[-1].ts - (t_cut + QUORUM_CUT_S)
+        seen["kill_s"] = t_kill - t_cut
+        seen["gen"] = gen
+
+    c_dir = tmp_path / "quorum"
+    s = await run_job(tmp_path, "quorum", 3, 1, fault, cmd=[*_slower(tmp_path)[:-1], "0.08"],
+                      extra=["--hosts", "5", "--bus-servers", "3", "--control-hosts", "3",
+                             "--standbys", "1"])
+    _assert_same(s, reference(3))
+    assert seen["bus"]["quorum"] is False and seen["bus"]["reachable"] == ["s2"], seen
+    gens = [p.generation for p in s["plans"]]
+    assert max(gens) == seen["gen"] + 1, s["plans"]  # the kill, recovered once
+    assert all(len({p.model_dump_json() for p in s["plans"] if p.generation == g}) == 1
+               for g in gens), s["plans"]
+    assert s["plans"][-1].world_size == 3
+    print(f"\nno quorum {QUORUM_CUT_S}s: w1 killed {seen['kill_s']:.1f}s into it; `up` saw "
+          f"JetStream answer {seen['js_back_s']:.1f}s after the heal, the plan for w1 came "
+          f"{seen['plan_after_heal_s']:.2f}s after the heal; incidents {s['incidents']}")

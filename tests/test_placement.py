@@ -71,3 +71,55 @@ def test_a_later_pod_goes_to_the_least_loaded_live_host():
     assert host_for_new_pod({}, ["h1", "h2"]) == "h2"
     with pytest.raises(ValueError):
         host_for_new_pod(pods, [])
+
+
+def test_control_hosts_run_the_bus_and_the_services_and_no_pod():
+    """`--control-hosts 3` over 5 hosts: h1..h3 each a server and one instance of every
+    service (h1's the active ones), the pods over h4 and h5 only, later ones too."""
+    names = ["h1", "h2", "h3", "h4", "h5"]
+    p = place(names, 3, SERVICES, 2, 3, 1, control=3)
+    assert p.servers == ("h1", "h2", "h3")
+    assert p.on("h1")["instances"] == sorted(SERVICES)
+    assert p.on("h2")["instances"] == sorted(instance_name(s, 1) for s in SERVICES)
+    assert p.on("h3")["instances"] == sorted(instance_name(s, 2) for s in SERVICES)
+    assert p.pods == {"w0": "h4", "w1": "h5", "w2": "h4", "s0": "h5"}
+    assert p.pod_hosts == ("h4", "h5")
+    for shape in itertools.product(range(2, 6), range(1, 5), range(0, 3), range(1, 4)):
+        hosts, servers, standbys, workers = shape
+        for control in range(1, hosts):
+            q = place(names[:hosts], servers, SERVICES, standbys, workers, 1, control=control)
+            ctl = set(names[:control])
+            assert set(q.servers) <= ctl and set(q.instances.values()) <= ctl
+            assert set(q.pods.values()) <= set(q.pod_hosts) == set(names[control:hosts])
+            assert {q.instances[s] for s in SERVICES} == {"h1"}  # the active ones together
+    # the default (0) is the placement of before: pods may go anywhere
+    assert place(names, 3, SERVICES, 1, 3, 1).pod_hosts == ()
+    for control in (-1, 5, 6):
+        with pytest.raises(ValueError):
+            place(names, 3, SERVICES, 1, 3, 1, control=control)
+
+
+def test_a_later_pod_never_goes_to_a_control_host(tmp_path):
+    from ops.emulated import HostRun
+    from ops.hosts import Hosts
+
+    hosts = Hosts.make(4, namespaces=False)
+    run = HostRun(hosts, place(hosts.names(), 3, SERVICES, 0, 1, 0, control=3), tmp_path)
+    try:
+        assert run.where("w0")[1]["CEASELESS_GLOO_HOSTNAME"] == hosts["h4"].addr
+        for k in range(3):  # h4 the only pod host: however loaded, never h1..h3
+            assert run.where(f"s{k}")[1]["CEASELESS_GLOO_HOSTNAME"] == hosts["h4"].addr
+        from ops.emulated import read_hosts
+
+        assert read_hosts(tmp_path)["pod_hosts"] == ["h4"]
+    finally:
+        hosts.destroy()
+
+
+def test_up_refuses_control_hosts_that_leave_no_pod_host(capsys):
+    from ops.cli import main
+
+    for argv in (["--control-hosts", "1"], ["--hosts", "3", "--control-hosts", "3"],
+                 ["--hosts", "3", "--control-hosts", "-1"]):
+        assert main(["up", *argv]) == 2, argv
+        assert "--control-hosts" in capsys.readouterr().err
