@@ -335,6 +335,9 @@ def refuse_unsupported(args: Any, train_dataset: Any = None) -> None:
         no("sync_each_batch", "the gradients are synchronised on the last micro-batch")
     if getattr(acc, "dispatch_batches", None):
         no("dispatch_batches", "every rank loads its own batches")
+    if getattr(acc, "use_seedable_sampler", True) is False:
+        no("use_seedable_sampler=False", "the epoch's order must be the same on every pod (a "
+           "promoted spare's included): leave it on")
     if train_dataset is not None and (isinstance(train_dataset, torch.utils.data.IterableDataset)
                                       or not hasattr(train_dataset, "__len__")):
         no("an iterable train dataset (no length)", "use a map-style dataset: a promoted "

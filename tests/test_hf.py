@@ -90,6 +90,7 @@ def _model():
     ("ignore_data_skip", "ignore_data_skip"),
     ("group_by_length", "train_sampling_strategy"),
     ("iterable", "iterable train dataset"),
+    ("unseeded", "use_seedable_sampler"),
 ])
 def test_unsupported_is_refused_at_start_with_what_to_do(case, says, tmp_path, monkeypatch):
     """Under ``ceaseless up`` (a bus URL in the environment: nothing listens there), refused in
@@ -104,7 +105,8 @@ def test_unsupported_is_refused_at_start_with_what_to_do(case, says, tmp_path, m
           "load_best_model_at_end": {"load_best_model_at_end": True, "eval_strategy": "steps",
                                      "save_strategy": "steps"},
           "ignore_data_skip": {"ignore_data_skip": True},
-          "group_by_length": {"train_sampling_strategy": "group_by_length"}}
+          "group_by_length": {"train_sampling_strategy": "group_by_length"},
+          "unseeded": {"accelerator_config": {"use_seedable_sampler": False}}}
     try:
         args = _args(tmp_path, **kw.get(case, {}))
     except (ValueError, ImportError) as e:  # transformers refuses it first on a CPU
