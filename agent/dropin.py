@@ -411,6 +411,8 @@ def discover(module: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:
         if id(o) in mine:
             continue
         if isinstance(o, torch.optim.Optimizer):
+            if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer):
+                continue  # a wrapper (Accelerate's): the optimizer it wraps is the state
             if any(id(p) in params for g in o.param_groups for p in g["params"]):
                 opts.append(o)
         elif isinstance(o, torch.amp.GradScaler):

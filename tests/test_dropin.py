@@ -38,6 +38,25 @@ def test_discover_finds_the_optimizer_scaler_and_scheduler_over_the_model():
     del off
 
 
+def test_discover_skips_an_optimizer_that_wraps_another():
+    """Accelerate's ``AcceleratedOptimizer`` (the HF Trainer's) is an ``Optimizer`` over the
+    same parameters: its inner optimizer is the state, found (or registered) once."""
+    class Wrapper(torch.optim.Optimizer):  # as Accelerate's: no Optimizer.__init__
+        def __init__(self, inner):
+            self.optimizer = inner
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters())
+    wrapped = Wrapper(opt)
+    assert discover(m, {})["optimizer"] is opt and "optimizer1" not in discover(m, {})
+    assert "optimizer" not in discover(m, {"mine": opt})
+    del wrapped
+
+
 def test_two_enabled_scalers_are_refused():
     m = _model()
     torch.optim.AdamW(m.parameters())

@@ -1,0 +1,178 @@
+"""Issue 44: the Hugging Face ``Trainer`` of ``agent.hf`` in one process: the "after" example is
+the "before" with one line changed and trains to the same parameters; a promoted spare (the
+job's progress received, the train DataLoader sharded by the job's rank) trains on the same
+(global step, batch) as the uninterrupted rank from there; what it does not support is refused
+before any process group, saying what to do. Skipped when transformers is not installed.
+(Under ``ceaseless up``, with faults: tests/test_hf_e2e.py.)"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from harness import REPO  # noqa: E402
+
+BEFORE = "examples/frameworks/hf_before.py"
+AFTER = "examples/frameworks/hf_after.py"
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def _plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("CEASELESS_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                            "LOCAL_WORLD_SIZE")}
+
+
+def test_after_is_one_changed_line_and_trains_as_the_before_in_one_process(tmp_path):
+    diff = subprocess.run(["diff", "-U0", BEFORE, AFTER], cwd=REPO, capture_output=True,
+                          text=True).stdout
+    changed = [x for x in diff.splitlines() if x[:1] in "+-" and not x.startswith(("+++", "---"))]
+    assert len(changed) == 2, diff  # one line removed, one added
+    shas = []
+    for script in (BEFORE, AFTER):
+        out = tmp_path / (script.split("/")[-1] + ".sha")
+        r = subprocess.run([sys.executable, script, "--max-steps", "3", "--out", str(out),
+                            "--output-dir", str(tmp_path / "o")],
+                           cwd=REPO, env=_plain_env(), capture_output=True, text=True,
+                           timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        shas.append(out.read_text().strip())
+    assert shas[0] == shas[1] and len(shas[0]) == 64
+
+
+def _args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(tmp_path / "o"), use_cpu=True, report_to="none",
+                disable_tqdm=True, save_strategy="no", logging_strategy="no", seed=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+class _Rows:
+    def __init__(self, n: int) -> None:
+        import torch
+
+        self.x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.x[i].sum() / 100}
+
+
+def _model():
+    import torch
+
+    class Lin(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels=None):
+            return {"loss": (self.lin(x / 100).squeeze(-1) - labels).pow(2).mean()}
+
+    return Lin()
+
+
+@pytest.mark.parametrize("case, says", [
+    ("fp16", "fp16"),
+    ("auto_find_batch_size", "auto_find_batch_size"),
+    ("load_best_model_at_end", "load_best_model_at_end"),
+    ("ignore_data_skip", "ignore_data_skip"),
+    ("group_by_length", "train_sampling_strategy"),
+    ("iterable", "iterable train dataset"),
+    ("unseeded", "use_seedable_sampler"),
+])
+def test_unsupported_is_refused_at_start_with_what_to_do(case, says, tmp_path, monkeypatch):
+    """Under ``ceaseless up`` (a bus URL in the environment: nothing listens there), refused in
+    ``Trainer(...)`` before any process group or connection."""
+    import torch
+    import torch.distributed as dist
+
+    import agent.ddp
+    from agent.hf import Trainer
+
+    kw = {"fp16": {"fp16": True}, "auto_find_batch_size": {"auto_find_batch_size": True},
+          "load_best_model_at_end": {"load_best_model_at_end": True, "eval_strategy": "steps",
+                                     "save_strategy": "steps"},
+          "ignore_data_skip": {"ignore_data_skip": True},
+          "group_by_length": {"train_sampling_strategy": "group_by_length"},
+          "unseeded": {"accelerator_config": {"use_seedable_sampler": False}}}
+    try:
+        args = _args(tmp_path, **kw.get(case, {}))
+    except (ValueError, ImportError) as e:  # transformers refuses it first on a CPU
+        pytest.skip(f"transformers refuses it first: {e}")
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(_Rows(8))
+
+    data = Stream() if case == "iterable" else _Rows(8)
+    monkeypatch.setenv("CEASELESS_NATS_URL", "nats://127.0.0.1:9")
+    with pytest.raises(NotImplementedError, match=says) as e:
+        Trainer(model=_model(), args=args, train_dataset=data)
+    assert "supported yet:" in str(e.value)  # ... and what to do
+    assert agent.ddp.active() is None and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("at", [1, 4, 5, 9, 11])
+def test_a_promoted_spare_trains_on_the_jobs_step_and_batches_from_its_received_progress(
+        at, tmp_path):
+    """What a promoted spare of rank 1 (of 2) gets: the progress (TrainerState at the last step
+    end) that the survivors hold when step ``at`` starts, applied before the first epoch, and
+    the train DataLoader sharded by the job's rank: it computes the same (global step,
+    micro-batch) as the uninterrupted rank 1 from there, mid-epoch, at an epoch's first step
+    and at the last step. 40 rows, 2 a micro-batch, 2 micro-batches a step: 5 steps an epoch
+    per rank, 12 steps over three epochs, shuffled."""
+    from transformers import TrainerCallback
+
+    from agent.hf import Trainer, _Progress, _Snapshot
+
+    seen: dict[str, list] = {}
+
+    class Rec(Trainer):
+        tag = ""
+
+        def compute_loss(self, model, inputs, *a, **kw):
+            seen.setdefault(self.tag, []).append(
+                (self.state.global_step, tuple(inputs["x"][:, 0].tolist())))
+            return super().compute_loss(model, inputs, *a, **kw)
+
+    grabbed: dict = {}
+
+    class Grab(TrainerCallback):  # what the survivors hold when step `at` starts
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == at:
+                grabbed["sd"] = copy.deepcopy(progress.state_dict())
+
+    class Load(TrainerCallback):  # the received state, applied before the first epoch
+        def on_train_begin(self, args, state, control, **kw):
+            got = _Progress(spare)
+            got.load_state_dict(grabbed["sd"])
+            spare._progress = got
+            spare._apply_received()
+
+    args = _args(tmp_path, max_steps=12, per_device_train_batch_size=2,
+                 gradient_accumulation_steps=2)
+    job = Rec(model=_model(), args=args, train_dataset=_Rows(40))
+    job.tag, job._shard = "job", (1, 2)
+    progress = _Progress(job)
+    job.add_callback(_Snapshot(progress))
+    job.add_callback(Grab())
+    job.train()
+    spare = Rec(model=_model(), args=args, train_dataset=_Rows(40), callbacks=[Load()])
+    spare.tag, spare._shard = "spare", (1, 2)
+    spare.train()
+    assert spare.state.global_step == 12
+    assert job.state.epoch == pytest.approx(12 / 5)  # rank 1's share: 5 steps an epoch
+    want = [r for r in seen["job"] if r[0] >= at]
+    assert len(want) == 2 * (12 - at) and seen["spare"] == want
