@@ -219,6 +219,11 @@ async def test_bad_input_on_every_subject(nats_server, bus):
         await until(lambda: transfers and mon.generation == 1, what="generation-1 transfer")
         await until(lambda: sc.feed.source == br.feed.source == "monitor view",
                     what="the scaler and the broker on the monitor's view")
+        # and the scaler saw every agent in generation 1: that is how it tells the stale
+        # generation-0 faults below from a real one (the initial plan comes as soon as the
+        # workers beat, so the first monitor view it reads may still be generation 0's)
+        await until(lambda: all((p := sc.pods.get(pod)) is not None and p.generation == 1
+                                for pod in beaters), what="the scaler's view of generation 1")
         kv = await bus.kv()
         entry = await kv.get(PLAN_KEY)
         base_drops = {svc: sum(svc.bus.dropped.values()) for svc in svcs}

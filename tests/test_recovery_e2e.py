@@ -419,8 +419,10 @@ async def test_liveness_stress_short(tmp_path):
 
     p = argparse.ArgumentParser()
     liveness.add_arguments(p)
+    # 26 steps, not the tool's 40: the kill at step 15 and the recovery take the same steps;
+    # the 24 after it (~0.4 s each, rank 0 lingering) showed nothing the first 10 do not
     a = p.parse_args(["--repeats", "1", "--load", "1", "--sleep", "0.02", "--after-step", "0.05",
-                      "--rank0-after-step", "0.3", "--run-timeout", "120",
+                      "--rank0-after-step", "0.3", "--steps", "26", "--run-timeout", "120",
                       "--run-dir", str(tmp_path)])
     res = await liveness._main(a)
     (r,) = res["runs"]

@@ -625,6 +625,24 @@ async def test_restart_keeps_plan_and_reconciles(env, bus):
     assert lease["holder"] == "third" and sc3.status()["plan"]["generation"] == 3
 
 
+async def test_only_a_scaler_taking_over_a_plan_listens_a_fault_timeout_first(env, bus):
+    """The warm-up (a fault timeout of listening before faults are replayed) is for a scaler
+    that takes over a running job. A new job has nothing to replay and its initial plan
+    waits for the workers' heartbeats itself: it is planned at once, not a fault timeout
+    later (every `ceaseless up` paid that wait before its first step)."""
+    long = 60.0  # fault timeout: the warm-up would outlast every wait below
+    await env.agent("w0")
+    await env.agent("w1")
+    sc = await env.scaler(workers=2, fault_timeout=long, scaler_id="first")
+    await until(lambda: env.plans, timeout=20, what="the initial plan, with no warm-up")
+    assert env.plans[0].generation == 1 and members(env.plans[0]) == {0: "w0", 1: "w1"}
+    # a scaler that takes the lease over a plan still listens first (replaying nothing yet)
+    await env.stop(sc)
+    sc2 = await env.scaler(workers=2, fault_timeout=long, scaler_id="second")
+    await until(lambda: sc2.acting, what="the new scaler holds the lease")
+    assert sc2._replaying and sc2.plans.generation == 1
+
+
 async def test_no_plan_until_enough_workers_then_start_timeout(env, bus):
     sc = await env.scaler(workers=3, min_replicas=2, start_timeout=1.0)
     await env.agent("w0")

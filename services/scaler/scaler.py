@@ -229,9 +229,12 @@ class Scaler(Service):
         decides nothing in this term before they are in."""
         # A scaler that just started (a restart in place takes its own lease back at once)
         # has heard no heartbeat yet: it listens a fault timeout first, or a replayed fault
-        # finds "no live spare" and shrinks the job while the spare is alive
-        await asyncio.sleep(max(0.0, self._listening_since + self.warm_up * self.fault_timeout
-                                - time.monotonic()))
+        # finds "no live spare" and shrinks the job while the spare is alive. Not for a new
+        # job (no plan: nothing to replay, and the initial plan waits for its workers'
+        # heartbeats itself): that wait cost every job's start a fault timeout.
+        if self.plans.plan is not None:
+            await asyncio.sleep(max(0.0, self._listening_since
+                                    + self.warm_up * self.fault_timeout - time.monotonic()))
         plan, got = self.plans.plan, Inherited()
         try:
             if plan is not None:
