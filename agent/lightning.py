@@ -10,13 +10,21 @@ it drives ``agent.ddp`` (docs/porting.md, "The drop-in"), not a second recovery 
   ``Trainer(...)``) until it is promoted; its rank and world size come from the job;
 * ``setup`` creates the optimizers before the model is wrapped, so the drop-in's
   ``DistributedDataParallel`` registers them with their LR schedulers and the loop's progress
-  (``fit_loop.state_dict()`` as of the last batch end, what a mid-epoch ``ckpt_path=`` resume
-  restores): a promoted spare receives model, optimizer, schedulers and loop position;
+  (``fit_loop.state_dict()`` as of the last batch end or validation, and the callbacks' state,
+  ModelCheckpoint's included): a promoted spare receives model, optimizer, schedulers, loop
+  position and callbacks, not ``ckpt_path``'s (Lightning would load it over them); a spare
+  that becomes rank 0 writes again the checkpoint rank 0 died saving;
 * ``optimizer_step`` is the step: ``agent.ddp.iteration`` (commit the step before, or recover),
   then Lightning's closure (training_step, backward; the gradient sync in the backward); a step
   discarded by a fault is computed again there, with the same batch, before the update;
 * the train DataLoader skips, at the start of an epoch, the batches the restored loop already
-  did (a promoted spare starts at the job's next batch).
+  did (a promoted spare starts at the job's next batch; a mid-epoch ``ckpt_path=`` resume at
+  the checkpoint's).
+
+``Trainer(strategy="ceaseless")`` needs this module imported first: Lightning 2.x resolves a
+strategy name in ``StrategyRegistry`` inside ``Trainer.__init__`` (``_AcceleratorConnector``)
+before it loads the only entry points it reads (``lightning.pytorch.callbacks_factory``,
+callbacks), so an installed package cannot add the name without being imported.
 """
 
 from __future__ import annotations
@@ -97,8 +105,8 @@ class _LoopState:
 
     def take(self, last: bool = False, batch_end: bool = True) -> None:
         snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
-        if batch_end:  # as a checkpoint written at the batch's end has it
-            self.at_batch_end = copy.deepcopy(snap)
+        if batch_end:  # as a checkpoint written at the batch's end has it (never changed)
+            self.at_batch_end = copy.deepcopy(snap) if last else snap
         if last:
             # the epoch's last batch: stored as the next epoch's start, as Lightning's loop
             # has it there (restarting from a last batch's end, Lightning runs into that
@@ -151,8 +159,9 @@ class _LoopState:
     def _position(self) -> None:
         assert self.snap is not None
         ep = self.snap["epoch_progress"]["current"]
-        if ep["processed"] > ep["completed"]:  # taken at an epoch's end: the next starts
-            self.skip = 0
+        if ep["processed"] > ep["completed"] or \
+                self.snap["epoch_loop.batch_progress"].get("is_last_batch"):
+            self.skip = 0  # taken at an epoch's end (a checkpoint's): the next one starts
         else:  # taken at a batch end: that batch is done too
             self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
             self.epoch = int(ep["completed"])

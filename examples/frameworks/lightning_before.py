@@ -33,13 +33,17 @@ p.add_argument('--ckpt-every', type=int, default=10)  # ... every N steps
 p.add_argument('--save-sleep', type=float, default=0.0)  # seconds per checkpoint (time to kill)
 p.add_argument('--val-every', type=int, default=0)  # validation every N steps (0: none)
 p.add_argument('--resume', default=None)  # a checkpoint to continue from (ckpt_path=)
+p.add_argument('--width', type=int, default=64)  # hidden units (bench: a larger step)
+p.add_argument('--times', default=None)  # rank 0 writes each step's end time here (bench)
 args = p.parse_args()
 
 
 class Net(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 1))
+        w = args.width
+        self.net = nn.Sequential(nn.Linear(16, w), nn.Tanh(), nn.Dropout(0.1), nn.Linear(w, 1))
+        self.times = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -47,6 +51,9 @@ class Net(L.LightningModule):
         self.log('train_loss', loss)
         time.sleep(args.step_sleep)
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter())
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -79,7 +86,8 @@ trainer = L.Trainer(accelerator='cpu', devices=int(os.environ.get('LOCAL_WORLD_S
                                                every_n_train_steps=args.ckpt_every)]
                     if args.ckpt_dir else None,
                     val_check_interval=args.val_every or None, check_val_every_n_epoch=None,
-                    num_sanity_val_steps=0, enable_model_summary=False)
+                    num_sanity_val_steps=0, enable_model_summary=False,
+                    gradient_clip_val=1.0)  # by the global norm of the synchronised gradients
 trainer.fit(model, data, val if args.val_every else None, ckpt_path=args.resume)
 if trainer.global_rank == 0:
     digest = hashlib.sha256(b''.join(t.detach().cpu().numpy().tobytes()
@@ -88,3 +96,6 @@ if trainer.global_rank == 0:
     if args.out:
         with open(args.out, 'w') as f:
             f.write(digest + '\n')
+    if args.times:
+        with open(args.times, 'w') as f:
+            f.write(' '.join(f'{t:.6f}' for t in model.times) + '\n')
