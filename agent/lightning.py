@@ -320,6 +320,11 @@ class CeaselessStrategy(DDPStrategy):
         if not self._on or d is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
+        # the closure zeroes the gradients and counts that in the loop's progress: an
+        # attempt computed again (a fault, a resume's dry attempt) counts once, as without
+        zeroed = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress \
+            .optimizer.zero_grad
+        counted = zeroed.state_dict()
         while True:  # a step discarded by a fault is computed again, same batch
             t = d.iteration(trainer.global_step)
             if t != trainer.global_step:
@@ -328,6 +333,7 @@ class CeaselessStrategy(DDPStrategy):
             out = closure()
             if d.synced:
                 break
+            zeroed.load_state_dict(counted)
         return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
 
     def on_train_end(self) -> None:

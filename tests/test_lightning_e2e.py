@@ -90,7 +90,7 @@ async def test_lightning_survives_kills_in_validation_and_in_a_checkpoint_save_b
 
     async def fault(c, run):
         # rank 1 while it validates (the example sleeps in each validation batch)
-        w1 = c.member(1).pod
+        w1 = (await c.wait_for(lambda: c.member(1), 120, "rank 1 training")).pod
         seen = len(_said(run, w1, "validating after step"))
         await c.wait_for(lambda: len(_said(run, w1, "validating after step")) > seen, 120,
                          "rank 1 validating")
