@@ -365,8 +365,11 @@ class CeaselessStrategy(DDPStrategy):
         op = str(reduce_op).lower()
         if op not in ("mean", "avg", "sum", "reduceop.sum", "reduceop.avg"):
             raise NotImplementedError(f"strategy='ceaseless': reduce {reduce_op} (mean or sum)")
+        # summed in place, then divided out of place: Lightning syncs integer tensors too
+        # (a metric's cumulated batch size) and expects a float mean, as torch's DDP gives
         out = tensor.detach().clone()
-        d.s.all_reduce(out, "sum" if "sum" in op else "mean")
+        if d.s.all_reduce(out, "sum") and "sum" not in op:
+            out = out / d.world_size
         return out
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
