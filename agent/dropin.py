@@ -183,7 +183,7 @@ class DropIn:
     # ------------------------------------------------------------------ forward / backward
     def forward(self, wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         module = self.module
-        if not (torch.is_grad_enabled() and wrapper.training):
+        if not (torch.is_grad_enabled() and module.training):  # Lightning: eval() the module
             return module(*args, **kwargs)  # evaluation: not a micro-batch
         t = self.step
         if t is None:

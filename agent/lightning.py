@@ -10,13 +10,21 @@ it drives ``agent.ddp`` (docs/porting.md, "The drop-in"), not a second recovery 
   ``Trainer(...)``) until it is promoted; its rank and world size come from the job;
 * ``setup`` creates the optimizers before the model is wrapped, so the drop-in's
   ``DistributedDataParallel`` registers them with their LR schedulers and the loop's progress
-  (``fit_loop.state_dict()`` as of the last batch end, what a mid-epoch ``ckpt_path=`` resume
-  restores): a promoted spare receives model, optimizer, schedulers and loop position;
+  (``fit_loop.state_dict()`` as of the last batch end or validation, and the callbacks' state,
+  ModelCheckpoint's included): a promoted spare receives model, optimizer, schedulers, loop
+  position and callbacks, not ``ckpt_path``'s (Lightning would load it over them); a spare
+  that becomes rank 0 writes again the checkpoint rank 0 died saving;
 * ``optimizer_step`` is the step: ``agent.ddp.iteration`` (commit the step before, or recover),
   then Lightning's closure (training_step, backward; the gradient sync in the backward); a step
   discarded by a fault is computed again there, with the same batch, before the update;
 * the train DataLoader skips, at the start of an epoch, the batches the restored loop already
-  did (a promoted spare starts at the job's next batch).
+  did (a promoted spare starts at the job's next batch; a mid-epoch ``ckpt_path=`` resume at
+  the checkpoint's).
+
+``Trainer(strategy="ceaseless")`` needs this module imported first: Lightning 2.x resolves a
+strategy name in ``StrategyRegistry`` inside ``Trainer.__init__`` (``_AcceleratorConnector``)
+before it loads the only entry points it reads (``lightning.pytorch.callbacks_factory``,
+callbacks), so an installed package cannot add the name without being imported.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any, Callable
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
 from plumbing import logs
@@ -85,48 +94,114 @@ class _LoopState:
         self.snap: dict | None = None
         self.skip = 0  # batches of the current epoch done before a received snapshot
         self.epoch = 0  # ... and that epoch
+        self.epoch_start = False  # snap is a last batch's, as the next epoch's start
+        self.at_batch_end: dict | None = None  # snap as of the batch's end, unchanged
+        self.received = False  # a promoted spare's: the job's progress, not a fresh loop's
+        # the callbacks' state with the snapshot (ModelCheckpoint's files, best scores...),
+        # and each ModelCheckpoint's last save (global step, file), which it keeps outside
+        # its state_dict: what a spare that becomes rank 0 writes again if it is missing
+        self.callbacks: dict = {}
+        self.saved: dict[str, tuple[int, str]] = {}
 
-    def take(self, last: bool = False) -> None:
+    def take(self, last: bool = False, batch_end: bool = True) -> None:
         snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
+        if batch_end:  # as a checkpoint written at the batch's end has it (never changed)
+            self.at_batch_end = copy.deepcopy(snap) if last else snap
         if last:
-            # the epoch's last batch: stored as the next epoch's start (Lightning restarts
-            # from a last batch's end into that epoch again, or counts it twice)
+            # the epoch's last batch: stored as the next epoch's start, as Lightning's loop
+            # has it there (restarting from a last batch's end, Lightning runs into that
+            # epoch again, or counts it twice)
             for scope in ("total", "current"):
                 ep = snap["epoch_progress"][scope]
                 n = ep["completed"] + 1
                 ep.update(ready=n, started=n, processed=n, completed=n)
             bp = snap["epoch_loop.batch_progress"]
             bp["total"]["completed"] = bp["total"]["processed"]  # the batch's end is past
-            bp["current"].update(ready=0, started=0, processed=0, completed=0)
-            snap["epoch_loop.batch_progress"]["is_last_batch"] = False
+            bp["is_last_batch"] = False
+            # what an epoch's start resets (_TrainingEpochLoop.reset, not restarting)
+            opt = snap["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+            for p in (bp, snap["epoch_loop.scheduler_progress"], opt["step"], opt["zero_grad"]):
+                _zero(p["current"])
+            _zero(snap["epoch_loop.val_loop.batch_progress"]["total"])
             # the logging step, counted after this hook (a restart mid-epoch counts it)
             snap["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
-        self.snap = snap
+        self.snap, self.epoch_start = snap, last
+
+    def take_callbacks(self) -> None:
+        """At a step's start: what the callbacks did after the step before (its batch end,
+        validation, the epoch's end)."""
+        self.callbacks = copy.deepcopy(call._call_callbacks_state_dict(self.trainer))
+        self.saved = {cb.state_key: (getattr(cb, "_last_global_step_saved", -1),
+                                     cb._last_checkpoint_saved)
+                      for cb in self.trainer.checkpoint_callbacks
+                      if getattr(cb, "_last_checkpoint_saved", None)}
+
+    def load_loop(self, snap: dict | None = None) -> None:
+        fit_loop = self.trainer.fit_loop
+        fit_loop.load_state_dict(copy.deepcopy(snap or self.snap))
+        if snap is None and self.epoch_start:  # an epoch starts: no restart in the last one
+            fit_loop.epoch_loop.restarting = False
+
+    def from_checkpoint(self, ckpt: dict) -> None:
+        """``ckpt_path=``: the loop Lightning restored (the checkpoint's) is also what a spare
+        receives until the first step ends, and its train DataLoader resumes in the epoch."""
+        fit = (ckpt.get("loops") or {}).get("fit_loop")
+        if fit is not None:
+            self.snap = copy.deepcopy(fit)
+            self.callbacks = copy.deepcopy(ckpt.get("callbacks") or {})
+            self._position()
 
     def state_dict(self) -> dict:
-        return {"fit_loop": self.snap}
+        return {"fit_loop": self.snap, "epoch_start": self.epoch_start,
+                "at_batch_end": self.at_batch_end, "callbacks": self.callbacks,
+                "saved": self.saved}
+
+    def _position(self) -> None:
+        assert self.snap is not None
+        ep = self.snap["epoch_progress"]["current"]
+        if ep["processed"] > ep["completed"] or \
+                self.snap["epoch_loop.batch_progress"].get("is_last_batch"):
+            self.skip = 0  # taken at an epoch's end (a checkpoint's): the next one starts
+        else:  # taken at a batch end: that batch is done too
+            self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
+            self.epoch = int(ep["completed"])
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("fit_loop") is not None:
             self.snap = copy.deepcopy(sd["fit_loop"])
-            ep = self.snap["epoch_progress"]["current"]
-            if ep["processed"] > ep["completed"]:  # taken at an epoch's end: the next starts
-                self.skip = 0
-            else:  # taken at a batch end: that batch is done too
-                self.skip = int(self.snap["epoch_loop.batch_progress"]["current"]["processed"])
-                self.epoch = int(ep["completed"])
-            self.trainer.fit_loop.load_state_dict(copy.deepcopy(self.snap))
+            self._position()
+            self.received = True
+            self.epoch_start = bool(sd.get("epoch_start"))
+            self.at_batch_end = copy.deepcopy(sd.get("at_batch_end"))
+            self.load_loop()
+            self.callbacks = copy.deepcopy(sd.get("callbacks") or {})
+            self.saved = dict(sd.get("saved") or {})
+            call._call_callbacks_load_state_dict(self.trainer, {"callbacks": self.callbacks})
+            for cb in self.trainer.checkpoint_callbacks:
+                if cb.state_key in self.saved:
+                    cb._last_global_step_saved, cb._last_checkpoint_saved = \
+                        self.saved[cb.state_key]
             log.info("lightning: loop progress received",
                      global_step=self.trainer.global_step, epoch=self.trainer.current_epoch)
 
 
 class _Snapshot(Callback):
     def __init__(self, loops: _LoopState) -> None:
-        self.loops = loops
+        self.loops, self.last = loops, False
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.loops.take_callbacks()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.loops.take(last=batch_idx + 1 >= trainer.num_training_batches)
+        self.last = batch_idx + 1 >= trainer.num_training_batches
+        self.loops.take(self.last)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        # after the batch's validation: the state Lightning restarts from as from its own
+        # checkpoint there (from the batch end before it, it counts the validation twice)
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.loops.take(self.last, batch_end=False)
 
 
 class _SkipDone:
@@ -220,6 +295,15 @@ class CeaselessStrategy(DDPStrategy):
         ddp.register(**extra)
         self.model = ddp.DistributedDataParallel(self.model)  # joins the job
         self.setup_precision_plugin()
+        connector = trainer._checkpoint_connector
+        if self._loops.received:
+            # the job's committed state arrived: not ckpt_path's, which Lightning's
+            # restore_training_state would load over it next
+            connector._loaded_checkpoint = {}
+            if self.global_rank == 0:
+                write_lost_checkpoint(trainer, self._loops)
+        elif connector._loaded_checkpoint:
+            self._loops.from_checkpoint(connector._loaded_checkpoint)
 
     def process_dataloader(self, dataloader: object) -> object:
         if not self._on or self._loops is None:
@@ -236,6 +320,11 @@ class CeaselessStrategy(DDPStrategy):
         if not self._on or d is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
+        # the closure zeroes the gradients and counts that in the loop's progress: an
+        # attempt computed again (a fault, a resume's dry attempt) counts once, as without
+        zeroed = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress \
+            .optimizer.zero_grad
+        counted = zeroed.state_dict()
         while True:  # a step discarded by a fault is computed again, same batch
             t = d.iteration(trainer.global_step)
             if t != trainer.global_step:
@@ -244,6 +333,7 @@ class CeaselessStrategy(DDPStrategy):
             out = closure()
             if d.synced:
                 break
+            zeroed.load_state_dict(counted)
         return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
 
     def on_train_end(self) -> None:
@@ -275,8 +365,11 @@ class CeaselessStrategy(DDPStrategy):
         op = str(reduce_op).lower()
         if op not in ("mean", "avg", "sum", "reduceop.sum", "reduceop.avg"):
             raise NotImplementedError(f"strategy='ceaseless': reduce {reduce_op} (mean or sum)")
+        # summed in place, then divided out of place: Lightning syncs integer tensors too
+        # (a metric's cumulated batch size) and expects a float mean, as torch's DDP gives
         out = tensor.detach().clone()
-        d.s.all_reduce(out, "sum" if "sum" in op else "mean")
+        if d.s.all_reduce(out, "sum") and "sum" not in op:
+            out = out / d.world_size
         return out
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -314,6 +407,29 @@ def _refuse_unsupported(trainer: Any) -> None:
         raise NotImplementedError(
             f"strategy='ceaseless': precision={prec!r} is not supported yet: use '32-true' or "
             "'bf16-mixed'")
+
+
+def _zero(progress: dict) -> None:
+    progress.update({k: 0 for k in ("ready", "started", "processed", "completed")
+                     if k in progress})
+
+
+def write_lost_checkpoint(trainer: Any, loops: _LoopState) -> None:
+    """A spare that became rank 0 writes again the checkpoint rank 0 died writing: its
+    ModelCheckpoint saved at the step the job's state is at, and the file is not there
+    (Lightning writes a file whole or not at all: an fsspec transaction)."""
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    for cb in trainer.checkpoint_callbacks:
+        step, path = loops.saved.get(cb.state_key, (None, None))
+        if path and step == trainer.global_step and not get_filesystem(path).exists(path):
+            loops.load_loop(loops.at_batch_end)  # the loop as rank 0 saved it
+            try:
+                trainer.save_checkpoint(path, getattr(cb, "save_weights_only", False))
+            finally:
+                loops.load_loop()
+            log.info("lightning: a checkpoint lost with rank 0 written again", path=str(path),
+                     step=step)
 
 
 def _check_optimizers(strategy: CeaselessStrategy) -> None:

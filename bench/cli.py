@@ -49,6 +49,7 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join",
         "size": "real model sizes: peak memory per role, transfer vs the link, kill bitwise",
         "dropin": "the DDP drop-in's step time against the Session API's, side by side",
+        "lightning": "Lightning's CeaselessStrategy step time against its DDPStrategy's",
         "guards": "state verification's cost; a preemption's hand-over against a crash"}
 
 
@@ -74,5 +75,6 @@ def register(sub, lazy: bool = False) -> argparse.ArgumentParser:
     _module(bsub, "sharded", "bench.sharded")
     _module(bsub, "size", "bench.size")
     _module(bsub, "dropin", "bench.dropin")
+    _module(bsub, "lightning", "bench.lightning_bench")
     _module(bsub, "guards", "bench.guards")
     return p

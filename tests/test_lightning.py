@@ -109,22 +109,45 @@ def test_the_name_is_registered():
     assert "ceaseless" in StrategyRegistry
 
 
-@pytest.mark.parametrize("at", [1, 5, 13, 15, 16, 19])
-def test_a_received_loop_snapshot_resumes_at_the_jobs_step_epoch_batch_and_data(at):
-    """What a promoted spare gets (agent/lightning.py: the fit loop's snapshot as of the last
-    committed step, loaded before ``fit`` runs, and the DataLoader skipping the epoch's done
-    batches): a second Trainer that loads the first's snapshot at step ``at`` trains on the
-    same (global step, epoch, batch index, batch) from there, mid-epoch, at an epoch's first
-    batch (the snapshot of a last batch) and at the last step. 5 batches an epoch, shuffled
-    by a DistributedSampler."""
+def _same(a, b, path="") -> None:
+    """Checkpoint contents equal: tensors bit for bit, everything else ==."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("at", [1, 5, 12, 13, 15, 16, 19])
+def test_a_received_loop_snapshot_resumes_at_the_jobs_step_epoch_batch_and_data(at, tmp_path):
+    """What a promoted spare gets (agent/lightning.py: the fit loop's snapshot and the
+    callbacks' state as of the last committed step, loaded before ``fit`` runs, and the
+    DataLoader skipping the epoch's done batches): a second Trainer that loads the first's
+    snapshot at step ``at`` trains on the same (global step, epoch, batch index, batch, the
+    whole fit loop's state) from there, mid-epoch, at an epoch's first batch (the snapshot of
+    a last batch), after a validation (every 3 steps) and at the last step; its
+    ModelCheckpoint (every 3 steps) writes the same files as the job's, and the one the job
+    wrote at step ``at`` (12, 15), absent as if rank 0 died writing it, is written again,
+    the same. 5 batches an epoch, shuffled by a DistributedSampler."""
     import copy
+    import shutil
 
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import SingleDeviceStrategy
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from agent.lightning import _LoopState, _SkipDone, _Snapshot
+    from agent.lightning import _LoopState, _SkipDone, _Snapshot, write_lost_checkpoint
 
     seen: dict[str, list] = {}
 
@@ -136,8 +159,12 @@ def test_a_received_loop_snapshot_resumes_at_the_jobs_step_epoch_batch_and_data(
         def training_step(self, b, i):
             seen.setdefault(self.tag, []).append(
                 (self.trainer.global_step, self.trainer.current_epoch, i, float(b[0].sum()),
-                 self.trainer.fit_loop.epoch_loop._batches_that_stepped))  # the logging step
+                 self.trainer.fit_loop.epoch_loop._batches_that_stepped,  # the logging step
+                 copy.deepcopy(self.trainer.fit_loop.state_dict())))
             return self.lin(b[0]).pow(2).mean()
+
+        def validation_step(self, b, i):
+            self.log("val", self.lin(b[0]).pow(2).mean())
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -150,26 +177,50 @@ def test_a_received_loop_snapshot_resumes_at_the_jobs_step_epoch_batch_and_data(
             return _SkipDone(dl, received) if train else dl
 
     snap: dict = {}
+    ckdir = tmp_path / "ck"
 
     class Grab(L.Callback):  # what the survivors hold when step `at` starts
         def on_train_batch_start(self, trainer, *a):
             if trainer.global_step == at:
-                snap["s"] = copy.deepcopy(taken.snap)
+                snap["s"] = copy.deepcopy(taken.state_dict())
+                snap["model"] = copy.deepcopy(trainer.lightning_module.state_dict())
+                snap["opt"] = copy.deepcopy(trainer.optimizers[0].state_dict())
 
     class Load(L.Callback):  # before the loop runs, as in the spare's strategy.setup
         def setup(self, trainer, pl_module, stage):
             received.trainer = trainer
-            received.load_state_dict({"fit_loop": snap["s"]})
+            received.load_state_dict(snap["s"])
 
-    ds = TensorDataset(torch.arange(40.).reshape(10, 4))
+        def on_fit_start(self, trainer, pl_module):  # after the strategy's set-up
+            pl_module.load_state_dict(snap["model"])  # the rest of the job's state
+            trainer.optimizers[0].load_state_dict(snap["opt"])
+            write_lost_checkpoint(trainer, received)  # the job's at `at`: not in ckdir
+
+    ds = TensorDataset(torch.arange(40.).reshape(10, 4) / 40)
     data = DataLoader(ds, batch_size=2,
                       sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True))
-    for tag, cbs in (("job", [_Snapshot(taken), Grab()]), ("spare", [Load()])):
+    val = DataLoader(TensorDataset(torch.ones(4, 4)), batch_size=2)
+    for tag, cbs in (("job", []), ("spare", [Load()])):
+        mc = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=3, save_top_k=-1)
         t = L.Trainer(accelerator="cpu", strategy=Skip(device=torch.device("cpu")),
-                      max_steps=20, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=cbs)
-        taken.trainer = t if tag == "job" else taken.trainer
-        t.fit(M(tag), data)
+                      max_steps=20, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[*cbs, mc], val_check_interval=3,
+                      check_val_every_n_epoch=None, num_sanity_val_steps=0)
+        if tag == "job":
+            taken.trainer = t
+            t.callbacks += [_Snapshot(taken), Grab()]  # after ModelCheckpoint, as in setup
+        t.fit(M(tag), data, val)
+        if tag == "job":
+            shutil.copytree(ckdir, tmp_path / "job")
+            shutil.rmtree(ckdir)
     job = {x[0]: x for x in seen["job"]}
     assert seen["spare"][0][0] == at and len(seen["spare"]) == 20 - at
-    assert seen["spare"] == [job[x[0]] for x in seen["spare"]]
+    for got in seen["spare"]:
+        _same(got, job[got[0]], f"step {got[0]}")
+    written = sorted(p.name for p in ckdir.iterdir()) if ckdir.exists() else []
+    want = sorted(p.name for p in (tmp_path / "job").iterdir()
+                  if int(p.stem.split("step=")[1]) >= at)
+    assert written == want
+    for name in written:
+        _same(torch.load(ckdir / name, weights_only=False),
+              torch.load(tmp_path / "job" / name, weights_only=False), name)

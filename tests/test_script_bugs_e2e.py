@@ -45,11 +45,12 @@ async def test_a_script_raising_on_every_rank_stops_the_job_with_its_error(tmp_p
 
 @pytest.mark.parametrize("api,how,forked", [
     ("init", "raise", True), ("init", "raise", False), ("dropin", "raise", False),
-    ("dropin", "setup", True), ("session", "setup", False)])
+    ("dropin", "setup", True), ("session", "setup", False), ("lightning", "raise", False)])
 async def test_the_same_error_on_every_rank_stops_the_job_whatever_the_api(
         tmp_path, api, how, forked):
     """Issue 41: under ``agent.init`` (no ``with`` block: its exception was never reported,
-    every pod a crash, "training state lost"), the drop-in and ``with Session``, pods forked
+    every pod a crash, "training state lost"), the drop-in, Lightning's strategy (issue 44)
+    and ``with Session``, pods forked
     from the zygote or exec'd, every rank raising the same error at step 12 (``raise``) or
     in its set-up once a member, before the first step (``setup``: the reports were dropped
     as stale, pods cycled and the job shrank) stops the job: exit 1 within 2 minutes, the

@@ -9,7 +9,9 @@ the same error in its set-up, once it is a member: after ``s.join()`` or
 ``s.solo``, as nanoGPT's evaluation does).
 
 api: ``session`` (``with agent.Session``, the default), ``init`` (``s = agent.init(...)``, no
-``with`` block) or ``dropin`` (``agent.ddp``: a torchrun + DDP script's loop)."""
+``with`` block), ``dropin`` (``agent.ddp``: a torchrun + DDP script's loop) or ``lightning``
+(``Trainer(strategy=CeaselessStrategy())``: the error raised in ``training_step``, or in
+the set-up after the strategy made this pod a member)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,32 @@ if api == "session":
         session_loop(s)
 elif api == "init":
     session_loop(agent.init(global_batch_size=8, seed=0))
+elif api == "lightning":
+    import lightning as L
+
+    from agent.lightning import CeaselessStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = model
+
+        def training_step(self, batch, batch_idx):
+            if how == "raise":
+                check_batch(self.trainer.global_step, bad)
+            time.sleep(0.02)
+            return torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = CeaselessStrategy()  # a member from here on (a spare waits here)
+    if how == "setup":
+        load_index()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=total,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
 else:
     import agent.ddp as dist
     from agent.ddp import DistributedDataParallel as DDP
