@@ -67,9 +67,18 @@ async def test_losing_the_host_of_every_active_part(tmp_path, reference, namespa
         await c.wait_for(lambda: any(h.rank == 0 and h.generation > gen and h.step > at + 1
                                      for h in c.hb.values()), 60, "rank 0 training again")
         seen["back_s"] = time.time() - t0
-        st = _cli("status", "--json", "--run-dir", str(c.run_dir))
-        assert st.returncode == 0, st.stderr
-        seen["status"] = json.loads(st.stdout)
+        deadline = time.monotonic() + 30
+        while True:  # the standbys' leases: taken by now, but a loaded machine may lag
+            st = _cli("status", "--json", "--run-dir", str(c.run_dir))
+            assert st.returncode == 0, st.stderr
+            seen["status"] = json.loads(st.stdout)
+            inst = seen["status"]["hosts"]["instances"]
+            if all(len([i for i, v in inst.items() if v["active"] and v["host"] != "h1" and
+                        (i == n or i.startswith(n + "-s"))]) == 1 for n in SERVICES):
+                break
+            if time.monotonic() > deadline:
+                break  # asserted below, with the status
+            await asyncio.sleep(0.5)
 
     s = await run_job(tmp_path, "hosts", 3, 1, fault, cmd=_slower(tmp_path),
                       extra=["--hosts", "3", "--bus-servers", "3", "--standbys", "1"])
@@ -89,9 +98,10 @@ async def test_losing_the_host_of_every_active_part(tmp_path, reference, namespa
     leaders = seen["status"]["streams"]
     assert leaders and all(v["leader"] in ("s2", "s3") for v in leaders.values()), leaders
     inc = s["incidents"][0]
-    print(f"\nhost-loss h1: incident downtime {inc['downtime']:.2f}s (detection "
-          f"{inc['detection_latency']:.2f}s), rank 0 back at a step {seen['back_s']:.2f}s "
-          "after the injection")
+    det = inc.get("detection_latency")  # None: a new scaler replaced the silent w0 itself
+    print(f"\nhost-loss h1: incident {inc.get('kind')} downtime {inc['downtime']:.2f}s "
+          f"(detection {'-' if det is None else f'{det:.2f}s'}), rank 0 back at a step "
+          f"{seen['back_s']:.2f}s after the injection")
 
 
 async def test_a_partitioned_host_is_fenced_and_comes_back(tmp_path, reference, namespaces):
@@ -134,11 +144,17 @@ async def test_a_partitioned_host_is_fenced_and_comes_back(tmp_path, reference, 
             assert time.monotonic() < deadline, reps
         seen["status"] = st
 
-    # slower still (same numerics): the job must outlast the partition and the heal
-    cmd = [*_slower(tmp_path)[:-1], "0.15"]
-    s = await run_job(tmp_path, "partition", 3, 1, fault, cmd=cmd,
+    # slower still and longer (same numerics): the job must outlast the partition, the heal
+    # and s1's catching up (its routes wait out nats-server's 10 s write deadline first: the
+    # 80-step job ended 19 s after the heal, before s1 was current, in this session's CI)
+    from ops.cluster import UpOptions, _default_data, default_cmd
+
+    steps = 160
+    cmd = [*default_cmd(UpOptions(steps=steps), _default_data(tmp_path / "data")),
+           "--sleep", "0.15"]
+    s = await run_job(tmp_path, "partition", 3, 1, fault, cmd=cmd, steps=steps,
                       extra=["--hosts", "3", "--bus-servers", "3", "--standbys", "1"])
-    _assert_same(s, reference(3))
+    _assert_same(s, reference(3, steps), steps)
     gens = [p.generation for p in s["plans"]]
     assert all(len({p.model_dump_json() for p in s["plans"] if p.generation == g}) == 1
                for g in gens), s["plans"]
