@@ -15,9 +15,7 @@ import torch
 from harness import Cluster
 from schemas.messages import Capacity, CapacityChange, Decision, Priority
 
-# the 4 -> 2 -> 3 -> 4 transitions are over by step ~30 (forked pods join in ~1 s); 150
-# leaves room for slow joins on a loaded machine (300 spent ~15 s per run after them)
-STEPS = 150
+STEPS = 300
 EXTRA = ["--save-params", "--scale-up-snooze", "0"]
 # float64: the world size changes only the order of floating-point additions, and in
 # float32 AdamW turns that noise into visible drift in directions whose true gradient is 0
