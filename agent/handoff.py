@@ -180,6 +180,7 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
         raise JobStateLost(got.lost.reason)
     transfer = got.transfer
     received = sent = 0
+    odd: str | None = None
     if rank in transfer.sources:
         odd = diverged(plan, transfer, state.last_committed,
                        state.digests.of(state.last_committed))
@@ -192,7 +193,6 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
         if odd is not None:  # repaired now; the pod is still suspect (agent/verify.py)
             log.error("replicas disagree at the handoff: silent data corruption",
                       step=transfer.restore_step, generation=g)
-            rt.report_sync(ReportKind.corruption, odd)
     else:
         if state.last_committed != transfer.restore_step:
             raise RuntimeError(f"transfer plan restores step {transfer.restore_step} but this "
@@ -200,10 +200,44 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
         mine = {r: srcs for r, srcs in transfer.sources.items() if rank in srcs}
         if mine:  # the state is at the restore step and nothing changes it meanwhile
             sent = send_state(m.group, state.describe(), rank, mine, rt.abort) or 0
+    _note_divergence(m, plan, transfer, odd if rank in transfer.sources else None)
     if not keep_grads:
         state.zero_grad()
     m.restored(plan, transfer.restore_step)
     return transfer.restore_step, received, sent
+
+
+def _note_divergence(m: Entrant, plan: Plan, transfer: Transfer, odd: str | None) -> None:
+    """Replicas that disagreed at the restore step: the majority's state is not the
+    fault-free one either (the corrupt replica's gradients were in every update since the
+    flip), so every member rolls back to the last verified copy at its next commit
+    (``agent/verify.py``; decided by each member from the same transfer, so all alike), and
+    the corrupt one reports itself after that, as a verification's finding is reported. A
+    divergence noted before and never rolled back (a newer plan came first) is reported now;
+    without verification (no copy to go back to) at once."""
+    rt = m.rt
+    if m.diverged is not None and m.diverged[1] is not None:
+        rt.report_sync(ReportKind.corruption, m.diverged[1])
+    m.diverged = None
+    if m.cfg.verify_every > 0 and disagreed(plan, transfer):
+        m.diverged = (transfer.restore_step, odd)
+        log.warning("replicas disagreed at the handoff: every member rolls back to the last "
+                    "verified copy at its next commit", step=transfer.restore_step,
+                    generation=plan.generation)
+    elif odd is not None:
+        rt.report_sync(ReportKind.corruption, odd)
+
+
+def disagreed(plan: Plan, transfer: Transfer) -> bool:
+    """Whether ``transfer`` made a member that held the restore step a recipient (what every
+    member sees alike): its digest there was off the majority's (``diverged``, the same
+    conditions, told from the transfer's ``steps`` instead of the member's own digest)."""
+    if (plan.generation <= 1 or plan.shard_size > 1 or transfer.restore_step < 0
+            or not transfer.digest):
+        return False
+    if len({r for srcs in transfer.sources.values() for r in srcs}) < 2:
+        return False
+    return any(transfer.steps.get(r) == transfer.restore_step for r in transfer.sources)
 
 
 def diverged(plan: Plan, transfer: Transfer, step: int, digest: str) -> str | None:
@@ -211,7 +245,8 @@ def diverged(plan: Plan, transfer: Transfer, step: int, digest: str) -> str | No
     held the restore step itself holds a digest the majority there does not: silent data
     corruption found by the handoff instead of by the next verification (a plan, such as a
     capacity add, came between the flipped bit and the check). The handoff repairs the
-    state; the pod is reported, as verify.py reports one, so that a spare takes its rank.
+    state, every member then rolls back to the verified copy (``_note_divergence``) and the
+    pod is reported, as verify.py reports one, so that a spare takes its rank.
     Not in a job's first generation (ranks may hold what each script loaded: rank 0's is
     taken) nor at step -1 (each rank's own initialisation), nor sharded (a digest per
     position: only position 0's is in the transfer), nor when a single source held the step

@@ -90,6 +90,9 @@ class Membership:
         self.early: Any = None              # sharded.EarlyJoin of a promoted spare
         self.leader = ShadowLeader(rt, cfg, state)      # rank 0: streams to the spares
         self.follower = ShadowFollower(rt, cfg, state)  # a spare: follows rank 0
+        # the handoff found replicas that disagreed (handoff.disagreed): (the restore step,
+        # this member's own corruption report or None) until the verifier rolls back
+        self.diverged: tuple[int, str | None] | None = None
 
     # ------------------------------------------------------------------ the state machine
     def _to(self, new: Phase, why: str = "") -> None:

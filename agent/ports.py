@@ -212,6 +212,7 @@ class Entrant(Protocol):
     sharding: Any       # sharded.Sharding of a sharded job
     follower: Any       # shadow_roles.ShadowFollower
     leader: Any         # shadow_roles.ShadowLeader
+    diverged: tuple[int, str | None] | None  # handoff.disagreed, until verify.py rolls back
 
     @property
     def rt(self) -> HandoffRuntime: ...

@@ -99,6 +99,15 @@ class Verifier:
             self._report = None
         if m is None or m.group is None:
             return
+        if getattr(m, "diverged", None) is not None and m.is_member:
+            # the handoff found replicas that disagreed (handoff.disagreed): every member
+            # alike, at its first commit after it; the corrupt one reports itself after that
+            at, self._report = m.diverged
+            m.diverged = None
+            log.error("replicas disagreed at the handoff: rolling back to the verified copy",
+                      step=s, handoff_step=at, verified=self.verified)
+            self._rollback_together(s, state, m, rt, cfg, "corruption")
+            return
         if self.on_nonfinite == "rollback" and state.new_skip and state.skipped[-1:] == [s]:
             # every member alike (the skip was decided on the reduced loss): back to the
             # verified copy, that step's data still skipped when it comes again
@@ -138,10 +147,55 @@ class Verifier:
         if m.rank in odd:
             self._report = (f"state digest differs from the majority at step {s} (last "
                             f"verified step {self.verified})")
-        if self.copy is None:
-            log.error("no verified copy yet: cannot roll back", step=s)
+        self._rollback_together(s, state, m, rt, cfg, "corruption")
+
+    def _rollback_together(self, s: int, state: Any, m: Any, rt: Any, cfg: Any,
+                           reason: str) -> None:
+        """Every member back to the newest verified copy any of them holds: its holders
+        restore it, members without it (promoted or joined since) receive it from them, as
+        in a handoff. One small all-reduce of who holds which copy first, so that all decide
+        alike. Sharded (a copy per shard position): only when every member holds it."""
+        from .collectives import Aborted, PeerError
+        from .handoff import receive
+        from .transfer import send_state
+
+        vec = torch.zeros(m.world_size, dtype=torch.int64, device=m.group.device)
+        vec[m.rank] = self.verified if self.copy is not None and self.verified is not None else -1
+        try:
+            m.group.allreduce_([vec], rt.abort, slice_s=cfg.collective_slice,
+                               timeout_s=cfg.collective_timeout)
+        except (Aborted, PeerError) as e:  # a fault: a new generation's handoff decides
+            log.warning("rollback interrupted", step=s, error=str(e)[:200])
             return
-        self._rollback(s, state, rt, "corruption", m)
+        held = vec.tolist()  # a rare path: its one host sync is no step's
+        v = max(held)
+        holders = [r for r, h in enumerate(held) if h == v]
+        others = [r for r in range(m.world_size) if r not in holders]
+        if v < 0 or (others and m.sharding is not None):
+            log.error("no verified copy every member can go back to: not rolled back",
+                      step=s, verified=held)
+            return
+        if m.rank in holders:
+            self._rollback(s, state, rt, reason, m)
+        if not others:
+            return
+        n = min(len(holders), 8)  # each recipient stripes over some of the holders
+        plan = {r: [holders[(i + j) % len(holders)] for j in range(n)]
+                for i, r in enumerate(others)}
+        try:
+            if m.rank in holders:
+                send_state(m.group, state.describe(), m.rank,
+                           {r: srcs for r, srcs in plan.items() if m.rank in srcs}, rt.abort,
+                           timeout_s=cfg.collective_timeout)
+                return
+            st = receive(state, m.group, m.rank, plan[m.rank], rt.abort,
+                         timeout_s=cfg.collective_timeout)
+        except (Aborted, PeerError) as e:
+            log.warning("rollback's transfer interrupted", step=s, error=str(e)[:200])
+            return
+        state.restore(st, v)
+        self.copy = self.verified = None  # no copy of its own until the next check
+        self._rolled_back(s, state, rt, reason, m, v)
 
     def _snapshot(self, state: Any) -> Any:
         """The verified copy: on CUDA queued on a side stream after the work that made the
@@ -173,11 +227,15 @@ class Verifier:
             self.before_update()
             self._stream.synchronize()  # the copy is read on the host side too (its extra)
         state.restore(self.copy)
+        self._rolled_back(s, state, rt, reason, m, self.verified)
+
+    def _rolled_back(self, s: int, state: Any, rt: Any, reason: str, m: Any,
+                     verified: int) -> None:
         self.rolled_back_at = s
-        log.warning("rolled back to the last verified copy", step=s, verified=self.verified,
+        log.warning("rolled back to the last verified copy", step=s, verified=verified,
                     reason=reason)
-        telemetry.mark(telemetry.SPAN_ROLLBACK, time.time(), step=s, restore_step=self.verified,
-                       recomputed_steps=s - self.verified, reason=reason,
+        telemetry.mark(telemetry.SPAN_ROLLBACK, time.time(), step=s, restore_step=verified,
+                       recomputed_steps=s - verified, reason=reason,
                        step_time=self._step_time or 0.0)
         rt.update(now=True, step=state.last_committed,
                   digest=state.digests.note(state.last_committed, state.digest()))

@@ -207,3 +207,75 @@ def test_a_recipient_that_held_the_restore_step_with_another_digest_is_a_corrupt
     assert diverged(plan(16, shard_size=2), t, 2058, "b" * 32) is None
     one = t.model_copy(update={"sources": {2: [0]}})
     assert diverged(plan(16), one, 2058, "b" * 32) is None   # one against one: no majority
+
+
+def test_every_member_sees_alike_that_the_handoff_found_replicas_that_disagreed():
+    """What each member tells from the transfer alone (its own digest unknown to the others):
+    a recipient that held the restore step (``steps``) was made one for its digest."""
+    from agent.handoff import disagreed
+    from schemas.messages import Member, Plan, Transfer
+
+    plan = Plan(generation=16, members=[Member(pod=f"p{r}", rank=r) for r in range(4)],
+                world_size=4, global_batch_size=16, micro_batch_size=4,
+                shares={r: 1 for r in range(4)})
+    held = {0: 2058, 1: 2058, 2: 2058, 3: 2058}
+    t = Transfer(generation=16, restore_step=2058, sources={2: [0, 1, 3]}, digest="a" * 32,
+                 steps=held)
+    assert disagreed(plan, t)
+    behind = t.model_copy(update={"steps": {**held, 2: 2057}})
+    assert not disagreed(plan, behind)                     # a member missing steps
+    assert not disagreed(plan, t.model_copy(update={"steps": {}}))  # an older broker
+    assert not disagreed(plan, t.model_copy(update={"sources": {2: [0]}}))  # one against one
+    assert not disagreed(plan.model_copy(update={"generation": 1}),
+                         t.model_copy(update={"generation": 1}))
+    assert not disagreed(plan, t.model_copy(update={"restore_step": -1,
+                                                   "steps": {r: -1 for r in range(4)}}))
+
+
+@pytest.mark.parametrize("copies", [(9, 9, 9), (9, 9, None), (None, 9, 4)])
+def test_a_divergence_found_at_a_handoff_rolls_every_member_back_alike(copies):
+    """The soak (seed 7, event 103): a flipped bit met by a handoff before the check. The
+    corrupt replica's gradients since the flip are in every member's update, so every member
+    goes back to the newest verified copy at its next commit: holders restore theirs, a member
+    without it (a spare promoted since: None; one with an older copy: 4) receives it from
+    them over the group (NCCL's in-order matching). All end with the same state of step 9;
+    the corrupt member (rank 1) reports itself at the commit after."""
+    import threading
+    from types import SimpleNamespace
+
+    from agent.verify import Verifier
+    from helpers.thread_ranks import run_ranks
+
+    good = _state([1.0] * 10)
+    good.last_committed = 9
+    verified = good.snapshot()
+    want = {k: v.clone() for k, v in good.objs["model"].state_dict().items()}
+    reports: list = []
+
+    def fn(r: int, g):
+        st = _state([1.0] * 10)
+        v = Verifier(every=10)
+        if copies[r] is not None:
+            st.last_committed = copies[r]
+            if copies[r] == 9:
+                st.restore(verified)
+            v.copy, v.verified = st.snapshot(), copies[r]
+        with torch.no_grad():  # trained on since: steps 10..16, each rank alike but not the copy
+            for p in st.objs["model"].parameters():
+                p.add_(float(r + 1))
+        st.last_committed = 16
+        rt = SimpleNamespace(abort=threading.Event(), update=lambda **kw: None,
+                             report_sync=lambda kind, why: reports.append((r, why)))
+        m = SimpleNamespace(world_size=3, rank=r, group=g, sharding=None, is_member=True,
+                            diverged=(15, "corrupt" if r == 1 else None),
+                            leader=SimpleNamespace(generation=0))
+        cfg = SimpleNamespace(collective_slice=0.5, collective_timeout=20.0)
+        v.after_commit(16, st, m, rt, cfg)
+        assert m.diverged is None and v.rolled_back_at == 16 and st.last_committed == 9
+        assert (r, "corrupt") not in reports
+        v.after_commit(10, st, m, rt, cfg)  # the first step computed again: reported then
+        return {k: t.clone() for k, t in st.objs["model"].state_dict().items()}
+
+    for out in run_ranks(fn, 3, in_order=True):
+        assert all(torch.equal(out[k], want[k]) for k in want)
+    assert reports == [(1, "corrupt")]

@@ -257,15 +257,16 @@ async def test_a_x5_straggler_is_declared_at_the_defaults(tmp_path, workers):
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
 
 
-async def test_a_flipped_bit_found_by_a_handoff_before_the_check_is_reported(tmp_path):
+async def test_a_flipped_bit_found_by_a_handoff_before_the_check_is_reported(tmp_path,
+                                                                            reference):
     """A bit flipped on rank 1 at step 13, then rank 2 killed at step 16, before the next
     verification (every 10: step 19). The recovery's broker finds rank 1's digest at the
-    restore step off the majority's and makes it a recipient: the handoff repairs its state
-    and, now, names it (``corruption``: it used to train on unreported, the soak's seed 7),
-    so a spare takes its rank too. Not bitwise yet: the corrupt replica's gradients of steps
-    13-15 were in every member's update, so the majority's state it receives is not the
-    fault-free one either; only a rollback to the last verified copy would be (what
-    verify.py does when the check finds it; a known gap, docs/reliability.md)."""
+    restore step off the majority's and makes it a recipient. The corrupt replica's
+    gradients of steps 13-15 were in every member's update, so the majority's state is not
+    the fault-free one either: every member (the spare promoted for rank 2 too, which holds
+    no verified copy: it receives it) rolls back to the copy of step 9 at its next commit,
+    and rank 1 then names itself (``corruption``; it used to train on unreported, the soak's
+    seed 7), so a spare takes its rank too. Bitwise equal to the fault-free run."""
     from schemas.messages import Inject, InjectAction
 
     steps, flags = 80, ["--verify-every", "10"]
@@ -287,3 +288,5 @@ async def test_a_flipped_bit_found_by_a_handoff_before_the_check_is_reported(tmp
     assert s["lost_steps"] == 0, s
     assert log_events(tmp_path / "handoff", pods[0],
                       "replicas disagree at the handoff: silent data corruption")
+    ref = reference(3, steps)  # verification does not change the trajectory
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
