@@ -205,6 +205,24 @@ def the_bus_failed(exc: BaseException) -> bool:
     return False
 
 
+def not_the_scripts(exc: BaseException) -> bool:
+    """Whether ``exc`` ends a script without being the script's bug: the bus or the store
+    failed (``the_bus_failed``), or the control plane declared the state lost
+    (``JobStateLost``: every pod of such a generation raises it at once, and judged as one
+    bug on two pods it stopped the job instead of restarting it from its checkpoint: the
+    soak, seed 7, a kill_all after a restart)."""
+    from .vocab import JobStateLost
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, JobStateLost):
+            return True
+        e = e.__cause__ or e.__context__
+    return the_bus_failed(exc)
+
+
 def describe(exc_type: type, exc: BaseException, tb: Any, limit: int = 2000) -> str:
     """``Type: message`` on the first line, then the end of the traceback (its innermost
     frames): the health monitor tells one bug on two pods from two faults by both, and

@@ -12,7 +12,7 @@ from schemas.messages import AgentState, ReportKind
 from plumbing import logs
 
 from .config import AgentConfig
-from .incident import Timeline, describe, the_bus_failed
+from .incident import Timeline, describe, not_the_scripts
 from .inject import Injector
 from .membership import Membership
 from .runtime import Runtime
@@ -58,7 +58,7 @@ def stop(rt: Runtime, exc_type: Any, exc: BaseException | None, tb: Any) -> None
             log.warning("exception after training finished",
                         error=f"{exc_type.__name__}: {exc}")
         else:
-            kind = ReportKind.recovery_failed if the_bus_failed(exc) else ReportKind.exception
+            kind = ReportKind.recovery_failed if not_the_scripts(exc) else ReportKind.exception
             rt.report_sync(kind, describe(exc_type, exc, tb))
             rt.update(state=AgentState.leaving)
     rt.stop()

@@ -202,3 +202,35 @@ def test_an_error_of_the_bus_is_not_the_scripts():
         assert the_bus_failed(chained)
     assert not the_bus_failed(ValueError("the script's own"))
     assert not the_bus_failed(KeyError("x"))
+
+
+def test_a_state_declared_lost_is_not_the_scripts_bug():
+    """The soak (seed 7): after a kill_all of a job restarted from its checkpoint, the two
+    replacement pods of the next generation both raised ``JobStateLost`` out of their
+    scripts; reported as ``exception`` with the same text, the monitor judged one bug on two
+    pods (``job_failed``) and `up` stopped instead of restarting from the checkpoint."""
+    from agent.incident import not_the_scripts
+    from agent.vocab import JobStateLost
+
+    lost = JobStateLost("no member of generation 8 holds committed state")
+    assert not_the_scripts(lost)
+    try:
+        try:
+            raise lost
+        except JobStateLost as e:  # a framework wrapping what the loop raised
+            raise RuntimeError("training failed") from e
+    except RuntimeError as wrapped:
+        assert not_the_scripts(wrapped)
+    assert not not_the_scripts(ValueError("the script's own"))
+    from types import SimpleNamespace
+
+    from agent import wiring
+    from schemas.messages import AgentState, ReportKind
+
+    said: list = []
+    rt = SimpleNamespace(hb=SimpleNamespace(state=AgentState.recovering),
+                         report_sync=lambda kind, why: said.append(kind),
+                         update=lambda **kw: None, stop=lambda: None)
+    wiring.stop(rt, JobStateLost, lost, None)
+    wiring.stop(rt, ValueError, ValueError("the script's own"), None)
+    assert said == [ReportKind.recovery_failed, ReportKind.exception]
