@@ -170,6 +170,32 @@ async def test_a_shared_zygote_serves_every_up_that_connects(tmp_path, monkeypat
         await proc.wait()
 
 
+def test_a_shared_zygotes_socket_appears_only_once_it_accepts(tmp_path, monkeypatch):
+    """Whoever waits for the socket to exist connects at once: bound and listening before
+    it has its name (seen: "Connection refused" between the zygote's bind and listen)."""
+    import socket
+
+    from services.actuator.zygote import Zygote
+
+    sock = tmp_path / "z.sock"
+    real = socket.socket.listen
+    at_listen = []
+
+    def listen(self, *a):
+        at_listen.append(sock.exists())
+        return real(self, *a)
+
+    monkeypatch.setattr(socket.socket, "listen", listen)
+    z = Zygote({})
+    try:
+        z.listen(str(sock))
+        assert at_listen == [False] and sock.exists()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(sock))
+    finally:
+        z.listener.close()
+
+
 def _children(pid: int) -> list[int]:
     """The live (or not yet reaped) children of a process."""
     try:

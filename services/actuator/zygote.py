@@ -97,9 +97,14 @@ class Zygote:
         self._serving = False
 
     def listen(self, path: str) -> None:
+        """Serve at ``path``, which appears only once it accepts: whoever waits for it to
+        exist (the test suite's fixture) may connect at once. Bound under another name and
+        renamed (a connect between bind and listen was refused)."""
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        self.listener.bind(tmp)
         self.listener.listen(64)
+        os.rename(tmp, path)
 
     def add(self, c: _Client, owner: bool = False) -> None:
         self.clients[c.rfd] = c
