@@ -543,9 +543,14 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
                              f"JetStream cluster in {BUS_READY_S:.0f}s ({type(e).__name__}: "
                              f"{str(e)[:200]}); see {run_dir / 'nats'}/s*/nats-server.log")
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
-    # services come up: every pod, a replacement spare's too, then starts as a fork.
-    prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
-                    if ray_act is None and opts.prefork and hosted is None else None)
+    # services come up: every pod, a replacement spare's too, then starts as a fork. With
+    # emulated hosts too (forked into its host's namespace): exec'd, a replacement spare took
+    # 20-50 s to start on a loaded machine, and a fault meanwhile found no live spare.
+    zygote_env = {**os.environ, **env}
+    if hosted is not None:  # a pod on a host runs without it (LocalActuator.spawn)
+        zygote_env.pop("GLOO_SOCKET_IFNAME", None)
+    prefork_task = (asyncio.create_task(_zygote(zygote_env, cmd, log_dir, run_dir))
+                    if ray_act is None and opts.prefork else None)
     if bus is None:
         bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
         await bus.ensure_stream()
