@@ -296,6 +296,41 @@ class Observer:
         return "\n".join(rows)
 
 
+def service_flags(opts: UpOptions) -> dict[str, list[str]]:
+    """Each service's own flags (before ``--creds``) from `up`'s options."""
+    return {
+        "scaler": ["--workers", str(opts.workers),
+                   # its view of who is alive (a live spare, a silent member) is the job's
+                   # fault timeout's, not the default's: with 3 servers that is 3.5 s, and
+                   # at 1.5 s a spare a loaded machine kept silent 2 s was "no live spare"
+                   "--fault-timeout", str(opts.fault_timeout),
+                   "--global-batch-size", str(opts.batch[0]),
+                   "--micro-batch-size", str(opts.batch[1]),
+                   # no batch given: the plans take the script's once it is known
+                   *([] if opts.batch_given else ["--batch-from-script"]),
+                   *_opt("--min-replicas", opts.min_replicas),
+                   *_opt("--max-replicas", opts.max_replicas),
+                   *_opt("--policy", opts.policy),
+                   *_opt("--scale-up-snooze", opts.scale_up_snooze),
+                   *_opt("--start-timeout", opts.start_timeout),
+                   *(["--shard-size", str(opts.shard_size)] if opts.shard_size > 1 else [])],
+        "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
+                           "--stall-timeout", str(opts.stall_timeout),
+                           # the pods inherit this environment: the monitor must know the
+                           # collective timeout they wait with (absent-member rule)
+                           "--collective-timeout",
+                           str(agent_timeouts_from_env().get(
+                               "collective_timeout", DEFAULTS["collective_timeout"])),
+                           *_opt("--straggler-factor", opts.straggler_factor),
+                           *_opt("--straggler-window", opts.straggler_window),
+                           # a member silent while its client fails over to another server
+                           # is not the one a peer's error is about (test_hosts_e2e: w1 was
+                           # declared 0.7 s into its failover)
+                           *(["--suspect-timeout", str(failover_suspect(opts.fault_timeout))]
+                             if opts.bus_servers > 1 else [])],
+    }
+
+
 def default_cmd(opts: UpOptions, data_dir: Path) -> list[str]:
     B, m = opts.batch
     # GPT-2 sizes train on synthetic tokens over GPT-2's vocabulary (the generated data's
@@ -543,42 +578,21 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
                              f"JetStream cluster in {BUS_READY_S:.0f}s ({type(e).__name__}: "
                              f"{str(e)[:200]}); see {run_dir / 'nats'}/s*/nats-server.log")
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
-    # services come up: every pod, a replacement spare's too, then starts as a fork.
-    prefork_task = (asyncio.create_task(_zygote({**os.environ, **env}, cmd, log_dir, run_dir))
-                    if ray_act is None and opts.prefork and hosted is None else None)
+    # services come up: every pod, a replacement spare's too, then starts as a fork. With
+    # emulated hosts too (forked into its host's namespace): exec'd, a replacement spare took
+    # 20-50 s to start on a loaded machine, and a fault meanwhile found no live spare.
+    zygote_env = {**os.environ, **env}
+    if hosted is not None:  # a pod on a host runs without it (LocalActuator.spawn)
+        zygote_env.pop("GLOO_SOCKET_IFNAME", None)
+    prefork_task = (asyncio.create_task(_zygote(zygote_env, cmd, log_dir, run_dir))
+                    if ray_act is None and opts.prefork else None)
     if bus is None:
         bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
         await bus.ensure_stream()
         await bus.kv()
         await bus.store_kv()
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
-    flags = {
-        "scaler": ["--workers", str(opts.workers),
-                   "--global-batch-size", str(opts.batch[0]),
-                   "--micro-batch-size", str(opts.batch[1]),
-                   # no batch given: the plans take the script's once it is known
-                   *([] if opts.batch_given else ["--batch-from-script"]),
-                   *_opt("--min-replicas", opts.min_replicas),
-                   *_opt("--max-replicas", opts.max_replicas),
-                   *_opt("--policy", opts.policy),
-                   *_opt("--scale-up-snooze", opts.scale_up_snooze),
-                   *_opt("--start-timeout", opts.start_timeout),
-                   *(["--shard-size", str(opts.shard_size)] if opts.shard_size > 1 else [])],
-        "health_monitor": ["--fault-timeout", str(opts.fault_timeout),
-                           "--stall-timeout", str(opts.stall_timeout),
-                           # the pods inherit this environment: the monitor must know the
-                           # collective timeout they wait with (absent-member rule)
-                           "--collective-timeout",
-                           str(agent_timeouts_from_env().get(
-                               "collective_timeout", DEFAULTS["collective_timeout"])),
-                           *_opt("--straggler-factor", opts.straggler_factor),
-                           *_opt("--straggler-window", opts.straggler_window),
-                           # a member silent while its client fails over to another server
-                           # is not the one a peer's error is about (test_hosts_e2e: w1 was
-                           # declared 0.7 s into its failover)
-                           *(["--suspect-timeout", str(failover_suspect(opts.fault_timeout))]
-                             if opts.bus_servers > 1 else [])],
-    }
+    flags = service_flags(opts)
     for name in SERVICES:
         flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
     sup = ServiceSupervisor(base, log_dir, flags, standbys=opts.standbys,

@@ -23,6 +23,7 @@ from typing import Any
 
 from schemas.messages import Inject, InjectAction
 from plumbing import logs
+from services.actuator.base import PodHost
 
 from .hosts import Hosts, Unavailable, kill_all
 from .placement import Placement, host_for_new_pod
@@ -65,9 +66,10 @@ class HostRun:
     def instance_down(self, instance: str) -> bool:
         return self.state[self.placement.instances[instance]] == HostState.lost
 
-    def where(self, pod: str) -> tuple[list[str], dict[str, str]]:
+    def where(self, pod: str) -> PodHost:
         """A pod's host: its placement, else (a pod started later) the live host with the
-        fewest pods. Its prefix, and gloo's address: the host's."""
+        fewest pods. Its prefix, gloo's address (the host's) and its namespace (a pod forked
+        from the zygote is forked into it)."""
         h = self.placement.pods.get(pod)
         live = [x for x, s in self.state.items() if s == HostState.up
                 and (not self.placement.pod_hosts or x in self.placement.pod_hosts)]
@@ -76,7 +78,7 @@ class HostRun:
         self.pods[pod] = h
         self.write()
         host = self.hosts[h]
-        return host.argv([]), {"CEASELESS_GLOO_HOSTNAME": host.addr}
+        return PodHost(host.argv([]), {"CEASELESS_GLOO_HOSTNAME": host.addr}, host.netns)
 
     def exited(self, pod: str, code: int) -> None:
         if self.pods.pop(pod, None) is not None:

@@ -169,6 +169,23 @@ def test_a_bus_of_several_servers_keeps_the_fault_timeout_above_a_clients_failov
     assert "too short for a bus of 3 servers" in err and f"{FAILOVER_S:g}" in err
 
 
+def test_every_service_that_judges_liveness_gets_the_jobs_fault_timeout():
+    """The scaler counts a spare alive (and a member silent, once a term) by the fault
+    timeout: `up` gave only the monitor its own (3.5 s with 3 servers), so the scaler ran on
+    the default 1.5 s and a spare that a loaded machine kept silent for 2 s was "no live
+    spare" (the 300 s host chaos run shrank the job twice so). Parsed by the services' own
+    argument parsers, as they start."""
+    from ops.cli import fault_timeout_for
+    from ops.cluster import UpOptions, service_flags
+    from services.health_monitor.__main__ import parser as monitor_parser
+    from services.scaler.__main__ import parser as scaler_parser
+
+    ft = fault_timeout_for(None, 3)
+    flags = service_flags(UpOptions(bus_servers=3, fault_timeout=ft))
+    assert scaler_parser().parse_args(flags["scaler"]).fault_timeout == ft
+    assert monitor_parser().parse_args(flags["health_monitor"]).fault_timeout == ft
+
+
 async def test_a_client_of_several_servers_pings_to_find_a_lost_one(nats_server):
     from plumbing.bus import FAILOVER_CONNECT_S, FAILOVER_PING_S, FAILOVER_PINGS
 

@@ -126,6 +126,39 @@ async def test_only_same_interpreter_modules_with_the_same_environment_are_forke
     assert not zygote.handles(["ip", "netns", "exec", "a", *POD], env)
 
 
+async def test_a_pod_is_forked_into_the_network_namespace_it_names(zygote, tmp_path):
+    """An emulated host's pod (`up --hosts`, issue 42) is forked into the host's namespace,
+    as `ip netns exec` would have started it; the zygote stays in its own; a namespace that
+    cannot be entered is an error (the actuator execs the pod instead), no pod."""
+    from ops.hosts import Hosts, Unavailable
+
+    try:
+        hosts = Hosts.make(1)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    try:
+        if hosts.mode != "netns":
+            pytest.skip(f"no namespaces here: {hosts.why}")
+        ns = hosts.hosts[0].netns
+        theirs = f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]"
+        ours = os.readlink("/proc/self/ns/net")
+        assert theirs != ours
+        log = tmp_path / "w0.log"
+        pod = await zygote.spawn([*POD, "exit", "0"], _env(), log, netns=ns)
+        assert await asyncio.wait_for(pod.wait(), 20) == 0
+        assert _first(log)["netns"] == theirs
+        assert os.readlink(f"/proc/{zygote.proc.pid}/ns/net") == ours
+        home = tmp_path / "w1.log"
+        pod = await zygote.spawn([*POD, "exit", "0"], _env(), home)
+        assert await asyncio.wait_for(pod.wait(), 20) == 0 and _first(home)["netns"] == ours
+        for bad in ("ceaseless-no-such-namespace", "../net"):
+            with pytest.raises(OSError, match="fork"):
+                await zygote.spawn([*POD, "exit", "0"], _env(), tmp_path / "x.log", netns=bad)
+        assert zygote.alive and not (tmp_path / "x.log").exists()
+    finally:
+        hosts.destroy()
+
+
 async def test_when_the_zygote_dies_its_pods_still_end_and_nothing_more_forks(zygote, tmp_path):
     pod = await zygote.spawn([*POD, "sleep"], _env(), tmp_path / "p.log")
     os.kill(zygote.proc.pid, signal.SIGKILL)
@@ -168,6 +201,32 @@ async def test_a_shared_zygote_serves_every_up_that_connects(tmp_path, monkeypat
     finally:
         proc.kill()
         await proc.wait()
+
+
+def test_a_shared_zygotes_socket_appears_only_once_it_accepts(tmp_path, monkeypatch):
+    """Whoever waits for the socket to exist connects at once: bound and listening before
+    it has its name (seen: "Connection refused" between the zygote's bind and listen)."""
+    import socket
+
+    from services.actuator.zygote import Zygote
+
+    sock = tmp_path / "z.sock"
+    real = socket.socket.listen
+    at_listen = []
+
+    def listen(self, *a):
+        at_listen.append(sock.exists())
+        return real(self, *a)
+
+    monkeypatch.setattr(socket.socket, "listen", listen)
+    z = Zygote({})
+    try:
+        z.listen(str(sock))
+        assert at_listen == [False] and sock.exists()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(sock))
+    finally:
+        z.listener.close()
 
 
 def _children(pid: int) -> list[int]:

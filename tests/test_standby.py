@@ -256,6 +256,35 @@ async def test_a_new_monitor_does_not_declare_a_pod_again(monitors, bus):
             await bt.stop()
 
 
+async def test_a_standby_declares_the_exit_it_heard_when_it_takes_over(monitors, bus):
+    """A host loss takes the active monitor and a member at once: the member's exit (which
+    `up` publishes: it sees its children die) reaches only the standby, which declared
+    nothing as one and then found the member by its silence, a fault timeout after taking
+    the lease. It keeps the exit and declares it on taking over: a crash, once."""
+    from schemas.messages import Lifecycle
+
+    a, b = await monitors("mon-a"), await monitors("mon-b")
+    beaters = [Beater(bus, p, rank=i) for i, p in enumerate(["w0", "w1", "w2"])]
+    try:
+        await until(lambda: all(len(m.pods) == 3 for m in (a, b)), what="both watch")
+        active, standby = (a, b) if a.acting else (b, a)
+        crash(active)
+        beaters[2].alive = False
+        await bus.publish(bus.subjects.lifecycle("w2"), Lifecycle(
+            pod="w2", event="exited", exit_code=-9, ts=time.time()))
+        await bus.round_trip(5.0)
+        assert not standby.acting  # (it takes the lease only when the old one runs out)
+        await until(lambda: any(f.pod == "w2" for f in monitors.faults), timeout=10,
+                    what="w2's fault")
+        await asyncio.sleep(3 * FT)  # (a second declaration would have come by now)
+        f2 = [f for f in monitors.faults if f.pod == "w2"]
+        assert [(f.kind, f.term) for f in f2] == [(FaultKind.crash, standby.lease.term)], f2
+        assert "code -9" in f2[0].reason
+    finally:
+        for bt in beaters:
+            await bt.stop()
+
+
 async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
     b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
     b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)

@@ -163,6 +163,43 @@ async def test_waits_for_a_live_member_holding_the_state(env, bus):
     assert isinstance(t, Transfer) and t.restore_step == 6 and t.sources == {1: [0]}
 
 
+async def test_a_generation_nobody_reported_in_the_member_wait_still_gets_its_transfer(env, bus):
+    """Generation 1 on a loaded machine (issue 42's chaos run): the members reported the plan
+    only after the member wait, when their model was built. The broker gave the generation
+    up with no reporter and never published its transfer: every member waited for it in
+    vain, left after its recovery timeout and the job shrank. With nobody reported there
+    is nothing to decide: it waits on, and the late members get their transfer."""
+    await env.broker(member_wait=0.2, state_wait=0.4, live_s=0.5)
+    await env.plan(make_plan(["w0", "w1"]))
+    await asyncio.sleep(0.8)  # past both waits, nobody heard
+    await env.hb("w0", 1)
+    await env.hb("w1", 1)
+    await until(lambda: env.out, timeout=10, what="the late generation's transfer")
+    t = env.out[0]
+    assert isinstance(t, Transfer) and (t.generation, t.sources) == (1, {1: [0]})
+
+
+async def test_members_alive_are_waited_for_past_the_member_wait(env, bus):
+    """Members that heartbeat (alive: still building their model, or stuck a moment in an
+    older generation) but have not reported the generation by the member wait are waited
+    for (up to ``state_wait``): without them the group cannot form anyway, and deciding
+    without rank 0 in generation 1 made rank 1 the source of every rank's start."""
+    await env.broker(member_wait=0.2, state_wait=10.0, live_s=0.5)
+    await env.plan(make_plan(["w0", "w1", "w2"]))
+    await env.hb("w1", 1)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # w0 and w2 alive, not in the generation yet
+        await env.hb("w0", 0)
+        await env.hb("w2", 0)
+        await asyncio.sleep(0.1)
+    assert env.out == []
+    await env.hb("w0", 1)
+    await env.hb("w2", 1)
+    await until(lambda: env.out, timeout=10, what="the generation's transfer")
+    t = env.out[0]
+    assert t.sources == {1: [0], 2: [0]} and t.steps == {0: -1, 1: -1, 2: -1}
+
+
 def test_broker_refuses_inconsistent_waits():
     with pytest.raises(ValueError, match="state_wait"):
         StateBroker(None, member_wait=5.0, state_wait=1.0)  # type: ignore[arg-type]
@@ -463,10 +500,11 @@ def test_sharded_generation_one():
         == {1: [0]}
 
 
-def test_sharded_broker_waits_for_a_live_holder_of_a_missing_shard():
+def test_the_broker_waits_for_live_missing_members_sharded_or_not():
     """2x2, restore step 9: rank 1 reported 8, rank 3 (the other holder of shard 1) has not
     reported the generation yet but is alive at step 9: it is waited for (deciding without
-    it would declare shard 1 lost). Unsharded plans keep the old rule (a higher step only)."""
+    it would declare shard 1 lost). Any live member is (sharded or not); a silent one, or
+    one never heard of, is not."""
     class NoBus:
         subjects = None
 
@@ -476,8 +514,7 @@ def test_sharded_broker_waits_for_a_live_holder_of_a_missing_shard():
                 world_size=4, global_batch_size=4, micro_batch_size=1,
                 shares={r: 1 for r in range(4)}, shard_size=2)
     b.pods["p3"] = Committed(generation=2, step=9, digest="d", rank=3, ts=now)
-    reported = {0: (9, "a"), 1: (8, "b"), 2: (9, "a")}
-    assert b._holders_missing(plan, reported) == ["p3"]
-    assert b._holders_missing(plan, {0: (9, "a"), 1: (9, "b"), 2: (9, "a")}) == []
-    flat = plan.model_copy(update={"shard_size": 1})
-    assert b._holders_missing(flat, reported) == []
+    b.pods["p2"] = Committed(generation=3, step=9, digest="a", rank=2, ts=now)  # reported
+    b.pods["p1"] = Committed(generation=2, step=8, digest="b", rank=1, ts=now - 10 * b.live_s)
+    assert b._alive_missing(plan) == ["p3"]
+    assert b._alive_missing(plan.model_copy(update={"shard_size": 1})) == ["p3"]

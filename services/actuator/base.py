@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from schemas.messages import Role
 
@@ -12,6 +12,17 @@ class PodSpec:
     role: Role
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+
+
+class PodHost(NamedTuple):
+    """Where a pod runs (`up --hosts`, issue 42): the command prefix that runs it on its host
+    (``ip netns exec NS``; empty for a loopback host), the environment it needs there, and
+    the host's network namespace (None: none), which a pod forked from the zygote enters
+    instead of the prefix."""
+
+    prefix: list[str]
+    env: dict[str, str]
+    netns: str | None = None
 
 
 class PodProcess(Protocol):

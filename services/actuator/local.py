@@ -29,7 +29,7 @@ from plumbing.bus import Bus, Envelope
 from plumbing.terms import NewestTerm
 
 from . import podlog
-from .base import PodProcess, PodSpec
+from .base import PodHost, PodProcess, PodSpec
 from .inject import InjectDesk
 from .prefork import Prefork
 from .replace import ReplacementBudget, is_failure
@@ -85,9 +85,9 @@ class LocalActuator:
         self.on_start_failure: list[Callable[[str, int, list[str]], None]] = []
         # the newest scaler term a command was acted on in: an older one is a deposed scaler's
         self.scaler = NewestTerm("scaler")
-        # Emulated hosts (`up --hosts`, issue 42), set by `up`: where a new pod runs, as
-        # (argv prefix, env overrides), and the handler of a host's injection (inject.py)
-        self.where: Callable[[str], tuple[list[str], dict[str, str]]] | None = None
+        # Emulated hosts (`up --hosts`, issue 42), set by `up`: where a new pod runs (its
+        # host's command prefix, env and namespace), and the handler of a host's injection
+        self.where: Callable[[str], PodHost] | None = None
         self.on_host_inject: Callable[[Inject], Awaitable[str | None]] | None = None
 
     # ------------------------------------------------------------------ bus wiring
@@ -173,16 +173,18 @@ class LocalActuator:
                 return
         env = {**os.environ, **self.env, **spec.env, **gpu_env,
                "CEASELESS_POD": spec.pod, "CEASELESS_ROLE": spec.role.value}
-        argv = spec.argv
+        argv, run, netns = spec.argv, spec.argv, None
         if self.where is not None:
-            prefix, host_env = self.where(spec.pod)
-            argv, env = [*prefix, *argv], {**env, **host_env}
+            # its host's: exec'd through the prefix, or forked into the host's namespace (a
+            # spare then starts in seconds on a loaded machine, not the imports' 20-50 s)
+            at = self.where(spec.pod)
+            run, env, netns = [*at.prefix, *argv], {**env, **at.env}, at.netns
             env.pop("GLOO_SOCKET_IFNAME", None)  # an interface would win over the address
         self.log_dir.mkdir(parents=True, exist_ok=True)
         proc = None
         if self.prefork is not None and self.prefork.handles(argv, env):
             try:
-                proc = await self.prefork.spawn(argv, env, self.log_path(spec.pod))
+                proc = await self.prefork.spawn(argv, env, self.log_path(spec.pod), netns=netns)
             except OSError as e:
                 log.warning("prefork failed; the pod is exec'd", pod=spec.pod, error=str(e))
         elif self.prefork is not None and not self._said_exec:
@@ -194,7 +196,7 @@ class LocalActuator:
         try:
             if proc is None:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, env=env, stdout=out, stderr=out,
+                    *run, env=env, stdout=out, stderr=out,
                     stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             # The command cannot run at all (a wrong `python`, not executable): a pod that

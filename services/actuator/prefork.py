@@ -10,8 +10,9 @@ A pod is forked only when its command is ``python -m MODULE`` or ``python SCRIPT
 this interpreter and its environment is the zygote's but for keys that no import reads
 (``handles``): per-pod keys (``PER_POD_KEYS``), keys the fork applies itself or that are read
 when used (``APPLIED_IN_FORK``) and a ``PYTHONPATH`` with the same entries. Anything else --
-another interpreter, a command such as ``ip netns exec``, an environment that could change
-what an import does -- is exec'd as before. If the zygote fails to start or dies, every later pod is exec'd; the pods it forked
+another interpreter, an environment that could change what an import does -- is exec'd as
+before. A pod on an emulated host (`up --hosts`) is forked into that host's network namespace
+(``spawn(netns=...)``) instead of being exec'd by ``ip netns exec``. If the zygote fails to start or dies, every later pod is exec'd; the pods it forked
 keep running and are still killed by pid, but their exit codes are unknown (reported as
 -SIGKILL).
 """
@@ -178,16 +179,19 @@ class Prefork:
         return out
 
     async def spawn(self, argv: list[str], env: dict[str, str], log_path: Path,
-                    cwd: str | None = None) -> ForkedPod:
+                    cwd: str | None = None, netns: str | None = None) -> ForkedPod:
         """Fork a pod (``handles`` said yes); raises OSError if the zygote cannot. A request
         not answered within ``FORK_TIMEOUT_S`` is given up (the caller execs the pod): the
         zygote refuses it once expired, and a fork that still comes of it is killed, so that
-        one pod id never has two processes."""
+        one pod id never has two processes. ``netns``: the network namespace (a name of
+        ``ip netns``, an emulated host's) the pod is forked into, where ``ip netns exec``
+        would have started it."""
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         req = {"id": rid, "argv": argv, "env": env, "log": str(log_path),
-               "cwd": cwd or os.getcwd(), "expires": time.time() + FORK_TIMEOUT_S}
+               "cwd": cwd or os.getcwd(), "expires": time.time() + FORK_TIMEOUT_S,
+               **({"netns": netns} if netns else {})}
         try:
             self._send((json.dumps(req) + "\n").encode())
             reply = await asyncio.wait_for(fut, FORK_TIMEOUT_S)

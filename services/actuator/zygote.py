@@ -9,7 +9,9 @@ as the test suite does: a cluster then starts without paying for the imports eit
 is a fork that becomes ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` (a new session, its log as stdout and stderr,
 its own environment, working directory and ``sys.argv``); its exit status goes back to the
 `up` that asked for it as ``{"exit": pid, "code": c}``, a signal's code negative, as
-``subprocess`` reports it.
+``subprocess`` reports it. A request may name a network namespace (``"netns"``, a name of
+``ip netns``: an emulated host's, `up --hosts`): the pod is forked inside it, as ``ip netns
+exec`` would have started it there, and the zygote itself stays where it started.
 
 Why: a training pod pays ~2 CPU-seconds before its first line runs (``import torch``, and
 ``torch._dynamo``, which the first optimizer imports), more on a GPU node; a replacement
@@ -24,6 +26,7 @@ Single-threaded on purpose: a fork copies only the calling thread.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import io
 import json
@@ -38,6 +41,9 @@ import traceback
 from typing import Any
 
 from .prefork import READY
+
+NETNS_DIR = "/run/netns"  # where `ip netns add` keeps its namespaces (by name)
+CLONE_NEWNET = 0x40000000
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,11 +101,17 @@ class Zygote:
         self.listener: socket.socket | None = None
         self.children: dict[int, _Client] = {}
         self._serving = False
+        self.home_ns: int | None = None  # this process's own network namespace, once needed
 
     def listen(self, path: str) -> None:
+        """Serve at ``path``, which appears only once it accepts: whoever waits for it to
+        exist (the test suite's fixture) may connect at once. Bound under another name and
+        renamed (a connect between bind and listen was refused)."""
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        self.listener.bind(tmp)
         self.listener.listen(64)
+        os.rename(tmp, path)
 
     def add(self, c: _Client, owner: bool = False) -> None:
         self.clients[c.rfd] = c
@@ -203,7 +215,7 @@ class Zygote:
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            pid = os.fork()
+            pid = self.fork_in(req.get("netns"))
         except OSError as e:
             self.send(c, {"id": rid, "error": f"fork: {e}"})
             return
@@ -219,6 +231,41 @@ class Zygote:
         self.children[pid] = c
         self.send(c, {"id": rid, "pid": pid})
 
+    def fork_in(self, netns: Any) -> int:
+        """``os.fork()``; with ``netns`` (a name of ``ip netns``) the child is born in that
+        network namespace. Entered here around the fork, not in the child, so that one that
+        cannot be entered is an error reply (the pod is exec'd instead) rather than a pod
+        that fails; left again at once (single-threaded: the namespace is this thread's)."""
+        if not netns:
+            return os.fork()
+        if not isinstance(netns, str) or "/" in netns or netns in (".", ".."):
+            raise OSError(f"not a network namespace name: {netns!r}")
+        if self.home_ns is None:
+            self.home_ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(fd)
+        finally:
+            os.close(fd)
+        try:
+            pid = os.fork()
+        except OSError:
+            self._home()
+            raise
+        if pid:
+            self._home()
+        return pid
+
+    def _home(self) -> None:
+        """Back to this process's own namespace; a zygote that cannot get back must not
+        fork another pod into the wrong one: it ends (`up` then execs its pods)."""
+        try:
+            _setns(self.home_ns)  # type: ignore[arg-type]
+        except OSError as e:
+            print(f"zygote: cannot return to its network namespace: {e}; exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
     def _become(self, req: dict[str, Any]) -> None:
         """In the child: what a fresh ``python`` started by ``subprocess`` would be."""
         os.setsid()
@@ -232,7 +279,7 @@ class Zygote:
             self.drop(c)
         if self.listener is not None:
             self.listener.close()
-        for fd in (self.sig_r, self.sig_w):
+        for fd in (self.sig_r, self.sig_w, *([self.home_ns] if self.home_ns is not None else [])):
             os.close(fd)
         out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         nul = os.open(os.devnull, os.O_RDONLY)
@@ -271,6 +318,17 @@ def _write_all(fd: int, data: bytes) -> None:
             view = view[os.write(fd, view):]
         except BlockingIOError:  # a non-blocking end that is full: wait until it drains
             select.select([], [fd], [])
+
+
+def _setns(fd: int) -> None:
+    """Enter the network namespace open at ``fd`` (``os.setns`` from Python 3.12)."""
+    if hasattr(os, "setns"):
+        os.setns(fd, CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 def _cuda_touched() -> bool:

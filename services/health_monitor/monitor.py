@@ -164,6 +164,11 @@ class HealthMonitor(Service):
         # cleared while the lease was just taken and the declared faults are read back
         self._inherited = asyncio.Event()
         self._inherited.set()
+        # A standby's: the members' exits it heard and could not declare (pod -> what
+        # _declare was given), declared when it takes the lease (``_declare_kept``). An exit
+        # is said once: without this, a host loss that took the active monitor with its
+        # members was found only by their silence, a fault timeout after the take.
+        self._kept_exits: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # The heartbeats it reads, for the scaler and the broker (services/common/heartbeats.py)
         self.view = (ViewPublisher(bus, self.log, self._heard, view_interval,
                                    active=lambda: self.acting)
@@ -196,6 +201,19 @@ class HealthMonitor(Service):
             self._grace(time.monotonic(), "the bus did not answer the lease renewals")
         self._inherited.clear()
         self.spawn(self._inherit(term))
+        self.spawn(self._declare_kept(term))
+
+    async def _declare_kept(self, term: int) -> None:
+        """The exits this instance heard as a standby, of pods still members of the plan
+        and not declared by the previous holder (read back first): declared now, with the
+        exit's own time (the detection latency includes the take-over)."""
+        await self._inherited.wait()
+        kept, self._kept_exits = self._kept_exits, OrderedDict()
+        for pod, kw in kept.items():
+            if self.term != term or not self._is_member(pod):
+                continue
+            if await self._declare(pod, FaultKind.crash, **kw):
+                self.log.info("declared an exit heard as a standby", pod=pod, term=term)
 
     async def _inherit(self, term: int) -> None:
         faults: list = []
@@ -752,6 +770,12 @@ class HealthMonitor(Service):
         if incident in self.incidents or pod in self.faulted:
             return False
         if not self.acting:  # a standby declares nothing (the same incident id if it takes over)
+            if kind == FaultKind.crash and not keep:  # ... but keeps an exit: said once
+                self._kept_exits[pod] = {"last_seen": last_seen, "since": since,
+                                         "reason": reason, "role": role}
+                self._kept_exits.move_to_end(pod)
+                while len(self._kept_exits) > MAX_PODS:
+                    self._kept_exits.popitem(last=False)
             return False
         if self.job_failed is not None:  # the job stops: a replacement meets the same bug
             self.faulted.add(pod)

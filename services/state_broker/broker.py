@@ -13,11 +13,17 @@ a committed step (the high-water mark): then the state died with the old members
 and read before any plan, so this holds for a broker restarted after the members died. In generation 1 rank 0 is the source also when it holds a
 step (the scripts restored their own checkpoint, ``s.steps(total, start=...)``).
 
-A member that has not reported by ``member_wait`` but is alive (heartbeat of an older
-generation within ``live_s``) and holds a higher committed step than any reporter is
-waited for up to ``state_wait``: it is typically still stuck in an abandoned rendezvous
-of the previous generation, and deciding without it would drop its steps (or declare the
-state lost while it holds it).
+A member that has not reported by ``member_wait`` but is alive (a heartbeat within
+``live_s``) is waited for up to ``state_wait``: deciding without it gains nothing (the
+generation's group cannot form without it) and can lose what it holds: a higher committed
+step (a member still stuck in an abandoned rendezvous of the previous generation: its steps
+dropped, or the state declared lost while it holds it), or, in generation 1, rank 0's
+state (its restored checkpoint), which every rank must start from. A slow machine (a pod
+still importing or building its model when the first plan comes) is no reason to decide
+without it. While no member at all has reported there is nothing to decide: the broker
+waits on, however long, until one does or a newer plan replaces this one (a generation
+given up with no reporter never got a transfer: its members waited for one in vain and
+left after their recovery timeout, shrinking the job).
 
 No hidden state: after a restart the broker handles the current plan again unless the job
 stream already holds a transfer/state_lost of that generation (transfers are idempotent),
@@ -47,7 +53,7 @@ from .high_water import HighWaterRecord
 tracer = trace.get_tracer("ceaseless")
 MAX_SOURCES = 8  # sources one recipient stripes over
 MEMBER_WAIT = 10.0  # every member's heartbeat of a new generation is waited for this long
-STATE_WAIT = 30.0   # ... and a live member with newer committed state this long
+STATE_WAIT = 30.0   # ... and a live member this long (with no reporter: until one reports)
 
 
 @dataclass
@@ -331,19 +337,14 @@ class StateBroker(Service):
                 missing.append(m.pod)
         return got, missing
 
-    def _holders_missing(self, plan: Plan, reported: dict[int, tuple[int, str]]) -> list[str]:
-        """Missing members that are alive and hold more committed state than any reporter
-        (sharded: or the restore step at a shard position where no reporter holds it)."""
-        best = max((st for st, _ in reported.values()), default=-1)
-        k = plan.shard_size
-        held = {r % k for r, (st, _) in reported.items() if st == best}
+    def _alive_missing(self, plan: Plan) -> list[str]:
+        """Members that have not reported the generation but are alive (a heartbeat of an
+        older generation, or of none yet, within ``live_s``): see the module doc."""
         now = time.time()
         out = []
         for m in plan.members:
             c = self.pods.get(m.pod)
-            if c is not None and c.generation < plan.generation and now - c.ts <= self.live_s \
-                    and (c.step > best or (k > 1 and best >= 0 and c.step == best
-                                           and m.rank % k not in held)):
+            if c is not None and c.generation < plan.generation and now - c.ts <= self.live_s:
                 out.append(m.pod)
         return out
 
@@ -367,14 +368,16 @@ class StateBroker(Service):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                holders = self._holders_missing(plan, reported)
-                if holders and time.monotonic() - t0 < self.state_wait:
+                alive = self._alive_missing(plan)
+                if not reported or (alive and time.monotonic() - t0 < self.state_wait):
                     if not extended:
                         extended = True
-                        self.log.warning("members with newer committed state have not reported "
-                                         "the generation; waiting for them", generation=g,
-                                         holders=holders, up_to=self.state_wait)
-                    left = min(0.25, t0 + self.state_wait - time.monotonic())
+                        self.log.warning("members alive have not reported the generation; "
+                                         "waiting for them", generation=g, alive=alive,
+                                         missing=missing, reported=len(reported),
+                                         up_to=self.state_wait if reported else None)
+                    left = 0.25 if not reported else \
+                        min(0.25, t0 + self.state_wait - time.monotonic())
                 else:
                     self.log.warning("members did not report the generation in time",
                                      generation=g, missing=missing,

@@ -15,6 +15,8 @@ print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(),
                   "sid": os.getsid(0), "pod": os.environ.get("CEASELESS_POD"),
                   "set_by_import": os.environ.get("SET_BY_IMPORT"),
                   "main": __name__, "path0": sys.path[0],
+                  "netns": os.readlink("/proc/self/ns/net"),
+                  "gloo": os.environ.get("CEASELESS_GLOO_HOSTNAME"),
                   "zygote_globals": "Zygote" in globals(),
                   # a fresh process draws fresh random numbers: so must a fork (random and numpy reseed
                   # themselves after a fork)
