@@ -175,6 +175,7 @@ class FakeMember:
         self.generation, self.rank, self.world_size = 1, 0, group.world
         self.backend, self.sharding = "gloo", None
         self.timeline, self.follower, self.leader = Timeline(), None, None
+        self.diverged = None  # no handoff found replicas that disagreed
         self.discarded: list[tuple[str, Phase]] = []
 
     @property
