@@ -51,12 +51,11 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Sleep(TrainerCallback):  # time for tests to kill a rank in a step, evaluation or save
-    def on_step_end(self, targs, state, control, **kw):
-        if control.should_evaluate:
-            print(f'evaluating after step {state.global_step}', flush=True)
+    def on_step_end(self, *a, **kw):
         time.sleep(args.step_sleep)
 
-    def on_prediction_step(self, *a, **kw):  # an evaluation batch
+    def on_prediction_step(self, targs, state, control, **kw):  # after an evaluation batch
+        print(f'evaluating after step {state.global_step}', flush=True)
         time.sleep(args.step_sleep)
 
 
