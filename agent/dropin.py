@@ -125,8 +125,7 @@ class DropIn:
                 log.info("resumed from the script's checkpoint with a batch drawn before the "
                          "loop: step computed once without its update, to draw that batch "
                          "from the step's own seed", step=i)
-        self._rng_at_attach = None
-        self._started = True
+        first, self._rng_at_attach, self._started = not self._started, None, True
         while True:
             t = s.last_committed + 1
             planned = m.planned_transition(t)
@@ -139,6 +138,9 @@ class DropIn:
             if not m.transition(planned):
                 self._leave()
             self._check_world()
+        if first:  # a discarded (or dry) first attempt puts back the state the loop starts
+            # from, not DDP(model)'s: Lightning loads ckpt_path's LR schedulers after the wrap
+            self._saved = self._small_state()
         self.step, self.k, self.armed, self.synced, self.loss_t = t, 0, False, None, None
         self.nonfinite = False
         s.current_step = t

@@ -213,6 +213,31 @@ class Trainer(_HFTrainer):
         self._resume_step = self.state.global_step
         log.info("hf: trainer progress received", global_step=self.state.global_step,
                  epoch=self.state.epoch)
+        self._write_lost_checkpoint()
+
+    def _write_lost_checkpoint(self) -> None:
+        """A spare that became rank 0 writes again the checkpoint rank 0 died writing (or
+        before writing it): the Trainer saves at the step the job is at (``save_steps``) and
+        that checkpoint's last file, its ``trainer_state.json``, is not there. The Trainer
+        writes a checkpoint's files one by one in place: a part may be there."""
+        from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+        a, st = self.args, self.state
+        if not (a.should_save and a.save_strategy == SaveStrategy.STEPS and st.save_steps > 0
+                and st.global_step > 0 and st.global_step % st.save_steps == 0):
+            return
+        folder = os.path.join(self._get_output_dir(trial=None),
+                              f"{PREFIX_CHECKPOINT_DIR}-{st.global_step}")
+        if os.path.exists(os.path.join(folder, TRAINER_STATE_NAME)):
+            return
+        self.control.should_save = True  # as the Trainer's control was when rank 0 saved
+        try:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        finally:
+            self.control.should_save = False  # as on_save leaves it
+        log.info("hf: a checkpoint lost with rank 0 written again", path=folder,
+                 step=st.global_step)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> Any:

@@ -4,6 +4,7 @@ own without Ceaseless. The cluster behaviour is in test_dropin_e2e.py."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -182,3 +183,61 @@ def test_device_ids_of_a_cuda_module_name_its_device():
     check_devices(m, [torch.device("cuda:0")], None)
     with pytest.raises(ValueError, match="device_ids"):
         check_devices(m, [0, 1], None)
+
+
+class _NoFaults:
+    """What ``DropIn.iteration`` reads of its Session when no plan changes the job: the real
+    training state, a membership that plans nothing and a runtime that records nothing (the
+    cluster's side: tests/test_lightning_e2e.py)."""
+
+    def __init__(self, state) -> None:
+        from types import SimpleNamespace
+
+        self.state, self.seed, self.current_step = state, 0, None
+        self.m = SimpleNamespace(planned_transition=lambda t: None, phase=None)
+        self.runtime = SimpleNamespace(update=lambda **kw: None, begin_step=lambda t: None,
+                                       end_step=lambda: None)
+
+    last_committed = property(lambda self: self.state.last_committed)
+
+
+def test_a_resumes_dry_first_attempt_puts_back_the_schedule_the_loop_starts_from():
+    """Issue 44: Lightning wraps the model (the drop-in's attach, which keeps the small state a
+    discarded attempt puts back: schedulers, hyper-parameters) before it loads ``ckpt_path``'s
+    optimizer and LR schedulers. The resume's dry first attempt (the DataLoader drew from the
+    global RNG before the loop) then put the attach-time schedule back: the resumed run's
+    StepLR restarted at 0, its checkpoints' ``last_epoch`` 5 behind the fault-free run's and
+    their parameters apart from step 10 on (test_lightning_e2e)."""
+    from agent.dropin import DropIn, _rngs
+    from agent.train_state import TrainState
+
+    hook_before = sys.excepthook
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    # the checkpoint of step 4 (what ckpt_path= holds): five scheduled steps done
+    src = torch.optim.AdamW(_model().parameters(), lr=0.01)
+    src_sched = torch.optim.lr_scheduler.StepLR(src, step_size=3, gamma=0.5)
+    for _ in range(5):
+        src.step()
+        src_sched.step()
+    ck = {"opt": copy.deepcopy(src.state_dict()), "sched": copy.deepcopy(src_sched.state_dict())}
+    state = TrainState()
+    state.register(model=m, optimizer=opt, scheduler=sched)
+    d = DropIn(_NoFaults(state), 0, 1)
+    sys.excepthook = hook_before  # DropIn chains the process's hook: not in a test
+    try:
+        # attach (DDP(model)), as Lightning's strategy setup does it: before the restore
+        d.module, d._opts, d._params = m, [opt], {id(p) for p in m.parameters()}
+        d._rng_at_attach, d._saved = _rngs(), d._small_state()
+        opt.load_state_dict(ck["opt"])  # then Lightning's restore_training_state
+        sched.load_state_dict(ck["sched"])
+        torch.rand(1)  # the DataLoader's iterator drew from the global RNG
+        assert d.iteration(5) == 5 and d.dry  # the resume: a dry first attempt
+        d._end_backward()  # its backward: no sync, no update
+        assert d.synced is False
+        assert d.iteration(5) == 5 and not d.dry  # the step again, for real
+        assert sched.state_dict() == ck["sched"]
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in src.param_groups]
+    finally:
+        d.closed = True  # nothing for its atexit close to do (no session)

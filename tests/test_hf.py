@@ -176,3 +176,85 @@ def test_a_promoted_spare_trains_on_the_jobs_step_and_batches_from_its_received_
     assert job.state.epoch == pytest.approx(12 / 5)  # rank 1's share: 5 steps an epoch
     want = [r for r in seen["job"] if r[0] >= at]
     assert len(want) == 2 * (12 - at) and seen["spare"] == want
+
+
+def test_a_spare_that_becomes_rank0_writes_again_the_checkpoint_rank0_died_saving(tmp_path):
+    """What a promoted spare of rank 0 does with the job's state at a step the Trainer saves at
+    (``save_steps``), whose checkpoint rank 0 died writing (its weights written, the rest
+    not: the Trainer writes the files one by one, in place): it writes it again, as the job
+    wrote it, then the later ones; a complete checkpoint is left alone. One process."""
+    import shutil
+
+    import torch
+    from transformers import TrainerCallback
+
+    from agent.hf import Trainer, _Progress, _Snapshot
+
+    at, out = 6, tmp_path / "o"
+    grabbed: dict = {}
+
+    class Grab(TrainerCallback):  # the survivors' state when step `at` starts
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == at:
+                grabbed["sd"] = copy.deepcopy(progress.state_dict())
+                grabbed["model"] = copy.deepcopy(job.model.state_dict())
+                grabbed["opt"] = copy.deepcopy(job.optimizer.state_dict())
+                grabbed["sched"] = copy.deepcopy(job.lr_scheduler.state_dict())
+
+    class Load(TrainerCallback):  # the received state, applied once the model is wrapped
+        def on_train_begin(self, args, state, control, **kw):
+            spare.model.load_state_dict(grabbed["model"])
+            spare.optimizer.load_state_dict(grabbed["opt"])
+            spare.lr_scheduler.load_state_dict(grabbed["sched"])
+            got = _Progress(spare)
+            got.load_state_dict(grabbed["sd"])
+            spare._progress = got
+            spare._apply_received()
+
+    args = _args(tmp_path, max_steps=12, per_device_train_batch_size=2,
+                 gradient_accumulation_steps=2, save_strategy="steps", save_steps=3,
+                 lr_scheduler_type="linear", learning_rate=0.05)
+    job = Trainer(model=_model(), args=args, train_dataset=_Rows(40))
+    progress = _Progress(job)
+    job.add_callback(_Snapshot(progress))
+    job.add_callback(Grab())
+    job.train()
+    shutil.copytree(out, tmp_path / "job")
+    lost = out / f"checkpoint-{at}"
+    for p in lost.iterdir():  # rank 0 died after the weights
+        if p.name != "model.safetensors":
+            p.unlink()
+    for n in range(at + 3, 13, 3):
+        shutil.rmtree(out / f"checkpoint-{n}")
+    spare = Trainer(model=_model(), args=args, train_dataset=_Rows(40), callbacks=[Load()])
+    spare.train()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "job")
+                                                           .iterdir())
+    for n in range(at, 13, 3):
+        mine, theirs = out / f"checkpoint-{n}", tmp_path / "job" / f"checkpoint-{n}"
+        assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        assert (mine / "model.safetensors").read_bytes() == \
+            (theirs / "model.safetensors").read_bytes(), n
+        for name in ("optimizer.pt", "scheduler.pt"):
+            a, b = (torch.load(d / name, weights_only=False) for d in (mine, theirs))
+            assert _same(a, b), (n, name)
+    # a complete checkpoint at the step the job is at: left alone
+    before = (out / f"checkpoint-{at}" / "trainer_state.json").stat().st_mtime_ns
+    spare._write_lost_checkpoint()  # at step 12: its checkpoint complete
+    spare.state.global_step = at
+    spare._write_lost_checkpoint()
+    assert (out / f"checkpoint-{at}" / "trainer_state.json").stat().st_mtime_ns == before
+
+
+def _same(a, b) -> bool:
+    """Equal bit for bit: tensors by value and dtype, the rest by ==."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

@@ -79,11 +79,6 @@ def _same(a, b, where: str, dirs: tuple[str, str]) -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 44, open: the killed run's checkpoints equal the reference's through step 10 and "
-    "differ from step 15, after rank 1 was killed during the validation after step 12 "
-    "(docs/porting.md); tests/test_lightning_kills_e2e.py keeps the kills without "
-    "validation bitwise"))
 async def test_lightning_survives_kills_in_validation_and_in_a_checkpoint_save_bitwise(
         tmp_path):
     import torch

@@ -28,7 +28,8 @@ p.add_argument('--save-steps', type=int, default=0)       # 0: no checkpoints
 p.add_argument('--output-dir', default='out-hf')
 p.add_argument('--resume', default=None)                  # a checkpoint directory
 p.add_argument('--out', default=None)  # rank 0 writes the final parameters' sha256 here
-p.add_argument('--step-sleep', type=float, default=0.0)  # seconds per step (time for tests to kill)
+p.add_argument('--step-sleep', type=float, default=0.0)  # seconds per step and evaluation batch
+p.add_argument('--save-sleep', type=float, default=0.0)  # seconds inside each checkpoint's save
 args = p.parse_args()
 
 
@@ -49,9 +50,21 @@ class Tokens(torch.utils.data.Dataset):
         return {'input_ids': self.x[i], 'labels': self.x[i]}
 
 
-class Sleep(TrainerCallback):
+class Sleep(TrainerCallback):  # time for tests to kill a rank in a step, evaluation or save
     def on_step_end(self, *a, **kw):
         time.sleep(args.step_sleep)
+
+    def on_prediction_step(self, targs, state, control, **kw):  # after an evaluation batch
+        print(f'evaluating after step {state.global_step}', flush=True)
+        time.sleep(args.step_sleep)
+
+
+class SlowSave(Trainer):
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)  # a checkpoint's weights; the rest next
+        if _internal_call:
+            print(f'saving a checkpoint at step {self.state.global_step}', flush=True)
+            time.sleep(args.save_sleep)
 
 
 torch.manual_seed(1337)  # the initial weights
@@ -64,8 +77,9 @@ targs = TrainingArguments(
     max_grad_norm=1.0, logging_steps=10, report_to='none', disable_tqdm=True,
     eval_strategy='steps' if args.eval_steps else 'no', eval_steps=args.eval_steps or None,
     save_strategy='steps' if args.save_steps else 'no', save_steps=args.save_steps or 500)
-trainer = Trainer(model=model, args=targs, train_dataset=Tokens(256),
-                  eval_dataset=Tokens(32, seed=1) if args.eval_steps else None, callbacks=[Sleep()])
+trainer = SlowSave(model=model, args=targs, train_dataset=Tokens(256),
+                   eval_dataset=Tokens(32, seed=1) if args.eval_steps else None,
+                   callbacks=[Sleep()])
 trainer.train(resume_from_checkpoint=args.resume)
 if trainer.is_world_process_zero():
     digest = hashlib.sha256(b''.join(t.detach().cpu().numpy().tobytes()
