@@ -118,17 +118,26 @@ async def sweep_parts(kv: Any, js: Any, bucket: str, keep: set[str]) -> set[str]
     and the one before it: a reader may still be reading that). Purged from the bucket's
     stream by subject, not deleted: a delete marker would stay per old part. Returns the
     digests whose parts are left."""
-    try:
-        keys = await kv.keys(filters=[f"{PLAN_PARTS_PREFIX}.>"])
-    except Exception as e:  # NoKeysError: none stored
-        if e.__class__.__name__ == "NoKeysError":
-            return set()
-        raise
-    present = {k.split(".")[1] for k in keys if k.count(".") == 2}
+    present = {k.split(".")[1] for k in await part_keys(kv) if k.count(".") == 2}
     for digest in present - keep:
         await js.purge_stream(f"KV_{bucket}",
                               subject=f"$KV.{bucket}.{PLAN_PARTS_PREFIX}.{digest}.>")
     return present & keep
+
+
+async def part_keys(kv: Any) -> list[str]:
+    """The stored parts' keys, filtered by the server (nats-py's ``keys(filters=)`` reads
+    every key of the bucket and matches substrings)."""
+    w = await kv.watch(f"{PLAN_PARTS_PREFIX}.>", ignore_deletes=True, meta_only=True)
+    keys = []
+    try:
+        async for entry in w:
+            if entry is None:  # the end of what is stored
+                break
+            keys.append(entry.key)
+    finally:
+        await w.stop()
+    return keys
 
 
 # ----------------------------------------------------------------------------- reading
@@ -212,5 +221,5 @@ async def read_value(kv: Any, raw: bytes, held: Plan | None, what: str = "kv.pla
 
 
 __all__ = ["PLAN_KEY", "PLAN_MODELS", "PlanUnreadable", "apply_change", "change_from",
-           "digest_of", "encode", "fetch", "for_wire", "put_parts", "read_value", "resolve",
+           "digest_of", "encode", "fetch", "for_wire", "part_keys", "put_parts", "read_value", "resolve",
            "same", "sweep_parts"]
