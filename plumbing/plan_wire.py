@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,6 +30,17 @@ from .bus import DropError, decode
 
 # What the ``plan`` subject and KV ``plan`` carry: a whole plan, or a reference to one.
 PLAN_MODELS = (Plan, PlanRef)
+# The writer's (the scaler's) environment may lower the size up to which a plan goes whole,
+# never raise it; 0: every plan by reference (how an end-to-end test exercises references
+# with a few pods). Readers take either form whatever it is.
+INLINE_ENV = "CEASELESS_PLAN_INLINE_BYTES"
+
+
+def inline_limit() -> int:
+    try:
+        return max(0, min(INLINE_PLAN_BYTES, int(os.environ.get(INLINE_ENV, INLINE_PLAN_BYTES))))
+    except ValueError:
+        return INLINE_PLAN_BYTES
 
 
 class PlanUnreadable(ValueError):
@@ -75,7 +87,7 @@ def for_wire(plan: Plan, base: Plan | None) -> tuple[Plan | PlanRef, list[bytes]
     (none for a plan sent whole). ``base``: the plan it replaces (its change is computed
     against it)."""
     data = encode(plan)
-    if len(data) <= INLINE_PLAN_BYTES:
+    if len(data) <= inline_limit():
         return plan, []
     digest = sha256(data)
     plan.__dict__["_wire_digest"] = (id(plan), digest)

@@ -169,3 +169,21 @@ def test_a_small_plan_goes_whole_and_an_older_reader_drops_a_reference_with_the_
         decode(PLAN_MODELS, raw.replace(b'"schema_version":2', b'"schema_version":3'))
     with pytest.raises(ValueError, match="parts"):
         PlanRef.model_validate({**json.loads(raw), "parts": ref.parts + 1})
+
+
+async def test_the_scalers_environment_may_send_every_plan_by_reference(bus, monkeypatch):
+    """CEASELESS_PLAN_INLINE_BYTES=0 (what the end-to-end check of references sets for the
+    scaler): a plan of two members goes by reference; a value above the default is capped."""
+    from plumbing.plan_wire import INLINE_ENV, inline_limit
+
+    monkeypatch.setenv(INLINE_ENV, str(10 * INLINE_PLAN_BYTES))
+    assert inline_limit() == INLINE_PLAN_BYTES
+    monkeypatch.setenv(INLINE_ENV, "0")
+    kv = await bus.kv()
+    w = await _writer(bus)
+    p1, p2 = make(1, 2), make(2, 2, pods={1: "s0"})
+    await _write(w, p1)
+    await _write(w, p2)
+    ref = decode(PLAN_MODELS, (await kv.get(PLAN_KEY)).value)
+    assert isinstance(ref, PlanRef) and ref.change is not None
+    assert apply_change(p1, ref) == p2 and (await load_plan(kv))[0] == p2

@@ -82,7 +82,7 @@ class PlanWriter:
             self.log.info("plan committed", generation=new.generation, revision=rev,
                           world_size=new.world_size, reason=new.reason, incident=new.incident,
                           members={m.rank: m.pod for m in new.members[:64]},  # a line, not MBs
-                          spares=new.spares[:64])
+                          spares=new.spares[:64], parts=len(parts))  # 0: sent whole
             await self.bus.publish(self.bus.subjects.plan, wire,
                                    msg_id=f"plan-g{new.generation}-r{rev}", ctx=ctx)
         if isinstance(wire, PlanRef) or self._parts_left:
