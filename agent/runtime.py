@@ -369,8 +369,8 @@ class Runtime:
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     async def _report_if_stuck(self) -> None:
-        """The all-reduce has waited long: say so (peer_error), so the monitor looks for a
-        member whose heartbeats stopped. Harmless when none has (``watchdog.py``)."""
+        """The all-reduce has waited long: say so (peer_error, once per wait), so the monitor
+        looks for a member whose heartbeats stopped. Harmless when none has (``watchdog.py``)."""
         with self._cond:
             msg = self._watchdog.stuck(self._life.since)
         if msg is not None:
@@ -390,7 +390,9 @@ class Runtime:
             await self.report(ReportKind.stalled, msg)
 
     async def _send_heartbeat(self) -> None:
-        hb = self._hb.model_copy(update={"ts": now()})
+        with self._cond:  # a wait says so in each heartbeat (watchdog.py)
+            since = self._watchdog.waiting_since(self._life.since)
+        hb = self._hb.model_copy(update={"ts": now(), "waiting_since": since})
         await self.bus.publish(self.bus.subjects.heartbeat(self.cfg.pod), hb)
 
     def update(self, now: bool = False, **fields: Any) -> None:

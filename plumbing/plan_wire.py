@@ -233,5 +233,6 @@ async def read_value(kv: Any, raw: bytes, held: Plan | None, what: str = "kv.pla
 
 
 __all__ = ["PLAN_KEY", "PLAN_MODELS", "PlanUnreadable", "apply_change", "change_from",
-           "digest_of", "encode", "fetch", "for_wire", "part_keys", "put_parts", "read_value", "resolve",
+           "digest_of", "encode", "fetch", "for_wire", "part_keys", "put_parts", "read_value",
+           "resolve",
            "same", "sweep_parts"]

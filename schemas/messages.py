@@ -194,6 +194,11 @@ class Heartbeat(Message):
     # step's. None: ``step``'s. Added 2026-12-06 (issue 43), optional: older agents'
     # heartbeats still validate and mean what they meant.
     digest_step: Step | None = None
+    # wall time this member's gradient all-reduce began waiting, once it has waited the
+    # agent's stuck_report_after (None: not waiting). Carried by every heartbeat while the wait
+    # lasts, in place of a peer_error report per heartbeat interval (N reports a second at N
+    # ranks): the wait's first report is still sent. Added 2026-12-07 (issue 45), optional.
+    waiting_since: Timestamp | None = None
 
     @property
     def step_digest(self) -> str:
@@ -422,7 +427,8 @@ class PlanChange(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     base_generation: Annotated[int, Field(ge=1)]
     base_digest: Sha256
-    fields: Annotated[dict[Literal[PLAN_SCALARS], int | float | str | None],  # type: ignore[valid-type]
+    fields: Annotated[dict[Literal[PLAN_SCALARS],  # type: ignore[valid-type]
+                           int | float | str | None],
                       Field(max_length=len(PLAN_SCALARS))] = {}
     members: Annotated[list[Member], Field(max_length=MAX_CHANGE)] = []
     shares: Annotated[dict[Rank, Annotated[int, Field(ge=1)]], Field(max_length=MAX_CHANGE)] = {}
