@@ -171,7 +171,8 @@ class Cluster:
         self.hb[h.pod] = h
 
     async def _on_plan(self, msg: Plan | PlanRef, env: Envelope) -> None:
-        p = await resolve(await self.bus.kv(), msg, self.plans[-1] if self.plans else None)
+        p = msg if isinstance(msg, Plan) else await resolve(
+            await self.bus.kv(), msg, self.plans[-1] if self.plans else None)
         self.plans.append(p)
         self.all_plans.append(p)
 
