@@ -193,15 +193,22 @@ def apply_change(base: Plan | None, ref: PlanRef) -> Plan | None:
     return plan if digest_of(plan) == ref.digest else None
 
 
+READ_TRIES = 3  # a replica answering a direct get may not have the newest parts yet
+
+
 async def fetch(kv: Any, ref: PlanRef) -> Plan:
     """Read a referenced plan's parts; PlanUnreadable when one is missing or they do not
     make the plan the reference names."""
-    try:
-        entries = await asyncio.gather(*(kv.get(plan_part_key(ref.digest, i))
-                                         for i in range(ref.parts)))
-    except Exception as e:  # a part purged (a newer plan came) or never written
-        raise PlanUnreadable(f"plan generation {ref.generation}: a part is missing "
-                             f"({e.__class__.__name__})") from None
+    for attempt in range(READ_TRIES):
+        try:
+            entries = await asyncio.gather(*(kv.get(plan_part_key(ref.digest, i))
+                                             for i in range(ref.parts)))
+            break
+        except Exception as e:  # a part purged (a newer plan came) or not replicated yet
+            if attempt + 1 == READ_TRIES:
+                raise PlanUnreadable(f"plan generation {ref.generation}: a part is missing "
+                                     f"({e.__class__.__name__})") from None
+            await asyncio.sleep(0.1 * (attempt + 1))
     data = b"".join(e.value or b"" for e in entries)
     if len(data) != ref.size or sha256(data) != ref.digest:
         raise PlanUnreadable(f"plan generation {ref.generation}: its parts are {len(data)} "
