@@ -30,6 +30,7 @@ from schemas.messages import (AgentState, Heartbeat, Inject, InjectAction, Plan,
 from plumbing import logs
 from plumbing.aio import cancel_all
 from plumbing.bus import Bus, Credentials, Envelope, watch_key
+from plumbing.plan_wire import PLAN_MODELS
 from plumbing.terms import NewestTerm, of_plan
 
 from .buckets import Bucket
@@ -157,12 +158,12 @@ class Runtime:
         self._kv = await bus.kv()
         self.kv, self.stores = [Bucket(k, self._loop, self.cfg.store_timeout, bus.reconnects)
                                 for k in (self._kv, await bus.store_kv())]  # watches: reopened
-        await bus.subscribe(s.plan, Plan, self._on_plan)
+        self._catch = c = CatchUp(bus, self._kv, lambda: self.plan, self._adopt_plan,
+                                  self._on_transfer, self._on_lost)
+        await bus.subscribe(s.plan, PLAN_MODELS, c.on_plan)  # whole, or a large one's ref
         await bus.subscribe(s.transfer, Transfer, self._on_transfer)
         await bus.subscribe(s.state_lost, StateLost, self._on_lost)
         await bus.subscribe(s.inject, Inject, self._on_inject)
-        self._catch = c = CatchUp(bus, self._kv, lambda: self.plan, self._adopt_stored,
-                                  self._on_transfer, self._on_lost)
         await c.read_plan()
         tasks = [asyncio.create_task(t) for t in (self._heartbeats(c), self._watch_done(),
                                                   self._watch_checkpoint_request(),
@@ -184,12 +185,6 @@ class Runtime:
         await cancel_all([t for t in asyncio.all_tasks() if t is not me])
 
     # ------------------------------------------------------------------ inbound
-    def _adopt_stored(self, plan: Plan) -> None:  # read from KV: no trace context
-        self._adopt_plan(plan, otel_context.Context())
-
-    async def _on_plan(self, plan: Plan, env: Envelope) -> None:
-        self._adopt_plan(plan, env.ctx)
-
     def _adopt_plan(self, plan: Plan, ctx: otel_context.Context) -> None:
         with self._cond:
             if self._plan is not None and plan.generation <= self._plan.generation \
@@ -374,8 +369,8 @@ class Runtime:
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     async def _report_if_stuck(self) -> None:
-        """The all-reduce has waited long: say so (peer_error), so the monitor looks for a
-        member whose heartbeats stopped. Harmless when none has (``watchdog.py``)."""
+        """The all-reduce has waited long: say so (peer_error, once per wait), so the monitor
+        looks for a member whose heartbeats stopped. Harmless when none has (``watchdog.py``)."""
         with self._cond:
             msg = self._watchdog.stuck(self._life.since)
         if msg is not None:
@@ -395,7 +390,9 @@ class Runtime:
             await self.report(ReportKind.stalled, msg)
 
     async def _send_heartbeat(self) -> None:
-        hb = self._hb.model_copy(update={"ts": now()})
+        with self._cond:  # a wait says so in each heartbeat (watchdog.py)
+            since = self._watchdog.waiting_since(self._life.since)
+        hb = self._hb.model_copy(update={"ts": now(), "waiting_since": since})
         await self.bus.publish(self.bus.subjects.heartbeat(self.cfg.pod), hb)
 
     def update(self, now: bool = False, **fields: Any) -> None:

@@ -1,9 +1,11 @@
 """The training thread's signs of life, and the two verdicts drawn from them.
 
 ``stuck``: the gradient all-reduce has waited ``stuck_report_after``: the pod says so
-(peer_error) every heartbeat interval, so the monitor looks for a member whose heartbeats
-stopped. ``stalled``: a member whose training thread reached no step boundary, no collective
-and no micro-batch for the stall timeout (and declared no ``solo``) reports itself hung,
+(peer_error) once per wait, and from then on in every heartbeat (``waiting_since``), so the
+monitor looks for a member whose heartbeats stopped (a report every heartbeat interval from
+every waiting member was N messages more a second at N ranks, when a peer failed: issue 45).
+``stalled``: a member whose training thread reached no step boundary, no collective and no
+micro-batch for the stall timeout (and declared no ``solo``) reports itself hung,
 once per stall, while its heartbeats (another thread) go on. Not thread-safe by itself: the
 runtime calls it under its lock.
 """
@@ -21,7 +23,7 @@ class Watchdog:
         self.cfg = cfg
         self.progress_at = time.monotonic()  # the last sign of progress
         self._stall_reported = False
-        self._stuck_reported = 0.0
+        self._stuck_reported: float | None = None  # the wait (its start) last reported
         # a step committed in the joined generation: its first step (compilation, warm-up)
         # is never called a stall
         self._committed = False
@@ -39,13 +41,21 @@ class Watchdog:
         self.progress()
 
     def stuck(self, collective_since: float | None) -> str | None:
+        """The peer_error to send: once per wait (``collective_since``, monotonic, names it)."""
+        if (self.waiting_since(collective_since) is None
+                or collective_since == self._stuck_reported):
+            return None
+        self._stuck_reported = collective_since
+        waited = time.monotonic() - collective_since  # type: ignore[operator]
+        return f"all-reduce waiting for {waited:.2f}s"
+
+    def waiting_since(self, collective_since: float | None) -> float | None:
+        """The heartbeat's ``waiting_since``: the wait's start in wall time, once it has
+        lasted ``stuck_report_after``; None before, or not waiting."""
         after, now = self.cfg.stuck_report_after, time.monotonic()
         if collective_since is None or after <= 0 or now - collective_since < after:
             return None
-        if now - self._stuck_reported < self.cfg.heartbeat_interval * 0.9:
-            return None
-        self._stuck_reported = now
-        return f"all-reduce waiting for {now - collective_since:.2f}s"
+        return time.time() - (now - collective_since)
 
     def stalled(self, hb: Heartbeat, in_collective: bool) -> tuple[str, float, float] | None:
         """(message, idle seconds, the limit) when this member is to report itself hung.

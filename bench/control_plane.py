@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------- agents
 async def agents_main(a: argparse.Namespace) -> None:
-    from schemas.messages import AgentState, Heartbeat, Plan, Role
+    from schemas.messages import AgentState, Heartbeat, Plan, PlanRef, Role
     from plumbing.bus import Bus, Credentials
+    from plumbing.plan_wire import PLAN_MODELS, resolve
 
     bus = await Bus.connect(a.nats, a.job, f"sim-agents-{a.first}", Credentials.load(a.creds))
     pods = [f"w{i}" for i in range(a.first, a.first + a.count)]
@@ -86,16 +87,21 @@ async def agents_main(a: argparse.Namespace) -> None:
     out = open(a.out, "a", buffering=1)
     t0 = a.t0
 
-    async def on_plan(plan: Plan, env) -> None:
-        if plan.generation <= state["gen"]:
+    kv = await bus.kv()
+
+    async def on_plan(msg: Plan | PlanRef, env) -> None:
+        if msg.generation <= state["gen"]:
             return
+        # a large plan is a reference: built from the held plan by its change, or read
+        plan = await resolve(kv, msg, state.get("plan"))
+        state["plan"] = plan
         state["gen"] = plan.generation
         state["ranks"] = {m.pod: m.rank for m in plan.members}
         state["fenced"] = set(plan.fenced)
         out.write(json.dumps({"plan": plan.generation, "ts": plan.ts, "recv": time.time(),
                               "world": plan.world_size, "incident": plan.incident}) + "\n")
 
-    await bus.subscribe(bus.subjects.plan, Plan, on_plan)
+    await bus.subscribe(bus.subjects.plan, PLAN_MODELS, on_plan)
 
     async def on_ctl(msg) -> None:
         req = json.loads(msg.data)
@@ -154,7 +160,8 @@ def rss_bytes(pid: int) -> int | None:
 
 
 async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    from schemas.messages import Fault, Plan
+    from schemas.messages import Fault, Plan, PlanRef
+    from plumbing.plan_wire import PLAN_MODELS, resolve
     from plumbing.bus import Bus
     from services.common.natsserver import NatsServer, write_credentials
 
@@ -189,11 +196,15 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         async def on_fault(f: Fault, env) -> None:
             faults.setdefault(f.pod, (time.time(), f))
 
-        async def on_plan(p: Plan, env) -> None:
-            plans.setdefault(p.generation, (time.time(), p))
+        kv = await bus.kv()
+
+        async def on_plan(msg: Plan | PlanRef, env) -> None:
+            if msg.generation not in plans:
+                held = plans[max(plans)][1] if plans else None
+                plans.setdefault(msg.generation, (time.time(), await resolve(kv, msg, held)))
 
         await bus.subscribe(bus.subjects.fault, Fault, on_fault)
-        await bus.subscribe(bus.subjects.plan, Plan, on_plan)
+        await bus.subscribe(bus.subjects.plan, PLAN_MODELS, on_plan)
         base = [sys.executable, "-m"]
         common = ["--nats", srv.url, "--creds", str(creds_path), "--job", job, "--run-dir",
                   str(d), "--log-level", "warning"]

@@ -8,7 +8,11 @@ with the real schemas (and the services' own code where they build it), no clust
 Per size N (pods named as ``ceaseless up`` names them: ``w0..``, spares ``s0..``):
 
 * **plan**: N members, every rank's share, 8 spares, the fenced pods (the scaler keeps the
-  last 256): published to every agent and kept in KV;
+  last 256): the whole plan's encoding, and what is published to every agent and kept in
+  KV ``plan`` (``plumbing.plan_wire``: the plan whole up to 64 KiB, else a reference to its
+  KV parts): the first plan's, and the next generation's after a fault (rank 7 replaced by
+  a spare: a reference carrying the change); the time an agent takes to apply that change
+  and to decode the whole plan;
 * **health view**: the monitor's complete listing of full heartbeats (``chunks`` messages of
   512) and its compact listing every interval (messages of 4,096 entries), from the
   monitor's own builder (``ViewPublisher``);
@@ -30,7 +34,7 @@ from typing import Any
 
 from bench.common import config, emit, machine, machine_line, main
 from schemas import MAX_PAYLOAD_BYTES
-from schemas.messages import (AgentState, Heartbeat, Member, Plan, Role, Transfer)
+from schemas.messages import (AgentState, Heartbeat, Member, Plan, PlanRef, Role, Transfer)
 
 SECTION = "## Message sizes"
 SPARES = 8
@@ -49,6 +53,17 @@ def plan(n: int) -> Plan:
                 shares={i: 1 for i in range(n)}, spares=[f"s{i}" for i in range(SPARES)],
                 fenced=[f"w{n + i}" for i in range(FENCED)], reason="fault inc-w7-g1",
                 incident="inc-w7-g1", term=3)
+
+
+def after_fault(p: Plan) -> Plan:
+    """The next generation after a fault of rank 7: the first spare takes its rank, it is
+    fenced (the oldest fenced pod dropped: the scaler keeps the last 256)."""
+    members = list(p.members)
+    members[7] = Member(pod=p.spares[0], rank=7)
+    return Plan.model_validate(p.model_dump() | {
+        "generation": p.generation + 1, "members": members, "spares": p.spares[1:],
+        "fenced": [*p.fenced[1:], p.members[7].pod], "reason": "fault inc-w7-g2",
+        "incident": "inc-w7-g2", "ts": time.time()})
 
 
 def heartbeats(p: Plan) -> list[Heartbeat]:
@@ -108,12 +123,21 @@ def measure(n: int) -> dict[str, Any]:
     vp = ViewPublisher(None, None, lambda pods: heard)  # type: ignore[arg-type]
     full = [wire(v) for v in vp.full_views(heard, True, now)]
     compact = [wire(v) for v in vp.compact_views(heard, now)]
+    from plumbing.plan_wire import apply_change, for_wire
+
     pb = wire(p)
     raw = p.model_dump_json(by_alias=True)
     encode_s = _best(lambda: p.model_dump_json(by_alias=True))
-    decode_s = _best(lambda: Plan.model_validate_json(raw))  # what every agent does
+    decode_s = _best(lambda: Plan.model_validate_json(raw))  # an agent reading it whole
+    first, parts = for_wire(p, None)
+    nxt = after_fault(p)
+    msg, _ = for_wire(nxt, p)
+    held = Plan.model_validate_json(raw)  # as an agent holds it
+    apply_s = _best(lambda: apply_change(held, msg)) if isinstance(msg, PlanRef) else None
     return {"members": n, "plan_bytes": pb, "plan_encode_s": encode_s,
-            "plan_decode_s": decode_s, "heartbeat_bytes": wire(hbs[0]),
+            "plan_decode_s": decode_s, "plan_msg_first_bytes": wire(first),
+            "plan_msg_fault_bytes": wire(msg), "plan_parts": len(parts),
+            "plan_apply_s": apply_s, "heartbeat_bytes": wire(hbs[0]),
             "view_full_bytes": sum(full), "view_full_msgs": len(full),
             "view_full_max_msg": max(full),
             "view_compact_bytes": sum(compact), "view_compact_msgs": len(compact),
@@ -145,6 +169,11 @@ def _kb(b: int, limit: int) -> str:
     return f"**{s}** (over)" if b > limit else s
 
 
+def _b(b: int, limit: int) -> str:
+    """Bytes, exactly while under 10 KiB (a plan reference is a few hundred)."""
+    return f"{b:,} B" if b < 10 * 1024 else _kb(b, limit)
+
+
 def markdown(res: dict[str, Any]) -> str:
     lim = res["max_payload"]
     out = [SECTION, "", machine_line(res["machine"]),
@@ -156,16 +185,21 @@ def markdown(res: dict[str, Any]) -> str:
            "that cannot be sent. The view's listings are split into messages of 512 full / "
            "4,096 compact entries (bytes: all messages of one listing, then the largest one).",
            "",
-           "| members | plan (to every agent, in KV) | plan encode / decode (one core, "
-           "fastest of 3) | health view, "
+           "| members | plan, whole (KV parts) | plan message, first / after a fault "
+           "(to every agent, in KV `plan`) | plan encode / decode whole / apply a fault's "
+           "change (one core, fastest of 3) | health view, "
            "complete listing (messages; largest) | compact listing, every interval | "
            "transfer | status: monitor | scaler | broker |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         st = r["status_bytes"]
+        k = r["plan_parts"]
+        parts = f" ({k} part{'s' if k > 1 else ''})" if k else " (whole)"
+        apply = "-" if r["plan_apply_s"] is None else f"{r['plan_apply_s'] * 1e3:.0f}"
         out.append(
-            f"| {r['members']:,} | {_kb(r['plan_bytes'], lim)} | "
-            f"{r['plan_encode_s'] * 1e3:.0f} / {r['plan_decode_s'] * 1e3:.0f} ms | "
+            f"| {r['members']:,} | {_kb(r['plan_bytes'], 2**62)}{parts} | "
+            f"{_b(r['plan_msg_first_bytes'], lim)} / {_b(r['plan_msg_fault_bytes'], lim)} | "
+            f"{r['plan_encode_s'] * 1e3:.0f} / {r['plan_decode_s'] * 1e3:.0f} / {apply} ms | "
             f"{_kb(r['view_full_bytes'], 2**62)} ({r['view_full_msgs']}; "
             f"{_kb(r['view_full_max_msg'], lim)}) | {_kb(r['view_compact_bytes'], 2**62)} "
             f"({r['view_compact_msgs']}; {_kb(r['view_compact_max_msg'], lim)}) | "

@@ -209,7 +209,9 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         try:
             kv = await bus.js.key_value(bus.subjects.kv_bucket)
             entry = await kv.get("plan")
-            out["plan"] = json.loads(entry.value)
+            from plumbing.plan_wire import read_value  # a large plan's ref: read its parts
+
+            out["plan"] = (await read_value(kv, entry.value, None)).model_dump(mode="json")
             out["plan_revision"] = entry.revision
         except Exception:
             out["plan"] = None

@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas.timeouts import DEFAULTS, agent_timeouts_from_env
-from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, Recovery, Role,
-                              StateLost, Transfer)
+from schemas.messages import (AgentState, Fault, Heartbeat, JobFailed, Plan, PlanRef, Recovery,
+                              Role, StateLost, Transfer)
 from schemas import PLAN_KEY
 from schemas.policy import SCRIPT_KEY, ScriptInfo
 from services.actuator import LocalActuator
 from services.actuator.local import record_pid
 from services.actuator.prefork import Prefork
 from plumbing import logs
+from plumbing.plan_wire import PLAN_MODELS, resolve
 from plumbing.bus import Bus, Envelope
 from services.common.lease import ttl_for
 from services.common.natsserver import BusServers
@@ -228,6 +229,7 @@ class Observer:
 
     def __init__(self) -> None:
         self.plan: Plan | None = None
+        self._bus: Bus | None = None
         self.hb: dict[str, Heartbeat] = {}
         self.faults: list[Fault] = []
         self.recoveries: list[Recovery] = []
@@ -241,7 +243,8 @@ class Observer:
 
     async def attach(self, bus: Bus) -> None:
         s = bus.subjects
-        await bus.subscribe(s.plan, Plan, self._plan)
+        self._bus = bus  # its bucket holds a large plan's parts (plumbing/plan_wire.py)
+        await bus.subscribe(s.plan, PLAN_MODELS, self._plan)
         await bus.subscribe(s.heartbeat(), Heartbeat, self._hb)
         await bus.subscribe(s.fault, Fault, self._fault)
         await bus.subscribe(s.recovery, Recovery, self._recovery)
@@ -249,8 +252,14 @@ class Observer:
         await bus.subscribe(s.transfer, Transfer, self._transfer)
         await bus.subscribe(s.job_failed, JobFailed, self._failed)
 
-    async def _plan(self, p: Plan, env: Envelope) -> None:
-        if self.plan is None or p.generation > self.plan.generation:
+    async def _plan(self, msg: Plan | PlanRef, env: Envelope) -> None:
+        if self.plan is None or msg.generation > self.plan.generation:
+            try:  # a large plan's reference: from the held plan and its change, or its parts
+                p = msg if isinstance(msg, Plan) else \
+                    await resolve(await self._bus.kv(), msg, self.plan)  # type: ignore[union-attr]
+            except Exception as e:
+                self.events.append(f"plan g{msg.generation} unreadable: {str(e)[:200]}")
+                return
             self.plan = p
             members = " ".join(f"{m.rank}:{m.pod}" for m in sorted(p.members, key=lambda m: m.rank))
             self.events.append(f"plan g{p.generation} W={p.world_size} [{members}] ({p.reason})")

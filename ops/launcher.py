@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from schemas.messages import Heartbeat, Plan
+from schemas.messages import Heartbeat, Plan, PlanRef
 from plumbing.bus import Bus, Credentials, Envelope
+from plumbing.plan_wire import PLAN_MODELS, resolve
 from services.actuator.local import proc_start
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ class Cluster:
                                      **client_options(info.get("tls_ca")))
         self.attached_dir = job_dir
         await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat, self._on_hb)
-        await self.bus.subscribe(self.bus.subjects.plan, Plan, self._on_plan)
+        await self.bus.subscribe(self.bus.subjects.plan, PLAN_MODELS, self._on_plan)
         for cb in self.on_attach:
             await cb(self.bus)
 
@@ -169,7 +170,9 @@ class Cluster:
     async def _on_hb(self, h: Heartbeat, env: Envelope) -> None:
         self.hb[h.pod] = h
 
-    async def _on_plan(self, p: Plan, env: Envelope) -> None:
+    async def _on_plan(self, msg: Plan | PlanRef, env: Envelope) -> None:
+        p = msg if isinstance(msg, Plan) else await resolve(
+            await self.bus.kv(), msg, self.plans[-1] if self.plans else None)
         self.plans.append(p)
         self.all_plans.append(p)
 

@@ -32,7 +32,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from pydantic import ValidationError
 
-from schemas import MAX_PAYLOAD_BYTES, SCHEMA_VERSION, Message, Subjects
+from schemas import MAX_PAYLOAD_BYTES, Message, Subjects
 
 from . import logs
 
@@ -90,19 +90,27 @@ class DropError(ValueError):
     """A message that does not satisfy the wire contract."""
 
 
-def decode(model: type[M], data: bytes, subject: str = "",
+def version_of(model: type[Message]) -> int:
+    """The ``schema_version`` a model carries (1 for most; a later wire of a kind has its
+    own, e.g. ``PlanRef``'s 2)."""
+    return model.model_fields["schema_version"].default
+
+
+def decode(model: type[M] | tuple[type[M], ...], data: bytes, subject: str = "",
            max_bytes: int = MAX_PAYLOAD_BYTES) -> M:
-    """Validate one payload or raise DropError with a short reason."""
+    """Validate one payload or raise DropError with a short reason. ``model``: one model, or
+    the models of a subject that carries several versions (chosen by ``schema_version``)."""
     if len(data) > max_bytes:
         raise DropError(f"oversized payload ({len(data)} bytes > {max_bytes})")
+    models = model if isinstance(model, tuple) else (model,)
     # Fast path (pydantic's JSON parser, ~4x cheaper: services see every heartbeat). It only
     # accepts; anything it rejects, or a payload that left schema_version to its default,
     # takes the careful path below, which says why it is dropped.
-    try:
-        msg = model.model_validate_json(data)
-    except (ValidationError, ValueError):
-        pass
-    else:
+    for m in models:
+        try:
+            msg = m.model_validate_json(data)
+        except (ValidationError, ValueError):
+            continue
         if "schema_version" in msg.model_fields_set:
             _check_pod(msg, subject)
             return msg
@@ -113,16 +121,18 @@ def decode(model: type[M], data: bytes, subject: str = "",
     if not isinstance(obj, dict):
         raise DropError(f"payload is a JSON {type(obj).__name__}, not an object")
     version = obj.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise DropError(f"schema_version {version!r} is not {SCHEMA_VERSION}")
+    chosen = [m for m in models if version_of(m) == version]
+    if not chosen:
+        want = " or ".join(str(version_of(m)) for m in models)
+        raise DropError(f"schema_version {version!r} is not {want}")
     try:
-        msg = model.model_validate(obj)
+        msg = chosen[0].model_validate(obj)
     except ValidationError as e:
         errs = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
             for err in e.errors()[:3]
         )
-        raise DropError(f"invalid {model.subject_kind}: {errs}"[:400]) from None
+        raise DropError(f"invalid {chosen[0].subject_kind}: {errs}"[:400]) from None
     _check_pod(msg, subject)
     return msg
 
@@ -295,16 +305,18 @@ class Bus:
         self.dropped[(kind, reason.split(":")[0])] += 1
         log.warning("dropped message", subject=subject[:200], reason=reason, client=self.name)
 
-    async def subscribe(self, subject: str, model: type[M],
+    async def subscribe(self, subject: str, model: type[M] | tuple[type[M], ...],
                         handler: Callable[[M, Envelope], Awaitable[None]],
                         queue: str = "", only: bytes | None = None) -> Any:
         """``only``: a payload without these bytes is not even decoded (counted in
         ``skipped``): a subscriber that wants few of a subject's messages (the scaler, the
         preemption notices among every agent's reports) does not parse the others. A
         superset test: what it lets through is decoded and checked as any."""
+        kind = (model[0] if isinstance(model, tuple) else model).subject_kind
+
         async def _cb(raw: Msg) -> None:
             if only is not None and only not in raw.data:
-                self.skipped[model.subject_kind] += 1
+                self.skipped[kind] += 1
                 return
             try:
                 msg = decode(model, raw.data, raw.subject)
@@ -312,7 +324,7 @@ class Bus:
                 self.drop(raw.subject, str(e))
                 return
             env = Envelope(subject=raw.subject, headers=dict(raw.headers or {}), raw=raw)
-            self.received[model.subject_kind] += 1
+            self.received[kind] += 1
             try:
                 await handler(msg, env)
             except asyncio.CancelledError:

@@ -194,6 +194,11 @@ class Heartbeat(Message):
     # step's. None: ``step``'s. Added 2026-12-06 (issue 43), optional: older agents'
     # heartbeats still validate and mean what they meant.
     digest_step: Step | None = None
+    # wall time this member's gradient all-reduce began waiting, once it has waited the
+    # agent's stuck_report_after (None: not waiting). Carried by every heartbeat while the wait
+    # lasts, in place of a peer_error report per heartbeat interval (N reports a second at N
+    # ranks): the wait's first report is still sent. Added 2026-12-07 (issue 45), optional.
+    waiting_since: Timestamp | None = None
 
     @property
     def step_digest(self) -> str:
@@ -395,6 +400,66 @@ class Plan(Message):
 
     def pod_of(self, rank: int) -> str | None:
         return self._lookup()[2].get(rank)
+
+
+# ----------------------------------------------------------------------------- large plans
+# A plan whose encoding is over INLINE_PLAN_BYTES is not sent whole (issue 45): it is stored in
+# KV parts (``schemas.subjects.plan_part_key``) and a ``PlanRef`` names it, on the ``plan``
+# subject and in KV ``plan``, with the change from the previous generation where that is
+# small. One ``PlanRef`` is a few hundred bytes whatever the job's size; an agent holding the
+# base plan applies the change, any other reads the parts (plumbing/plan_wire.py).
+PLAN_REF_VERSION = 2
+INLINE_PLAN_BYTES = 64 * 1024   # up to this a plan goes whole (schema_version 1, as before)
+PLAN_PART_BYTES = 512 * 1024    # one KV value: half the max payload, headers leave room
+MAX_PLAN_PARTS = 64             # 32 MiB: every member and spare with a 64-character pod id
+MAX_CHANGE = 4096               # entries of a change; a larger one is not sent (parts are)
+# Plan's fields a change may set, each a JSON scalar: all but its lists (and the version).
+PLAN_LISTS = ("members", "shares", "spares", "fenced")
+PLAN_SCALARS = tuple(f for f in Plan.model_fields if f not in (*PLAN_LISTS, "schema_version"))
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class PlanChange(BaseModel):
+    """Generation ``base_generation``'s plan (digest ``base_digest``) turned into the new one:
+    ``fields`` set (Plan's scalars that differ), the members and shares of these ranks set,
+    the ranks from the new world size on dropped, the spares and fenced lists replaced when
+    given. Applied, the result validates as a ``Plan`` and must have the ref's digest."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    base_generation: Annotated[int, Field(ge=1)]
+    base_digest: Sha256
+    fields: Annotated[dict[Literal[PLAN_SCALARS],  # type: ignore[valid-type]
+                           int | float | str | None],
+                      Field(max_length=len(PLAN_SCALARS))] = {}
+    members: Annotated[list[Member], Field(max_length=MAX_CHANGE)] = []
+    shares: Annotated[dict[Rank, Annotated[int, Field(ge=1)]], Field(max_length=MAX_CHANGE)] = {}
+    spares: Annotated[list[PodId], Field(max_length=MAX_CHANGE)] | None = None
+    fenced: Annotated[list[PodId], Field(max_length=MAX_CHANGE)] | None = None
+
+
+class PlanRef(Message):
+    """A plan too large to send whole (added 2026-12-07, issue 45; ``schema_version`` 2 on the
+    ``plan`` subject and in KV ``plan``: an older reader drops it, logged). The plan itself is
+    its canonical encoding (``plumbing.plan_wire.encode``: members and shares in rank order),
+    ``size`` bytes with SHA-256 ``digest``, in ``parts`` KV values
+    ``plan_part_key(digest, i)``. ``generation``, ``world_size``, ``term`` and ``ts`` are the
+    plan's (a receiver judges staleness before reading anything)."""
+    subject_kind: ClassVar[str] = "plan"
+    schema_version: Literal[2] = PLAN_REF_VERSION  # type: ignore[assignment]
+    generation: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_MEMBERS)]
+    term: Term | None = None
+    ts: Timestamp
+    digest: Sha256
+    size: Annotated[int, Field(ge=1, le=MAX_PLAN_PARTS * PLAN_PART_BYTES)]
+    parts: Annotated[int, Field(ge=1, le=MAX_PLAN_PARTS)]
+    change: PlanChange | None = None
+
+    @model_validator(mode="after")
+    def _parts_cover(self) -> "PlanRef":
+        if -(-self.size // PLAN_PART_BYTES) != self.parts:
+            raise ValueError(f"{self.size} bytes are {-(-self.size // PLAN_PART_BYTES)} parts, "
+                             f"not {self.parts}")
+        return self
 
 
 class Transfer(Message):

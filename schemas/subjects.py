@@ -150,6 +150,15 @@ class Subjects:
 
 
 PLAN_KEY = "plan"
+# The parts of a plan too large to send whole (schemas.messages.PlanRef, issue 45): written
+# by the scaler only, content-addressed (a plan's parts never change once written).
+PLAN_PARTS_PREFIX = "plan_parts"
+
+
+def plan_part_key(digest: str, i: int) -> str:
+    """KV key of part ``i`` of the plan with SHA-256 ``digest``."""
+    return f"{PLAN_PARTS_PREFIX}.{digest}.{i}"
+
 LEASE_KEY = "scaler_lease"
 COMMITTED_KEY = "committed"  # schemas.messages.HighWater, written by the state broker only
 

@@ -30,6 +30,7 @@ class Beater:
         self.step, self.alive = -1, True
         self.solo_until: float | None = None
         self.compute_time: float | None = None
+        self.waiting_since: float | None = None
         self.task = asyncio.create_task(self._run())
 
     async def _run(self):
@@ -41,7 +42,8 @@ class Beater:
                     await self.bus.publish(self.bus.subjects.heartbeat(self.pod), Heartbeat(
                         pod=self.pod, role=self.role, generation=self.generation,
                         rank=self.rank, step=self.step, state=self.state,
-                        solo_until=self.solo_until, compute_time=self.compute_time))
+                        solo_until=self.solo_until, compute_time=self.compute_time,
+                        waiting_since=self.waiting_since))
                 except Exception:
                     pass
             await asyncio.sleep(self.interval)
@@ -406,6 +408,43 @@ async def test_absent_member_is_declared_hung(env, bus):
     assert [(f.pod, f.kind.value) for f in env.faults] == [("w2", "hang")]
     assert 0.8 <= took < 0.8 + FT + 0.5, took
     assert "not in the collective" in env.faults[0].reason
+
+
+async def test_a_wait_is_reported_once_then_carried_by_the_heartbeats(env, bus):
+    """Issue 45: every member waiting in the all-reduce reported peer_error every heartbeat
+    interval (N reports a second at N ranks when a peer fails). The agent now reports a wait
+    once (``Watchdog.stuck``) and says so in each heartbeat (``waiting_since``); the monitor
+    takes those heartbeats as the report's repeats: a peer silent past the suspect timeout is
+    lost, and the absent-member rule still sees who waits."""
+    from types import SimpleNamespace
+
+    from agent.watchdog import Watchdog
+
+    wd = Watchdog(SimpleNamespace(stuck_report_after=0.5, heartbeat_interval=1e-9))
+    began = time.monotonic() - 2.0
+    assert wd.waiting_since(None) is None and wd.waiting_since(time.monotonic()) is None
+    assert abs(wd.waiting_since(began) - (time.time() - 2.0)) < 1.0
+    assert wd.stuck(began) is not None
+    assert wd.stuck(began) is None  # the same wait: no second report (was: every interval)
+    assert wd.stuck(began + 0.1) is not None  # another wait
+
+    m = await env.monitor(make_plan(["w0", "w1", "w2", "w3"]), fault_timeout=2.0,
+                          suspect_timeout=0.2, stall_timeout=3.0, collective_timeout=3.0)
+    w = [env.beat(f"w{i}", rank=i, advance=False) for i in range(4)]
+    await until(lambda: len(m.pods) == 4, what="pods watched")
+    await bus.publish(bus.subjects.report("w0"), Report(
+        pod="w0", report="peer_error", generation=1, error="all-reduce waiting for 0.50s"))
+    await asyncio.sleep(0.1)
+    assert env.faults == []  # nobody silent yet
+    w[0].waiting_since = w[1].waiting_since = time.time()
+    w[3].alive = False
+    await until(lambda: env.faults, timeout=3, what="silent peer declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w3", "lost")]
+    assert env.faults[0].reason.startswith("peer_error from w")  # not the fault timeout's
+    assert {"w0", "w1"} <= set(m.waiting)
+    # w2 alive but not waiting: absent once the wait lasted the collective timeout
+    await until(lambda: len(env.faults) == 2, timeout=6, what="absent member declared")
+    assert (env.faults[1].pod, env.faults[1].kind.value) == ("w2", "hang")
 
 
 async def test_a_member_working_alone_is_not_absent_until_its_bound(env, bus):

@@ -123,6 +123,41 @@ async def test_join_discard_recover_and_finish_as_a_spare(bus, nats_server):
         rt.stop()
 
 
+async def test_plans_by_reference_are_joined_like_whole_ones(bus, nats_server, monkeypatch):
+    """Issue 45: a plan too large to send whole reaches the pod as a ``PlanRef``: the first
+    read from its KV parts, the next built from the held plan by the change it carries
+    (its parts never written here: the change alone must do)."""
+    from plumbing.plan_wire import INLINE_ENV, for_wire, put_parts
+    from schemas import PLAN_KEY
+
+    monkeypatch.setenv(INLINE_ENV, "0")  # the scaler's setting: every plan by reference
+    rt, m = pod(nats_server)
+    s, kv = bus.subjects, await bus.kv()
+    try:
+        p1 = plan(1, ["p0"], spares=("p9",))
+        ref1, parts = for_wire(p1, None)
+        await put_parts(kv, ref1, parts)
+        await kv.put(PLAN_KEY, ref1.model_dump_json().encode())
+        joining = asyncio.ensure_future(in_thread(m.recover))
+        await bus.publish(s.plan, ref1)
+        await until(lambda: rt.hb.generation == 1, "the pod to report generation 1")
+        await bus.publish(s.transfer, Transfer(generation=1, restore_step=-1, sources={}))
+        assert await joining is True and m.plan == p1
+        m.discard("test: a peer failed")
+        again = asyncio.ensure_future(in_thread(m.after_discard))
+        p2 = plan(2, ["p0"], fenced=("p9",))
+        ref2, _ = for_wire(p2, p1)
+        assert ref2.change is not None
+        await bus.publish(s.plan, ref2)
+        await until(lambda: rt.hb.generation == 2, "the pod to report generation 2")
+        await bus.publish(s.transfer, Transfer(generation=2, restore_step=-1, sources={}))
+        assert await again is True
+        assert (m.phase, m.generation) == (Phase.MEMBER, 2) and m.plan == p2
+    finally:
+        m.close_group()
+        rt.stop()
+
+
 async def test_a_plan_and_its_transfer_missed_while_reconnecting_are_caught_up(bus, nats_server):
     """Plans and transfers reach a pod as plain NATS messages: one published while its link
     to the server is down is gone. The pod follows KV ``plan`` (the scaler writes it before

@@ -124,6 +124,51 @@ async def test_an_agent_reads_the_last_transfer_plan_of_the_stream(role_server):
             await b.close()
 
 
+async def test_a_large_plan_is_written_by_the_scaler_and_read_by_an_agent_under_their_roles(
+        role_server):
+    """A plan over 64 KiB goes as KV parts (plumbing/plan_wire.py, issue 45): the scaler's
+    role may write them and purge old ones, an agent's may read them and nothing more."""
+    from plumbing import logs
+    from plumbing.plan_wire import resolve
+    from schemas import plan_part_key
+    from schemas.messages import Member, Plan, PlanRef
+    from services.common.plans import PlanFollower
+    from services.scaler.writer import PlanWriter
+
+    srv, roles, _ = role_server
+    s = Subjects(JOB)
+    op = await Bus.connect(srv.url, JOB, "operator", roles["operator"][1])
+    scaler = await Bus.connect(srv.url, JOB, "scaler", roles["scaler"][1])
+    agent = await Bus.connect(srv.url, JOB, "agent", roles["agent"][1])
+    try:
+        await op.ensure_stream()
+        log = logs.get("test")
+        plans = PlanFollower(scaler, log, poll_interval=0)
+        await plans.start(subscribe=False)
+        w = PlanWriter(scaler, plans, log)
+        w.kv = plans.kv
+        n = 4096
+        for gen in (1, 2, 3):  # the third purges the first's parts
+            p = Plan(generation=gen, members=[Member(pod=f"w{i}" if i else f"s{gen}", rank=i)
+                                              for i in range(n)],
+                     world_size=n, global_batch_size=n, micro_batch_size=1,
+                     shares={i: 1 for i in range(n)})
+            assert await w.write(p, plans.revision, [], lambda: None)
+        akv = await agent.kv()
+        ref = PlanRef.model_validate_json((await akv.get("plan")).value)
+        assert await resolve(akv, ref, None) == p  # the agent reads the parts
+        assert w._parts_left
+        with pytest.raises(Exception):
+            await asyncio.wait_for(akv.put(plan_part_key(ref.digest, 0), b"{}"), 2.0)
+        from plumbing.plan_wire import part_keys
+
+        keys = await part_keys(await op.kv())
+        assert {k.split(".")[1] for k in keys} == {ref.digest, ref.change.base_digest}
+    finally:
+        for b in (agent, scaler, op):
+            await b.close()
+
+
 async def test_services_keep_to_their_subjects(role_server):
     srv, roles, server_log = role_server
     s = Subjects(JOB)

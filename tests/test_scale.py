@@ -86,18 +86,3 @@ async def test_a_status_lists_the_first_pods_not_ok_first():
     assert next(iter(st["pods"])) == f"w{n - 1}" and st["pods"][f"w{n - 1}"]["member"]
     text = _render_status({"job": "test", "services": {"health_monitor": st}})
     assert "... and 500 more pods not listed" in text
-
-
-async def test_a_plan_too_large_for_one_message_is_refused_with_the_reason():
-    from schemas import MAX_PAYLOAD_BYTES
-    from schemas.messages import Member, Plan
-    from services.scaler.writer import PlanWriter
-
-    n = 20000
-    p = Plan(generation=1, members=[Member(pod=f"{'x' * 50}{i}", rank=i) for i in range(n)],
-             world_size=n, global_batch_size=n, micro_batch_size=1,
-             shares={i: 1 for i in range(n)})
-    assert len(p.model_dump_json()) > MAX_PAYLOAD_BYTES
-    w = PlanWriter(None, None, None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=f"of {n} members is .* bytes, over the"):
-        await w.write(p, None, [], lambda: None)

@@ -18,7 +18,9 @@ from typing import Any
 from schemas.messages import HOST_ACTIONS, Decision, Inject, InjectAction, Plan
 from plumbing import logs
 from plumbing.bounded import BoundedSet
-from plumbing.bus import Envelope, decode
+from plumbing.bus import Envelope
+from plumbing.plan_wire import read_value
+from schemas import PLAN_KEY
 
 log = logs.get("actuator")
 
@@ -80,8 +82,8 @@ class InjectDesk:
         if plan is not None and plan.pod_of(rank) is not None:
             return plan
         try:
-            entry = await (await self.act.bus.kv()).get("plan")
-            stored = decode(Plan, entry.value, self.act.bus.subjects.plan)
+            kv = await self.act.bus.kv()
+            stored = await read_value(kv, (await kv.get(PLAN_KEY)).value, plan)
         except Exception:
             return plan  # no plan stored yet, or unreadable: ours stands
         if plan is None or stored.generation > plan.generation:

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Decision,
-                              Inject, Lifecycle, LifecycleEvent, Plan, Role)
+                              Inject, Lifecycle, LifecycleEvent, Plan, PlanRef, Role)
 from plumbing import logs
 from plumbing.bus import Bus, Envelope
+from plumbing.plan_wire import PLAN_MODELS, resolve
 from plumbing.terms import NewestTerm
 
 from . import podlog
@@ -96,11 +97,18 @@ class LocalActuator:
         await self.bus.subscribe(s.actuator, ActuatorCommand, self._on_command)
         await self.bus.subscribe(s.inject, Inject, self.injections.on_inject)
         await self.bus.subscribe(s.decision, Decision, self.injections.on_decision)
-        await self.bus.subscribe(s.plan, Plan, self._on_plan)
+        await self.bus.subscribe(s.plan, PLAN_MODELS, self._on_plan)
 
-    async def _on_plan(self, plan: Plan, env: Envelope) -> None:
-        if self.plan is None or plan.generation > self.plan.generation:
-            self.plan = plan
+    async def _on_plan(self, msg: Plan | PlanRef, env: Envelope) -> None:
+        if self.plan is None or msg.generation > self.plan.generation:
+            try:  # a large plan's reference: from the held plan and its change, or its parts
+                plan = msg if isinstance(msg, Plan) else \
+                    await resolve(await self.bus.kv(), msg, self.plan)
+            except Exception as e:  # bad input: logged, the last good plan stays
+                log.warning("plan unreadable", generation=msg.generation, error=str(e)[:200])
+                return
+            if self.plan is None or plan.generation > self.plan.generation:
+                self.plan = plan
 
     async def _on_command(self, cmd: ActuatorCommand, env: Envelope) -> None:
         try:

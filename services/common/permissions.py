@@ -12,8 +12,8 @@ actuator and the CLI: inject, capacity, priority). What each may publish:
 * health_monitor: ``fault``, ``health`` (its view of the heartbeats), ``job_failed``.
 * state_broker: ``transfer``, ``state_lost``, and the KV key ``committed`` (the job's
   committed high-water mark: a restarted broker reads it).
-* scaler: ``plan``, ``decision``, actuator requests, and the KV keys ``plan``,
-  ``scaler_lease``, ``scale`` and ``departures`` (the only writer of membership and of the
+* scaler: ``plan``, ``decision``, actuator requests, and the KV keys ``plan`` (and a large
+  plan's parts, ``plan_parts.>``), ``scaler_lease``, ``scale`` and ``departures`` (the only writer of membership and of the
   target size).
 * operator: everything.
 
@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas.policy import DEPARTURES_KEY, SCALE_KEY
-from schemas.subjects import COMMITTED_KEY, LEASE_KEY, PLAN_KEY, Subjects, lease_key
+from schemas.subjects import (COMMITTED_KEY, LEASE_KEY, PLAN_KEY, PLAN_PARTS_PREFIX, Subjects,
+                              lease_key)
 
 from plumbing.bus import Credentials
 
@@ -71,7 +72,7 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
     # the KV keys each service alone writes
     keys = {"health_monitor": [lease_key("health_monitor")],
             "state_broker": [COMMITTED_KEY, lease_key("state_broker")],
-            "scaler": [PLAN_KEY, LEASE_KEY, SCALE_KEY, DEPARTURES_KEY]}
+            "scaler": [PLAN_KEY, f"{PLAN_PARTS_PREFIX}.>", LEASE_KEY, SCALE_KEY, DEPARTURES_KEY]}
     own = {
         "health_monitor": [s.fault, s.health, s.job_failed],
         "state_broker": [s.transfer, s.state_lost],

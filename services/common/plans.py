@@ -1,4 +1,6 @@
 """Following the current plan: KV key ``plan`` is the truth, the ``plan`` subject a hint.
+Either carries a plan whole or, for a large one, a reference to its parts
+(``plumbing.plan_wire``): what is held is always the whole plan.
 
 A plan message is adopted only when the KV bucket holds a plan of at least that generation
 (the scaler writes KV first, then publishes), so a forged or replayed plan message cannot
@@ -17,16 +19,21 @@ from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
 
 from schemas import PLAN_KEY, Plan
+from schemas.messages import PlanRef
 
 from plumbing.aio import cancel_all
-from plumbing.bus import Bus, DropError, Envelope, decode
+from plumbing.bus import Bus, DropError, Envelope
+from plumbing.plan_wire import PLAN_MODELS, PlanUnreadable, read_value, same
 
 OnChange = Callable[[Plan | None, Plan], Awaitable[None] | None]
 
 
-async def load_plan(kv: KeyValue) -> tuple[Plan | None, int | None, str]:
+async def load_plan(kv: KeyValue, held: Plan | None = None
+                    ) -> tuple[Plan | None, int | None, str]:
     """(plan, revision, problem). ``plan`` is None when the key is absent (revision None)
-    or when its value does not validate (revision set, ``problem`` says why)."""
+    or when its value does not validate or names parts that cannot be read (revision set,
+    ``problem`` says why). ``held``: the plan the caller has (a reference to it, or a change
+    from it, needs no parts read)."""
     try:
         entry = await kv.get(PLAN_KEY)
     except (KeyNotFoundError, NotFoundError):
@@ -34,8 +41,8 @@ async def load_plan(kv: KeyValue) -> tuple[Plan | None, int | None, str]:
     if entry.value is None:
         return None, entry.revision, "empty plan value"
     try:
-        return decode(Plan, entry.value, "kv.plan"), entry.revision, ""
-    except DropError as e:
+        return await read_value(kv, entry.value, held), entry.revision, ""
+    except (DropError, PlanUnreadable) as e:
         return None, entry.revision, str(e)
 
 
@@ -66,7 +73,8 @@ class PlanFollower:
         self.kv = await self.bus.kv()
         await self.refresh()
         if subscribe:
-            self._sub = await self.bus.subscribe(self.bus.subjects.plan, Plan, self._on_msg)
+            self._sub = await self.bus.subscribe(self.bus.subjects.plan, PLAN_MODELS,
+                                                 self._on_msg)
         if self.poll_interval > 0:
             self._task = asyncio.create_task(self._poll())
 
@@ -93,7 +101,7 @@ class PlanFollower:
         """Re-read KV; True when a newer plan was adopted."""
         assert self.kv is not None
         async with self._lock:
-            plan, rev, problem = await load_plan(self.kv)
+            plan, rev, problem = await load_plan(self.kv, self.plan)
             if problem and problem != self.problem:
                 self.log.error("plan in KV does not validate; keeping the last good one",
                                subject=f"kv:{PLAN_KEY}", reason=problem, revision=rev)
@@ -128,14 +136,14 @@ class PlanFollower:
         if inspect.isawaitable(res):
             await res
 
-    async def _on_msg(self, msg: Plan, env: Envelope) -> None:
+    async def _on_msg(self, msg: Plan | PlanRef, env: Envelope) -> None:
         cur = self.generation
         if msg.generation < cur:
             self.log.info("ignored plan message", subject=env.subject,
                           reason=f"stale generation {msg.generation} < current {cur}")
             return
         if msg.generation == cur:
-            if msg == self.plan:
+            if same(msg, self.plan):
                 self._remember_ctx(cur, env.ctx)
             else:
                 self.log.warning("ignored plan message", subject=env.subject,
@@ -149,7 +157,7 @@ class PlanFollower:
             self.log.warning("ignored plan message", subject=env.subject,
                              reason=f"generation {msg.generation} is not in KV "
                                     f"(KV has {self.generation})")
-        elif self.plan.generation == msg.generation and self.plan != msg:
+        elif self.plan.generation == msg.generation and not same(msg, self.plan):
             self.contexts.pop(msg.generation, None)
             self.log.warning("plan message differs from KV; using KV", subject=env.subject,
                              reason="content mismatch", generation=msg.generation)

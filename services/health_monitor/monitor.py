@@ -23,11 +23,12 @@ Rules (docs/architecture.md, recovery step 1):
   timeout, e.g. a training thread stuck in user code while heartbeats go on) -> ``hang``;
 * a ``peer_error`` report makes every member of the current generation whose heartbeat is
   older than ``suspect_timeout`` ``lost`` at once (``pods`` is kept in the order the pods
-  were last heard from, so a report looks only at the silent ones: every waiting member
-  reports every heartbeat interval, N reports a second at N ranks, issue 45);
+  were last heard from, so a report looks only at the silent ones); a waiting member reports
+  once per wait, then each of its heartbeats says so (``waiting_since``) and counts as a
+  repeat (issue 45: a report per heartbeat interval was N more messages a second at N ranks);
 * absent member: while members keep reporting that they wait in the gradient all-reduce
-  (``peer_error`` every heartbeat interval, then the timeout itself), a member that is alive
-  but not among them once one has waited the agents' ``collective_timeout`` -> ``hang``
+  (``peer_error`` or ``waiting_since`` every heartbeat interval, then the timeout itself), a
+  member that is alive but not among them once one has waited the agents' ``collective_timeout`` -> ``hang``
   (issue 24: a member that left the collective for any reason must not leave its peers
   waiting for ever; one that merely works longer, a rank-0 evaluation, has until then, or
   until the bound it declared with ``Session.solo`` plus that timeout).
@@ -333,6 +334,8 @@ class HealthMonitor(Service):
         if self.view is not None:
             self.view.note(v.hb, hb)
         v.hb = hb
+        if hb.waiting_since is not None:  # as a repeat of its peer_error report
+            await self._suspect(hb, env)
 
     def _heard_at(self, v: PodView, now: float) -> None:
         """``v`` was heard from at ``now`` (monotonic, never earlier than any before): the
@@ -504,11 +507,15 @@ class HealthMonitor(Service):
             await self._declare(pod, FaultKind.exception, last_seen=v.last_seen if v else r.ts,
                                 since=r.ts, reason=f"{r.report.value}: {error}"[:2000])
 
-    async def _suspect(self, r: Report, env: Envelope) -> None:
+    async def _suspect(self, r: Report | Heartbeat, env: Envelope) -> None:
+        """A member waits in a collective: its peer_error report, or a heartbeat that
+        carries ``waiting_since`` (agents report a wait once, then say so in each heartbeat,
+        issue 45): the same run of a wait, the same look at the silent pods."""
         plan = self.plan
         if plan is None or r.generation != plan.generation:
-            self._ignore(env.subject, f"peer_error of generation {r.generation}, current "
-                         f"{self.generation}", pod=r.pod)
+            if isinstance(r, Report):  # a heartbeat of another generation is judged above
+                self._ignore(env.subject, f"peer_error of generation {r.generation}, "
+                             f"current {self.generation}", pod=r.pod)
             return
         now = time.monotonic()
         self.peer_errors += 1
@@ -533,9 +540,11 @@ class HealthMonitor(Service):
                 started = True
             else:
                 w.last = now
+        error = r.error if isinstance(r, Report) else \
+            f"all-reduce waiting since {r.waiting_since:.3f} (heartbeat)"
         if started or suspects:  # a wait's repeats (every heartbeat interval) are not logged
             self.log.info("peer error reported", subject=env.subject, pod=r.pod,
-                          error=r.error[:200], suspects=[v.pod for v in suspects[:16]])
+                          error=error[:200], suspects=[v.pod for v in suspects[:16]])
         for v in suspects:
             await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen, since=v.last_seen,
                                 reason=f"peer_error from {r.pod} and no heartbeat for "
@@ -681,9 +690,10 @@ class HealthMonitor(Service):
     async def _check_absent(self, now: float, plan: Plan | None) -> None:
         """Members wait in a collective that another member, alive, does not enter: once one
         has waited the agents' collective timeout (when their own wait gives up), that
-        member is hung. Waiting is known from the members' own reports: each reports every heartbeat
-        interval while its all-reduce waits and once more when it times out, so a run of
-        reports ends ``fault_timeout`` after the last one."""
+        member is hung. Waiting is known from the members' own reports: each says so every
+        heartbeat interval while its all-reduce waits (a report, then ``waiting_since`` in its
+        heartbeats) and once more when it times out, so a run ends ``fault_timeout`` after
+        the last one."""
         if plan is None or not self.waiting:
             return
         live = {p: w for p, w in self.waiting.items()

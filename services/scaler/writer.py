@@ -1,7 +1,9 @@
 """KV ``plan``'s only writer: a plan is written by compare-and-set on the revision its
 decision was based on (the first by create), traced as the incident's ``plan`` span, and
 published on the ``plan`` subject only after the write succeeded. A lost race reloads the
-plan (the scaler decides again)."""
+plan (the scaler decides again). A plan too large to send whole has its parts stored first
+and a reference written and published instead (``plumbing.plan_wire``); the parts of plans
+older than the one replaced are removed after."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from opentelemetry import trace
 
 from plumbing import telemetry
 from plumbing.bus import Bus
-from schemas import MAX_PAYLOAD_BYTES, PLAN_KEY
-from schemas.messages import Plan
+from plumbing.plan_wire import digest_of, for_wire, put_parts, sweep_parts
+from schemas import PLAN_KEY
+from schemas.messages import Plan, PlanRef
 from services.common.plans import PlanFollower
 
 from .faults import Pending
@@ -30,16 +33,17 @@ class PlanWriter:
         self.kv: Any = None  # the job's bucket, set when the scaler starts
         self.written = 0
         self.cas_conflicts = 0
+        # parts of large plans may be stored (unknown at start: a predecessor's): swept after
+        # each plan until none are left
+        self._parts_left = True
 
     async def write(self, new: Plan, revision: int | None, pend: Sequence[Pending],
                     on_written: Callable[[], None]) -> bool:
         """False: the compare-and-set lost (the plan is reloaded). ``on_written`` runs
         once it is in KV, before it is published."""
-        data = new.model_dump_json().encode()
-        if len(data) > MAX_PAYLOAD_BYTES:  # nats-server would refuse it: say why
-            raise ValueError(f"plan generation {new.generation} of {new.world_size} members "
-                             f"is {len(data)} bytes, over the {MAX_PAYLOAD_BYTES} one "
-                             "message may carry (docs/benchmarks.md, Message sizes)")
+        base = self.plans.plan  # the plan ``revision`` holds: a change is against it
+        wire, parts = for_wire(new, base)
+        data = wire.model_dump_json().encode()
         parent = pend[0].ctx if pend and pend[0].ctx is not None else None
         links = [trace.Link(trace.get_current_span(p.ctx).get_span_context())
                  for p in pend[1:] if p.ctx is not None]
@@ -52,6 +56,10 @@ class PlanWriter:
         with tracer.start_as_current_span("plan", context=parent, links=links,
                                           attributes=attrs) as span:
             try:
+                if isinstance(wire, PlanRef):  # the parts first: the reference names them
+                    self._parts_left = True
+                    await put_parts(self.kv, wire, parts)
+                    span.set_attribute("ceaseless.plan_parts", len(parts))
                 if revision is None:
                     rev = await self.kv.create(PLAN_KEY, data)
                 else:
@@ -74,10 +82,23 @@ class PlanWriter:
             self.log.info("plan committed", generation=new.generation, revision=rev,
                           world_size=new.world_size, reason=new.reason, incident=new.incident,
                           members={m.rank: m.pod for m in new.members[:64]},  # a line, not MBs
-                          spares=new.spares[:64])
-            await self.bus.publish(self.bus.subjects.plan, new,
+                          spares=new.spares[:64], parts=len(parts))  # 0: sent whole
+            await self.bus.publish(self.bus.subjects.plan, wire,
                                    msg_id=f"plan-g{new.generation}-r{rev}", ctx=ctx)
+        if isinstance(wire, PlanRef) or self._parts_left:
+            await self._sweep(new, base)
         return True
+
+    async def _sweep(self, new: Plan, base: Plan | None) -> None:
+        """Remove the parts of plans before ``base`` (a reader may still read ``base``'s):
+        bounded by two plans, whatever a restarted scaler's predecessor left."""
+        keep = {digest_of(p) for p in (new, base) if p is not None}
+        try:
+            left = await sweep_parts(self.kv, self.bus.js, self.bus.subjects.kv_bucket, keep)
+        except Exception as e:  # left for the next plan's sweep
+            self.log.warning("old plan parts not removed", error=str(e)[:200])
+            return
+        self._parts_left = bool(left)
 
     async def last_generation(self) -> int:
         """The highest plan generation in the KV history of ``plan`` (0 if none)."""
