@@ -40,11 +40,12 @@ def _on_host(opt: torch.optim.Optimizer, device: str):
     return on_host
 
 
-def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
-                  ) -> tuple[list[int], list[tuple[int, str]]]:
+def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host,
+                  at_most: int = 1, **step_kw) -> tuple[list[int], list[tuple[int, str]]]:
     """Syncs per step (the first, warm-up, step left out) and the digests the heartbeat
     carried (step it names, digest); ``truth``: each step's digest, taken after it (not
-    counted)."""
+    counted). ``step_kw``: for ``s.step`` (``max_grad_norm``: the clip's norm is read with
+    the loss)."""
     per_step, seen = [], []
     it = s.steps(total=STEPS)
     while True:
@@ -56,7 +57,7 @@ def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
             for x, y in s.batches(data, micro_batch_size=4):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 s.backward(torch.nn.functional.mse_loss(model(x), y))
-            assert s.step()
+            assert s.step(**step_kw)
             # rank 0, each step while a spare follows (ShadowLeader.confirm); its stream
             # thread reads the word
             word = state_word_begin(s.state.modules())
@@ -67,11 +68,12 @@ def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
         seen.append((step if hb.digest_step is None else hb.digest_step, hb.digest))
         if step:
             per_step.append(c.count)
-            assert c.count <= 1, f"step {step}: {c.count} host syncs: {c.where}"
+            assert c.count <= at_most, f"step {step}: {c.count} host syncs: {c.where}"
     return per_step, seen
 
 
-def run_session(nats_server, device: str) -> None:
+def run_session(nats_server, device: str, at_most: int = 1, **step_kw) -> dict[str, torch.Tensor]:
+    """Steps of a real Session on a real runtime, each counted; the final parameters."""
     import agent
 
     model = _model().to(device)
@@ -85,7 +87,10 @@ def run_session(nats_server, device: str) -> None:
         with agent.Session(global_batch_size=8) as s:
             s.register(model=model, optimizer=opt)
             s.runtime = rt  # the distributed commit's heartbeat update, on a real runtime
-            per_step, seen = _steady_syncs(s, model, data, device, truth, _on_host(opt, device))
+            per_step, seen = _steady_syncs(s, model, data, device, truth, _on_host(opt, device),
+                                           at_most, **step_kw)
+            if step_kw.get("max_grad_norm"):  # the clip was active, its norm read
+                assert s.grad_norm is not None and s.grad_norm > step_kw["max_grad_norm"]
     finally:
         rt.stop()
     assert len(per_step) == STEPS - 1
@@ -93,10 +98,25 @@ def run_session(nats_server, device: str) -> None:
     # itself (CPU: ready at once) or the one before (GPU: read a step later)
     assert all(d == truth[named] for named, d in seen if d)
     assert all(step - 1 <= named <= step for step, (named, _) in enumerate(seen))
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def test_a_steady_step_makes_at_most_one_host_sync(nats_server):
     run_session(nats_server, "cpu")
+
+
+def test_a_clipped_step_reads_its_norm_with_the_loss(nats_server, monkeypatch):
+    """``s.step(max_grad_norm=...)``: the clip's global norm is computed on the device before
+    the loss is read and comes to the host in the same read (it was a second host sync:
+    ``float`` of ``clip_grad_norm_`` after the read); the parameters are bitwise those of the
+    clip done after the read (``Stepper._norm_ahead`` off: the old order, 2 syncs a step)."""
+    from agent.stepper import Stepper
+
+    ahead = run_session(nats_server, "cpu", max_grad_norm=0.05)
+    monkeypatch.setattr(Stepper, "_norm_ahead", lambda self, params, max_grad_norm: None)
+    after = run_session(nats_server, "cpu", at_most=2, max_grad_norm=0.05)
+    assert ahead.keys() == after.keys()
+    assert all(torch.equal(ahead[k], after[k]) for k in ahead)
 
 
 def test_digest_begun_on_the_device_is_the_digest():
