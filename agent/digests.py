@@ -78,18 +78,23 @@ def digest_begin(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096
     host copy."""
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
     params = [local(p) for p in params]
-    total = sum(p.numel() for p in params)
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
     if not total:
         return PendingDigest([], 0)
     pieces: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     with torch.no_grad():
-        for p in params:
-            n = p.numel()
+        # one Python pass, one view per tensor (every commit, hundreds of tensors: issue 43)
+        for p, n in zip(params, sizes):
             if not n:
                 continue
             k = max(1, min(n, samples * n // total))
-            flat = p.detach().reshape(-1)
-            pieces.setdefault((p.dtype, p.device), []).append(flat[:: max(1, n // k)][:k])
+            step = max(1, n // k)
+            # flat[::step][:k] of the tensor's elements in order; a contiguous tensor's
+            # are a strided view of its storage (no reshape, no slicing)
+            view = (p.as_strided((k,), (step,), p.storage_offset()) if p.is_contiguous()
+                    else p.detach().reshape(-1)[::step][:k])
+            pieces.setdefault((p.dtype, p.device), []).append(view)
         # cat makes a fresh contiguous tensor per group; a device's groups are then one tensor
         by_dev: dict[torch.device, list[tuple[torch.dtype, Tensor]]] = {}
         for (dtype, dev), ps in pieces.items():

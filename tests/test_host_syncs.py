@@ -128,6 +128,41 @@ def test_digest_begun_on_the_device_is_the_digest():
     assert pending.result() == st.digest() == digest(st.modules()[0])
 
 
+def test_the_digest_is_its_definition_for_any_layout():
+    """The digest (one strided view per tensor, begun on the device) is its definition: per
+    tensor ``k`` of its elements in order, every ``n // k``-th, hashed per dtype with the
+    element count; whatever the layout (contiguous, transposed, a view at an offset, a
+    Parameter, empty) and dtype. Pods of two versions compare it (the broker's majority)."""
+    import hashlib
+
+    def reference(ts: list[torch.Tensor], samples: int) -> str:
+        total = sum(t.numel() for t in ts)
+        groups: dict[torch.dtype, list[bytes]] = {}
+        for t in ts:
+            n = t.numel()
+            if n:
+                k = max(1, min(n, samples * n // total))
+                sample = t.detach().reshape(-1)[:: max(1, n // k)][:k]
+                flat = torch.empty(k, dtype=t.dtype).copy_(sample)
+                groups.setdefault(t.dtype, []).append(flat.view(torch.uint8).numpy().tobytes())
+        h = hashlib.blake2b(digest_size=8)
+        for dtype, parts in groups.items():
+            h.update(str(dtype).encode())
+            h.update(b"".join(parts))
+        if total:
+            h.update(total.to_bytes(8, "little"))
+        return h.hexdigest()
+
+    torch.manual_seed(0)
+    base = torch.randn(6, 50, 7)
+    ts = [torch.nn.Parameter(base.clone()), base.transpose(0, 2), base[2:, 5:],
+          base.reshape(-1)[3:40], torch.empty(0), (base * 50).to(torch.int64),
+          base.to(torch.bfloat16).transpose(1, 2), torch.randn(3)]
+    for samples in (4096, 20, 1):
+        assert digest(ts, samples) == reference(ts, samples)
+    assert digest(ts) != digest(ts[:-1] + [torch.randn(3)])
+
+
 def test_a_digest_always_names_its_own_step():
     class Late:
         """A digest whose copy has not landed yet (a GPU behind the host)."""
