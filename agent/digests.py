@@ -14,7 +14,8 @@ What it covers, and the transfer's exact agreement check:
 * ``covered(objs)``: the tensors of every registered object's state: each module's
   parameters (tied ones once; buffers left out: BatchNorm statistics may differ per rank by
   design, as in ``verify.py``), each optimizer's state, and the tensors in any other
-  object's ``state_dict()`` (a user's extra). Sharded (FSDP2): this rank's shards.
+  object's ``state_dict()`` (a user's extra; not a GradScaler's: Python numbers, read with
+  two host syncs). Sharded (FSDP2): this rank's shards.
 * ``digest(covered(objs))``: the cheap heartbeat digest the broker takes the majority
   of, computed at every commit: a strided sample of all of them (the sample is taken on the
   device; a few thousand elements reach the host).
@@ -175,6 +176,8 @@ def covered(objs: Mapping[str, Any]) -> list[Tensor]:
                 for v in st.values():
                     if isinstance(v, Tensor):
                         add(v)
+        elif isinstance(o, torch.amp.GradScaler):
+            continue  # its state is Python numbers; reading them is two host syncs a commit
         elif hasattr(o, "state_dict"):
             for t in _tensors_in(o.state_dict()):
                 add(t)

@@ -72,12 +72,15 @@ def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host,
     return per_step, seen
 
 
-def run_session(nats_server, device: str, at_most: int = 1, **step_kw) -> dict[str, torch.Tensor]:
-    """Steps of a real Session on a real runtime, each counted; the final parameters."""
+def run_session(nats_server, device: str, at_most: int = 1, scaler: dict | None = None,
+                **step_kw) -> dict[str, torch.Tensor]:
+    """Steps of a real Session on a real runtime, each counted; the final parameters.
+    ``scaler``: fp16's GradScaler registered, with these arguments."""
     import agent
 
     model = _model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {} if scaler is None else {"scaler": torch.amp.GradScaler(device, **scaler)}
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod="w0",
                              creds_path=str(nats_server.creds_path), store_timeout=10.0))
@@ -85,7 +88,7 @@ def run_session(nats_server, device: str, at_most: int = 1, **step_kw) -> dict[s
     truth: dict[int, str] = {}
     try:
         with agent.Session(global_batch_size=8) as s:
-            s.register(model=model, optimizer=opt)
+            s.register(model=model, optimizer=opt, **extra)
             s.runtime = rt  # the distributed commit's heartbeat update, on a real runtime
             per_step, seen = _steady_syncs(s, model, data, device, truth, _on_host(opt, device),
                                            at_most, **step_kw)
@@ -126,6 +129,16 @@ def test_digest_begun_on_the_device_is_the_digest():
     st.register(model=_model().to(torch.bfloat16).to(torch.float32))
     pending = st.digest_begin()
     assert pending.result() == st.digest() == digest(st.modules()[0])
+
+
+def test_an_fp16_step_reads_its_checks_with_the_loss(nats_server):
+    """fp16 (a registered GradScaler) with a clip: the finite check of the gradients and the
+    clip's norm come with the loss in one read, and the scale's backoff/growth runs on its
+    host copy (it was 9 host syncs a step: the check, ``get_scale`` for the unscale, the norm,
+    the scaler's ``state_dict`` twice per update...). A first scale that overflows makes
+    skipped steps and backoffs; growth every 2 good steps."""
+    run_session(nats_server, "cpu", scaler={"init_scale": 2.0**127, "growth_interval": 2},
+                max_grad_norm=0.05)
 
 
 def test_the_digest_is_its_definition_for_any_layout():
