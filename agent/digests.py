@@ -14,7 +14,8 @@ What it covers, and the transfer's exact agreement check:
 * ``covered(objs)``: the tensors of every registered object's state: each module's
   parameters (tied ones once; buffers left out: BatchNorm statistics may differ per rank by
   design, as in ``verify.py``), each optimizer's state, and the tensors in any other
-  object's ``state_dict()`` (a user's extra). Sharded (FSDP2): this rank's shards.
+  object's ``state_dict()`` (a user's extra; not a GradScaler's: Python numbers, read with
+  two host syncs). Sharded (FSDP2): this rank's shards.
 * ``digest(covered(objs))``: the cheap heartbeat digest the broker takes the majority
   of, computed at every commit: a strided sample of all of them (the sample is taken on the
   device; a few thousand elements reach the host).
@@ -78,18 +79,23 @@ def digest_begin(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096
     host copy."""
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
     params = [local(p) for p in params]
-    total = sum(p.numel() for p in params)
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
     if not total:
         return PendingDigest([], 0)
     pieces: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     with torch.no_grad():
-        for p in params:
-            n = p.numel()
+        # one Python pass, one view per tensor (every commit, hundreds of tensors: issue 43)
+        for p, n in zip(params, sizes):
             if not n:
                 continue
             k = max(1, min(n, samples * n // total))
-            flat = p.detach().reshape(-1)
-            pieces.setdefault((p.dtype, p.device), []).append(flat[:: max(1, n // k)][:k])
+            step = max(1, n // k)
+            # flat[::step][:k] of the tensor's elements in order; a contiguous tensor's
+            # are a strided view of its storage (no reshape, no slicing)
+            view = (p.as_strided((k,), (step,), p.storage_offset()) if p.is_contiguous()
+                    else p.detach().reshape(-1)[::step][:k])
+            pieces.setdefault((p.dtype, p.device), []).append(view)
         # cat makes a fresh contiguous tensor per group; a device's groups are then one tensor
         by_dev: dict[torch.device, list[tuple[torch.dtype, Tensor]]] = {}
         for (dtype, dev), ps in pieces.items():
@@ -170,6 +176,8 @@ def covered(objs: Mapping[str, Any]) -> list[Tensor]:
                 for v in st.values():
                     if isinstance(v, Tensor):
                         add(v)
+        elif isinstance(o, torch.amp.GradScaler):
+            continue  # its state is Python numbers; reading them is two host syncs a commit
         elif hasattr(o, "state_dict"):
             for t in _tensors_in(o.state_dict()):
                 add(t)

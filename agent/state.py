@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class _DRef(NamedTuple):
     stride: tuple[int, ...]
 
 
+@functools.cache  # asked per tensor at every commit (the digest): the import once
 def _dtensor_type() -> Any:
     try:
         from torch.distributed.tensor import DTensor

@@ -48,6 +48,8 @@ class Stepper:
         self.verify = Verifier(cfg.verify_every if cfg is not None else 0,
                                cfg.on_nonfinite if cfg is not None else "skip")
         self.micro_batch_size: int | None = None
+        self._norm_read = math.nan  # the clip's norm, read with the loss (read_loss)
+        self._ahead_read: list[float] = []
         self._backwards_left: int | None = None  # this step's backwards still to come
         self._loss_acc: torch.Tensor | None = None
         self._sync: Any = None                   # GradSync (overlapped gradient all-reduce)
@@ -106,12 +108,18 @@ class Stepper:
         red = self._sync_gradients(s, params, loss_t) if self.m is not None else loss_t
         if red is None:
             return None
-        loss = self.read_loss(s, red)  # the step's one host sync
+        # read with the loss (one host sync): fp16's finite check (the gradients unscaled),
+        # then the clip's norm
+        finite = self.state.unscale_ahead(params)
+        norm = self._norm_ahead(params, max_grad_norm)
+        loss = self.read_loss(s, red, [t for t in (norm, finite) if t is not None])
         self.guard(s, loss)
-        skip = self.state.unscale(params)  # fp16 GradScaler: unscaled; skip on inf/nan
+        got = iter(self._ahead_read)
+        self._norm_read = next(got) if norm is not None else math.nan
+        skip = finite is not None and not next(got)  # fp16 GradScaler: skip on inf/nan
         if self.nonfinite is not None and not skip:
             skip = True  # not the scaler's: the guard's, on every rank alike
-        self._synced(params, max_grad_norm, grad_hook, skip)
+        self._synced(params, max_grad_norm, grad_hook, skip, norm)
         if not skip and self.grad_norm is not None and not math.isfinite(self.grad_norm):
             skip, self.nonfinite = True, []  # a finite loss, a non-finite gradient
             log.warning("non-finite gradient: the step's update is skipped on every rank",
@@ -128,12 +136,19 @@ class Stepper:
         self.zero_grad()
         return loss, sent
 
-    def read_loss(self, s: int, red: torch.Tensor) -> float:
+    def read_loss(self, s: int, red: torch.Tensor, ahead: list[torch.Tensor] | None = None
+                  ) -> float:
         """The step's global loss from the reduced vector (loss, then per rank a not-finite
         flag); a loss or a rank's local loss that is not finite sets ``nonfinite`` (the ranks
         whose was): the step's update is skipped, the same on every rank, since every rank
-        holds the same reduced bits."""
-        vals = red.reshape(-1).tolist()
+        holds the same reduced bits. ``ahead``: device scalars (the clip's norm, fp16's
+        finite check) read in the same transfer, their values left in ``_ahead_read``."""
+        vec, n = red.reshape(-1), red.numel()
+        if ahead:  # float64 holds a float32/bf16 norm and a bool exactly
+            vec = torch.cat([vec.to(torch.float64)] + [
+                t.reshape(1).to(vec.device, torch.float64) for t in ahead])
+        vals = vec.tolist()
+        vals, self._ahead_read = vals[:n], vals[n:]
         bad = [r for r, v in enumerate(vals[1:]) if v != 0]
         self.nonfinite = None
         if bad or not math.isfinite(vals[0]):
@@ -227,10 +242,30 @@ class Stepper:
         ct = sorted(self.compute_times)
         return ct[len(ct) // 2] if ct else None
 
+    def _norm_ahead(self, params: list[torch.nn.Parameter],
+                    max_grad_norm: float | None) -> torch.Tensor | None:
+        """The clip's global norm of the synchronised gradient, begun on the device before
+        the loss is read so that one read carries both (issue 43: ``float`` of the norm after
+        the read was a second host sync a step); fp16: of the gradients unscaled already
+        (``unscale_ahead``). The clip then uses it: the same operations as
+        ``clip_grad_norm_`` (``get_total_norm`` + ``clip_grads_with_norm_``), bitwise. None
+        (the norm is taken after the read, as before): no clip; sharded or any tensor
+        subclass (a DTensor's norm is a collective over the shard group); a torch without
+        ``get_total_norm`` (before 2.6)."""
+        if max_grad_norm is None or not max_grad_norm > 0:
+            return None
+        grads = [p.grad for p in params if p.grad is not None]
+        if (not grads or any(type(g) is not torch.Tensor for g in grads)
+                or not hasattr(torch.nn.utils, "get_total_norm")):
+            return None
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+
     def _synced(self, params: list[torch.nn.Parameter], max_grad_norm: float | None,
-                grad_hook: Hook | None, skip: bool = False) -> None:
+                grad_hook: Hook | None, skip: bool = False,
+                norm: torch.Tensor | None = None) -> None:
         """What a script does between the gradient sync and the update, done for it (not on
-        a step the GradScaler skips: its gradients are not finite)."""
+        a step the GradScaler skips: its gradients are not finite). ``norm``: the clip's
+        norm taken ahead (``_norm_ahead``), its value read with the loss."""
         self.grad_norm = None
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0 (got {max_grad_norm}); 0 or None: "
@@ -242,7 +277,10 @@ class Stepper:
             return
         if max_grad_norm is not None:
             with_grad = [p for p in params if p.grad is not None]
-            if with_grad:
+            if with_grad and norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(with_grad, max_grad_norm, norm)
+                self.grad_norm = self._norm_read
+            elif with_grad:
                 self.grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_grad_norm))
         if grad_hook is not None:
             grad_hook(params)

@@ -15,6 +15,7 @@ import math
 import warnings
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 
@@ -40,6 +41,8 @@ class TrainState:
         # median): part of the state, so every rank (a promoted spare too) decides alike
         self.recent_losses: list[float] = []
         self.new_skip = False  # the last commit's step was skipped for the first time
+        # fp16: (scaler, scale, growth tracker) as last set on it (``_scale_state``)
+        self._scale_seen: tuple[Any, float, int] | None = None
         from .digests import DigestSlot
 
         # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py)
@@ -51,6 +54,7 @@ class TrainState:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"{name!r} has no state_dict()/load_state_dict()")
             self.objs[name] = obj
+        self._scale_seen = None
 
     def modules(self) -> list[torch.nn.Module]:
         return [o for o in self.objs.values() if isinstance(o, torch.nn.Module)]
@@ -106,41 +110,59 @@ class TrainState:
         sc = self.scaler()
         return loss if sc is None else sc.scale(loss)
 
-    def unscale(self, params: list[torch.nn.Parameter]) -> bool:
-        """Divide the synchronised gradients by the loss scale. True when one of them is not
-        finite: the step's update is skipped. Every rank decides the same without another
-        collective: the gradients are the all-reduce's result, the same bits on every rank,
-        and an inf/nan in any rank's share is in the sum."""
+    def unscale_ahead(self, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        """fp16: whether every synchronised gradient is finite, a device bool read with the
+        step's loss (no host sync of its own: issue 43), then the gradients divided by the
+        loss scale (its host copy: ``_scale_state``). None without a scaler or gradients. A
+        gradient that is not finite skips the step's update (its unscaled values go
+        nowhere). Every rank decides the same without another collective: the gradients are
+        the all-reduce's result, the same bits on every rank, and an inf/nan in any rank's
+        share is in the sum."""
         sc = self.scaler()
         if sc is None:
-            return False
+            return None
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
-            return False
+            return None
         finite = torch.stack([torch.isfinite(g).all().to(grads[0].device) for g in grads]).all()
-        if not bool(finite):
-            return True
-        torch._foreach_mul_(grads, 1.0 / sc.get_scale())  # a power of two: exact
-        return False
+        torch._foreach_mul_(grads, 1.0 / self._scale_state(sc)[0])  # a power of two: exact
+        return finite
+
+    def _scale_state(self, sc: Any) -> tuple[float, int]:
+        """The scaler's scale and growth tracker on the host, as ``_scale_after`` last set them
+        (reading them from the scaler, its ``state_dict``, is a host sync each); read from it
+        once after a registration or a restore (``_scale_seen`` is cleared there). The script
+        calls nothing of the scaler itself (``Session.step``), so nothing else changes them."""
+        seen = self._scale_seen
+        if seen is None or seen[0] is not sc:
+            sd = sc.state_dict()
+            seen = self._scale_seen = (sc, float(sd["scale"]), int(sd["_growth_tracker"]))
+        return seen[1], seen[2]
 
     def _scale_after(self, skipped: bool) -> None:
         """GradScaler.update's rule: back off on a skipped step, grow after
-        ``growth_interval`` good ones (in float32, like the scaler's own tensor)."""
+        ``growth_interval`` good ones (in float32, like the scaler's own tensor: numpy's
+        float32 rounds as torch's does), on the host copy of the scale: no host sync."""
         sc = self.scaler()
         if sc is None:
             return
-        sd = sc.state_dict()
-        scale = torch.tensor(sd["scale"], dtype=torch.float32)
+        value, tracker = self._scale_state(sc)
+        scale = np.float32(value)
         if skipped:
-            scale, tracker = scale * sd["backoff_factor"], 0
+            scale, tracker = scale * np.float32(sc.get_backoff_factor()), 0
         else:
-            tracker = sd["_growth_tracker"] + 1
-            if tracker == sd["growth_interval"]:
-                grown = scale * sd["growth_factor"]
-                if torch.isfinite(grown):
+            tracker += 1
+            if tracker == sc.get_growth_interval():
+                with np.errstate(over="ignore"):
+                    grown = scale * np.float32(sc.get_growth_factor())
+                if np.isfinite(grown):
                     scale = grown
                 tracker = 0
-        sc.load_state_dict({**sd, "scale": float(scale), "_growth_tracker": tracker})
+        sc.load_state_dict({"scale": float(scale), "growth_factor": sc.get_growth_factor(),
+                            "backoff_factor": sc.get_backoff_factor(),
+                            "growth_interval": sc.get_growth_interval(),
+                            "_growth_tracker": tracker})
+        self._scale_seen = (sc, float(scale), tracker)
 
     # ------------------------------------------------------------------ the update
     def hypers(self) -> list[float]:
@@ -268,6 +290,7 @@ class TrainState:
     def restore(self, st: Any, default_step: int = -1) -> int:
         """Load a FlatState or TensorState (a snapshot, a transfer); returns its step."""
         extra = st.restore(self.objs) or {}
+        self._scale_seen = None  # the scaler's state was loaded: read it again
         self.last_committed = int(extra.get("step", default_step))
         self.loss = extra.get("loss")
         self.lr_factor = float(extra.get("lr_factor", 1.0))

@@ -139,6 +139,15 @@ def test_a_steady_cuda_step_makes_at_most_one_host_sync(nats_server):
     run_session(nats_server, "cuda")
 
 
+def test_a_cuda_step_with_fp16_and_a_clip_makes_one_host_sync(nats_server):
+    """Issue 43 on a GPU: the clip's norm and fp16's finite check come with the loss in one
+    read, the scale moves on its host copy (the scaler's ``fill_``, no read)."""
+    from test_host_syncs import run_session
+
+    run_session(nats_server, "cuda", scaler={"init_scale": 2.0**127, "growth_interval": 2},
+                max_grad_norm=0.05)
+
+
 def test_an_nccl_wait_sleeps_on_an_event_and_still_aborts():
     """Issue 43: NCCL waits are a helper thread on a blocking CUDA event, not sleep polling;
     an abort set before the wait still abandons the group (Aborted), a world of one

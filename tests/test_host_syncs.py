@@ -40,11 +40,12 @@ def _on_host(opt: torch.optim.Optimizer, device: str):
     return on_host
 
 
-def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
-                  ) -> tuple[list[int], list[tuple[int, str]]]:
+def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host,
+                  at_most: int = 1, **step_kw) -> tuple[list[int], list[tuple[int, str]]]:
     """Syncs per step (the first, warm-up, step left out) and the digests the heartbeat
     carried (step it names, digest); ``truth``: each step's digest, taken after it (not
-    counted)."""
+    counted). ``step_kw``: for ``s.step`` (``max_grad_norm``: the clip's norm is read with
+    the loss)."""
     per_step, seen = [], []
     it = s.steps(total=STEPS)
     while True:
@@ -56,7 +57,7 @@ def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
             for x, y in s.batches(data, micro_batch_size=4):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 s.backward(torch.nn.functional.mse_loss(model(x), y))
-            assert s.step()
+            assert s.step(**step_kw)
             # rank 0, each step while a spare follows (ShadowLeader.confirm); its stream
             # thread reads the word
             word = state_word_begin(s.state.modules())
@@ -67,15 +68,19 @@ def _steady_syncs(s, model, data, device: str, truth: dict[int, str], on_host
         seen.append((step if hb.digest_step is None else hb.digest_step, hb.digest))
         if step:
             per_step.append(c.count)
-            assert c.count <= 1, f"step {step}: {c.count} host syncs: {c.where}"
+            assert c.count <= at_most, f"step {step}: {c.count} host syncs: {c.where}"
     return per_step, seen
 
 
-def run_session(nats_server, device: str) -> None:
+def run_session(nats_server, device: str, at_most: int = 1, scaler: dict | None = None,
+                **step_kw) -> dict[str, torch.Tensor]:
+    """Steps of a real Session on a real runtime, each counted; the final parameters.
+    ``scaler``: fp16's GradScaler registered, with these arguments."""
     import agent
 
     model = _model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {} if scaler is None else {"scaler": torch.amp.GradScaler(device, **scaler)}
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod="w0",
                              creds_path=str(nats_server.creds_path), store_timeout=10.0))
@@ -83,9 +88,12 @@ def run_session(nats_server, device: str) -> None:
     truth: dict[int, str] = {}
     try:
         with agent.Session(global_batch_size=8) as s:
-            s.register(model=model, optimizer=opt)
+            s.register(model=model, optimizer=opt, **extra)
             s.runtime = rt  # the distributed commit's heartbeat update, on a real runtime
-            per_step, seen = _steady_syncs(s, model, data, device, truth, _on_host(opt, device))
+            per_step, seen = _steady_syncs(s, model, data, device, truth, _on_host(opt, device),
+                                           at_most, **step_kw)
+            if step_kw.get("max_grad_norm"):  # the clip was active, its norm read
+                assert s.grad_norm is not None and s.grad_norm > step_kw["max_grad_norm"]
     finally:
         rt.stop()
     assert len(per_step) == STEPS - 1
@@ -93,10 +101,25 @@ def run_session(nats_server, device: str) -> None:
     # itself (CPU: ready at once) or the one before (GPU: read a step later)
     assert all(d == truth[named] for named, d in seen if d)
     assert all(step - 1 <= named <= step for step, (named, _) in enumerate(seen))
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def test_a_steady_step_makes_at_most_one_host_sync(nats_server):
     run_session(nats_server, "cpu")
+
+
+def test_a_clipped_step_reads_its_norm_with_the_loss(nats_server, monkeypatch):
+    """``s.step(max_grad_norm=...)``: the clip's global norm is computed on the device before
+    the loss is read and comes to the host in the same read (it was a second host sync:
+    ``float`` of ``clip_grad_norm_`` after the read); the parameters are bitwise those of the
+    clip done after the read (``Stepper._norm_ahead`` off: the old order, 2 syncs a step)."""
+    from agent.stepper import Stepper
+
+    ahead = run_session(nats_server, "cpu", max_grad_norm=0.05)
+    monkeypatch.setattr(Stepper, "_norm_ahead", lambda self, params, max_grad_norm: None)
+    after = run_session(nats_server, "cpu", at_most=2, max_grad_norm=0.05)
+    assert ahead.keys() == after.keys()
+    assert all(torch.equal(ahead[k], after[k]) for k in ahead)
 
 
 def test_digest_begun_on_the_device_is_the_digest():
@@ -106,6 +129,51 @@ def test_digest_begun_on_the_device_is_the_digest():
     st.register(model=_model().to(torch.bfloat16).to(torch.float32))
     pending = st.digest_begin()
     assert pending.result() == st.digest() == digest(st.modules()[0])
+
+
+def test_an_fp16_step_reads_its_checks_with_the_loss(nats_server):
+    """fp16 (a registered GradScaler) with a clip: the finite check of the gradients and the
+    clip's norm come with the loss in one read, and the scale's backoff/growth runs on its
+    host copy (it was 9 host syncs a step: the check, ``get_scale`` for the unscale, the norm,
+    the scaler's ``state_dict`` twice per update...). A first scale that overflows makes
+    skipped steps and backoffs; growth every 2 good steps."""
+    run_session(nats_server, "cpu", scaler={"init_scale": 2.0**127, "growth_interval": 2},
+                max_grad_norm=0.05)
+
+
+def test_the_digest_is_its_definition_for_any_layout():
+    """The digest (one strided view per tensor, begun on the device) is its definition: per
+    tensor ``k`` of its elements in order, every ``n // k``-th, hashed per dtype with the
+    element count; whatever the layout (contiguous, transposed, a view at an offset, a
+    Parameter, empty) and dtype. Pods of two versions compare it (the broker's majority)."""
+    import hashlib
+
+    def reference(ts: list[torch.Tensor], samples: int) -> str:
+        total = sum(t.numel() for t in ts)
+        groups: dict[torch.dtype, list[bytes]] = {}
+        for t in ts:
+            n = t.numel()
+            if n:
+                k = max(1, min(n, samples * n // total))
+                sample = t.detach().reshape(-1)[:: max(1, n // k)][:k]
+                flat = torch.empty(k, dtype=t.dtype).copy_(sample)
+                groups.setdefault(t.dtype, []).append(flat.view(torch.uint8).numpy().tobytes())
+        h = hashlib.blake2b(digest_size=8)
+        for dtype, parts in groups.items():
+            h.update(str(dtype).encode())
+            h.update(b"".join(parts))
+        if total:
+            h.update(total.to_bytes(8, "little"))
+        return h.hexdigest()
+
+    torch.manual_seed(0)
+    base = torch.randn(6, 50, 7)
+    ts = [torch.nn.Parameter(base.clone()), base.transpose(0, 2), base[2:, 5:],
+          base.reshape(-1)[3:40], torch.empty(0), (base * 50).to(torch.int64),
+          base.to(torch.bfloat16).transpose(1, 2), torch.randn(3)]
+    for samples in (4096, 20, 1):
+        assert digest(ts, samples) == reference(ts, samples)
+    assert digest(ts) != digest(ts[:-1] + [torch.randn(3)])
 
 
 def test_a_digest_always_names_its_own_step():
