@@ -375,6 +375,30 @@ async def test_a_monitor_that_did_not_run_does_not_blame_the_pods(env, nats_serv
         beater.stop()
 
 
+async def test_no_pod_heard_at_all_is_the_monitors_own_outage(env, bus):
+    """Issue 42 (two of three bus hosts lost): after the heal JetStream answered while the
+    monitor's server's route to the pods' server was still stuck. Its own server answered
+    its PING, no pod was heard, and it declared every pod lost: the state was lost. No pod
+    heard at all is the monitor's own outage: nothing is declared, and once pods are heard
+    again every pod gets a fresh fault timeout, so only the one that stays silent (killed
+    meanwhile) is declared. (Fails without the rule: all three are declared.)"""
+    m = await env.monitor(make_plan(["w0", "w1"], spares=["s0"]))
+    beaters = [env.beat("w0", rank=0), env.beat("w1", rank=1),
+               env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)]
+    await until(lambda: len(m.pods) == 3 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    for b in beaters:  # the monitor hears none of them (their server's route is stuck)
+        b.alive = False
+    await asyncio.sleep(4 * FT)
+    assert not env.faults, env.faults
+    assert m.status()["hearing"]["state"] == "deaf"
+    beaters[0].alive = beaters[2].alive = True  # heard again; w1 was killed meanwhile
+    await until(lambda: env.faults, what="w1 declared")
+    await asyncio.sleep(2 * FT)
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "lost")]
+    assert m.status()["hearing"]["state"] == "hearing"
+
+
 async def _report_waiting(bus, pods, seconds, interval=0.05, generation=1):
     """As agents stuck in the all-reduce do: a peer_error every heartbeat interval."""
     end = time.monotonic() + seconds

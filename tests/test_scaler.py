@@ -625,6 +625,35 @@ async def test_restart_keeps_plan_and_reconciles(env, bus):
     assert lease["holder"] == "third" and sc3.status()["plan"]["generation"] == 3
 
 
+async def test_a_scaler_that_hears_no_pod_judges_no_member_silent(env, bus):
+    """Issue 42 (two of three bus hosts lost): a standby that has heard nothing for a while
+    takes the lease (after a partition JetStream answered while its server's route to the
+    pods' server was still stuck). Its once-a-term reconcile faulted the live members from
+    that blind view and the job shrank to one. No pod heard at all is the scaler's own
+    outage: no member is silent; once pods are heard again, silence counts from then, and
+    only the member that stays silent (killed meanwhile) is planned out, its rank to the
+    spare. (Fails without the rule: w0 and w1 are faulted at the take.)"""
+    sc1 = await env.scaler(workers=2, scaler_id="a")
+    w0, w1 = await env.agent("w0"), await env.agent("w1")
+    s0 = await env.agent("s0", Role.spare)
+    await until(lambda: env.plans, what="initial plan")
+    sc2 = await env.scaler(workers=2, scaler_id="b")
+    await until(lambda: sc2.alive_spares(sc2.plans.plan) == ["s0"] and not sc2.acting,
+                what="the standby's view")
+    await until(lambda: time.monotonic() - sc2.t0 > 2 * FT, what="the standby's grace past")
+    for a in (w0, w1, s0):  # the standby hears none of them
+        a.kill()
+    await asyncio.sleep(2 * FT)
+    await env.stop(sc1)
+    await until(lambda: sc2.acting, what="the standby takes the lease")
+    await asyncio.sleep(3 * FT)
+    assert not sc2.pending and not sc2._reconciled and gens(env.plans) == [1], sc2.pending
+    assert sc2.status()["hearing"]["state"] == "deaf"
+    w0.alive = s0.alive = True  # heard again; w1 was killed meanwhile
+    await until(lambda: len(env.plans) >= 2, timeout=10, what="w1 planned out")
+    assert members(env.plans[1]) == {0: "w0", 1: "s0"} and env.plans[1].fenced == ["w1"]
+
+
 async def test_only_a_scaler_taking_over_a_plan_listens_a_fault_timeout_first(env, bus):
     """The warm-up (a fault timeout of listening before faults are replayed) is for a scaler
     that takes over a running job. A new job has nothing to replay and its initial plan

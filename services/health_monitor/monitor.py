@@ -9,7 +9,10 @@ Rules (docs/architecture.md, recovery step 1):
   a pod whose heartbeat still says ``starting``, not a member, has ``stall_timeout``: its
   imports and set-up hold the interpreter, on a loaded machine for seconds; a member never
   heard from has a grace from the plan or from its lifecycle ``started``, whichever is
-  later; a pod that dies before it heartbeats is the actuator's ``exited``);
+  later; a pod that dies before it heartbeats is the actuator's ``exited``); while no pod
+  at all is heard for ``fault_timeout`` the silence is the monitor's own (a stuck route
+  between servers, ``services/common/hearing.py``): nothing is lost, and the first pod heard
+  gives every pod a fresh fault timeout;
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
 * a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; an
@@ -61,6 +64,7 @@ from schemas.messages import (AgentState, Fault, FaultKind, Heartbeat, JobFailed
                               ReportKind, Role)
 from plumbing.bounded import BoundedSet
 from plumbing.bus import Bus, Envelope
+from services.common.hearing import Ear, Hearing
 from services.common.heartbeats import VIEW_INTERVAL, ViewPublisher
 from services.common.history import read_back
 from services.common.plans import PlanFollower
@@ -155,6 +159,8 @@ class HealthMonitor(Service):
         self.latencies: deque[float] = deque(maxlen=1000)
         self._stale_logged: set[tuple[str, int]] = set()
         self._link_down_since: float | None = None
+        # no pod heard at all for a fault timeout is this monitor's own outage (hearing.py)
+        self.hearing = Hearing(fault_timeout, time.monotonic())
         self._last_stall_check = 0.0
         self.waiting: dict[str, Waiting] = {}   # members reporting a collective wait
         self._all_waiting_logged = 0            # generation last logged with nobody absent
@@ -288,6 +294,7 @@ class HealthMonitor(Service):
 
     # ------------------------------------------------------------------ inputs
     async def _on_heartbeat(self, hb: Heartbeat, env: Envelope) -> None:
+        self._hear(time.monotonic())  # (a faulted pod's heartbeat also says the bus carries)
         if hb.pod in self.faulted or hb.pod in self.gone:
             key = (hb.pod, -1)
             if key not in self._stale_logged and len(self._stale_logged) < MAX_PODS:
@@ -336,6 +343,14 @@ class HealthMonitor(Service):
         v.hb = hb
         if hb.waiting_since is not None:  # as a repeat of its peer_error report
             await self._suspect(hb, env)
+
+    def _hear(self, now: float) -> None:
+        """A pod's message arrived. The first after no pod was heard for a fault timeout ends
+        the monitor's own outage: every pod gets a fresh fault timeout from now (one heard a
+        moment later is not lost; the route that carries their messages just came back)."""
+        gap = self.hearing.heard(now)
+        if gap is not None and self.pods:
+            self._grace(now, f"no pod was heard for {gap:.3f}s")
 
     def _heard_at(self, v: PodView, now: float) -> None:
         """``v`` was heard from at ``now`` (monotonic, never earlier than any before): the
@@ -386,6 +401,7 @@ class HealthMonitor(Service):
                             role=ev.role if v is None else None)
 
     async def _on_report(self, r: Report, env: Envelope) -> None:
+        self._hear(time.monotonic())  # before a peer_error looks for silent members
         if r.report == ReportKind.exception:
             await self._on_exception(r, env)
             return
@@ -577,6 +593,20 @@ class HealthMonitor(Service):
         for v in self.pods.values():
             v.last_hb = max(v.last_hb, now)
 
+    def _deaf(self, now: float) -> bool:
+        """No pod heard at all for a fault timeout: the monitor's own outage, not every pod
+        lost (its server answers its PING while that server's route to the pods' server is
+        stuck: seconds after a partition heals). Nothing is declared until a pod is heard."""
+        was = self.hearing.state
+        if not self.hearing.deaf(now):
+            return False
+        if was is not Ear.DEAF:
+            self.log.warning("no pod heard at all: the silence is the monitor's own, not every "
+                             "pod's; nothing is declared until a pod is heard",
+                             silent_s=self.hearing.status(now)["quiet_s"],
+                             pods=len(self.pods))
+        return True
+
     async def _link_ok(self) -> bool:
         """Can this process reach nats-server now? A pod's silence counts only if so: while
         the server is paused or restarting, every heartbeat is missing and none is late. The
@@ -604,7 +634,7 @@ class HealthMonitor(Service):
         overdue = [v for v in self.pods.values() if v.pod not in self.faulted
                    and v.pod not in self.held
                    and v.state not in GONE_STATES and now - v.last_hb > self._silence(v)]
-        if overdue and not await self._link_ok():
+        if overdue and (self._deaf(now) or not await self._link_ok()):
             overdue = []
         now = time.monotonic()
         for v in overdue:
@@ -895,4 +925,5 @@ class HealthMonitor(Service):
                        "check_interval": self.check_interval,
                        "view_interval": self.view.interval if self.view else None},
             "views_published": self.view.published if self.view else 0,
+            "hearing": self.hearing.status(now),
         }

@@ -15,6 +15,7 @@ from opentelemetry import context as otel_context
 
 from plumbing.bounded import BoundedSet
 from schemas.messages import Fault, FaultKind, Plan
+from services.common.hearing import quiet
 
 from .liveness import GONE_STATES, PodSeen
 
@@ -98,8 +99,10 @@ def dead_members(plan: Plan, dropped: BoundedSet, pending: dict[str, Pending],
 
 def silent_members(plan: Plan, pods: dict[str, PodSeen], pending: dict[str, Pending],
                    done: BoundedSet, dead: BoundedSet, fault_timeout: float,
-                   now: float) -> list[Pending]:
-    """Members silent (or known dead) when a lease term is reconciled: faulted."""
+                   now: float, since: float) -> list[Pending]:
+    """Members silent (or known dead) when a lease term is reconciled: faulted. Silence is
+    counted from ``since`` at the earliest (the scaler's hearing: a member not heard since
+    then has a full fault timeout from it)."""
     out = []
     for m in plan.members:
         s = pods.get(m.pod)
@@ -107,7 +110,7 @@ def silent_members(plan: Plan, pods: dict[str, PodSeen], pending: dict[str, Pend
             continue
         if s is not None and s.state in GONE_STATES:
             continue
-        if s is not None and now - s.last <= fault_timeout and m.pod not in dead:
+        if quiet(s.last if s else None, since, now) <= fault_timeout and m.pod not in dead:
             continue
         out.append(Pending(pod=m.pod, incident=f"inc-{m.pod}-g{plan.generation}", kind="lost",
                            ctx=None, since=now))

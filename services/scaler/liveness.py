@@ -1,6 +1,8 @@
 """The scaler's view of the pods (one job: who is alive, where, at which step): rebuilt
 from heartbeats (the monitor's health view or the pods' own), lifecycle exits and the
-faults the scaler accepted. No I/O: the scaler feeds it and asks it."""
+faults the scaler accepted, and whether it hears the pods at all (``hearing``: no pod heard
+for a fault timeout is the scaler's own outage, services/common/hearing.py). No I/O: the
+scaler feeds it and asks it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from plumbing.bounded import BoundedSet
+from services.common.hearing import Ear, Hearing
 from schemas.messages import MAX_PODS, AgentState, Heartbeat, Lifecycle, Plan, Role
 from schemas.timeouts import VIEW_INTERVAL
 
@@ -51,11 +54,13 @@ class Liveness:
         self.dropped_n = 0
         self.done = BoundedSet(MAX_TRACKED)
         self._dead_logged = BoundedSet(MAX_TRACKED)
+        self.hearing = Hearing(fault_timeout, time.monotonic())
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, subject: str, age: float = 0.0) -> bool:
         """True when a decision is due now (a pod appeared, or entered a generation or
         changed state: capacity may suffice, a transition in flight may be complete)."""
+        self._hear(time.monotonic() - age)  # (a faulted pod's too: the bus carries)
         seen = self.pods.get(hb.pod)
         if hb.pod in self.dead:
             if hb.pod not in self._dead_logged:  # it heartbeats until killed: log once
@@ -89,12 +94,30 @@ class Liveness:
                 continue
             last = now - age
             if last > seen.last:
+                self._hear(last)
                 kick = kick or now - seen.last > ft  # silent until now: alive again
                 if seen.step_time is None and step > seen.step >= 0:
                     # full heartbeats (with the agent's step time) come seldom in the view
                     seen.step_time = (last - seen.last) / (step - seen.step)
                 seen.last, seen.step = last, step
         return kick
+
+    def _hear(self, at: float) -> None:
+        gap = self.hearing.heard(at)
+        if gap is not None and self.pods:
+            self.log.warning("pods heard again after none was: silence counts from now",
+                             silent_s=round(gap, 3))
+
+    def deaf(self, now: float) -> bool:
+        """No pod heard for a fault timeout: the scaler's own outage (its server's route to
+        the pods' may be stuck), so its view judges no pod silent (logged once)."""
+        was = self.hearing.state
+        if not self.hearing.deaf(now):
+            return False
+        if was is not Ear.DEAF:
+            self.log.warning("no pod heard at all: the silence is the scaler's own; no member "
+                             "is judged silent until a pod is heard", pods=len(self.pods))
+        return True
 
     def forget_silent(self) -> None:
         now = time.monotonic()

@@ -783,16 +783,21 @@ class Scaler(Service):
             self.pending[p.pod] = p
 
     def _reconcile(self, plan: Plan, now: float) -> None:
-        """Once per lease term, after the grace period: silent members count as faulted."""
+        """Once per lease term, after the grace period: silent members count as faulted.
+        The grace runs from the start, or from when pods were heard again after none was
+        (a view blind since then, as a restart's), and no member is silent while no pod is
+        heard at all: after a partition JetStream may answer (the lease taken) while the
+        route that carries the pods' heartbeats is still stuck (docs/cluster.md)."""
         if self._reconciled or self.holder_since is None:
             return
-        if now - self.t0 < 2 * self.fault_timeout:
+        since = self.live.hearing.since
+        if now - max(self.t0, since) < 2 * self.fault_timeout or self.live.deaf(now):
             return
         self._reconciled = True
         # once a term: after this line a member's silence is the health monitor's to report
         self.log.info("lease term reconciled", generation=plan.generation)
         for p in faults.silent_members(plan, self.pods, self.pending, self.done, self.dead,
-                                       self.fault_timeout, now):
+                                       self.fault_timeout, now, since):
             self.log.warning("member silent after restart; handled as faulted", pod=p.pod,
                              rank=plan.rank_of(p.pod), incident=p.incident,
                              generation=plan.generation)
@@ -845,6 +850,7 @@ class Scaler(Service):
             "plan_problem": self.plans.problem or None,
             "alive_spares": self.alive_spares(plan, now),
             "heartbeats_from": self.feed.source,
+            "hearing": self.live.hearing.status(now),
             "alive_pods": alive[:STATUS_ITEMS],  # (the first: Service.listed)
             "alive_pods_total": len(alive),
             "pending": {p.pod: {"incident": p.incident, "kind": p.kind,

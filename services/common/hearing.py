@@ -1,0 +1,76 @@
+"""Is a silence the pods' or this instance's own? (issue 42, docs/cluster.md "Two of three
+hosts lost")
+
+A service instance (the health monitor, the scaler) judges the pods by the heartbeats it
+hears. When it hears none at all, that says nothing about the pods: after a partition its
+nats-server's route to the pods' server stays stuck for seconds after JetStream answers
+again (a cut link sends no reset), and an instance that took its lease then judged a view
+that had heard nothing for 15 s: the scaler's once-a-term reconcile faulted a live member,
+the monitor declared the rest lost, and the training state was lost.
+
+``Hearing`` keeps the rule (no I/O; times are the caller's monotonic clock):
+
+* no pod heard for a fault timeout (counted from ``since`` at the earliest) is the
+  instance's own outage (``deaf``): nothing is judged on silence while it lasts;
+* the first pod heard after such a gap ends it (``heard`` returns the gap) and ``since``
+  moves there: every pod gets a full fault timeout from it, so the pods heard a heartbeat
+  interval later are not silent either (``quiet``: how long a pod counts as silent).
+
+Every pod silent at once means, at worst, that every pod died: then no live pod holds the
+training state and no plan can bring it back, so reading that as deafness costs nothing;
+reading deafness as every pod lost costs the job.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+
+def quiet(last: float | None, since: float, now: float) -> float:
+    """How long a pod last heard at ``last`` (None: never) counts as silent at ``now``, its
+    silence counted from ``since`` at the earliest."""
+    return now - (since if last is None else max(last, since))
+
+
+class Ear(str, Enum):
+    HEARING = "hearing"
+    DEAF = "deaf"  # no pod heard for a fault timeout: no pod is silent
+
+
+class Hearing:
+    """One instance's hearing of the pods (on one event loop: not shared between threads)."""
+
+    def __init__(self, fault_timeout: float, now: float) -> None:
+        if fault_timeout <= 0:
+            raise ValueError(f"fault_timeout must be positive, got {fault_timeout}")
+        self.fault_timeout = fault_timeout
+        self.since = now                # silence is counted from here at the earliest
+        self.last: float | None = None  # when a pod was last heard (any pod)
+        self.state = Ear.HEARING
+
+    def _quiet_from(self) -> float:
+        return self.since if self.last is None else max(self.last, self.since)
+
+    def heard(self, at: float) -> float | None:
+        """A pod was heard at ``at``. Returns the gap it ends (no pod heard for more than a
+        fault timeout before it: silence now counts from ``at``), else None. The first pod
+        ever heard ends a gap only where an outage was found (``deaf``) before it: a new
+        job's pods start seconds after its services, which is no outage."""
+        gap, first = at - self._quiet_from(), self.last is None
+        if first or at > self.last:
+            self.last = at
+        if gap > self.fault_timeout and (not first or self.state is Ear.DEAF):
+            self.since, self.state = at, Ear.HEARING
+            return gap
+        return None
+
+    def deaf(self, now: float) -> bool:
+        """No pod heard for a fault timeout: the silence is this instance's own (DEAF until
+        a pod is heard)."""
+        self.state = Ear.DEAF if now - self._quiet_from() > self.fault_timeout else Ear.HEARING
+        return self.state is Ear.DEAF
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {"state": self.state.value, "quiet_s": round(now - self._quiet_from(), 3),
+                "since_s": round(now - self.since, 3)}

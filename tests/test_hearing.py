@@ -1,0 +1,58 @@
+"""The rule that tells a service instance's own outage from the pods' silence
+(services/common/hearing.py, issue 42): pure, on a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.hearing import Ear, Hearing, quiet
+
+FT = 3.5
+
+
+def test_no_pod_heard_for_a_fault_timeout_is_the_instances_own_outage():
+    h = Hearing(FT, now=100.0)
+    h.heard(100.5)
+    assert not h.deaf(100.5 + FT) and h.state is Ear.HEARING
+    assert h.deaf(100.5 + FT + 0.1) and h.state is Ear.DEAF
+    assert h.status(100.5 + FT + 0.1)["state"] == "deaf"
+
+
+def test_the_first_pod_heard_after_the_gap_restarts_the_count_for_every_pod():
+    """The incident: nothing heard for 15 s (a partition, then a stuck route); w0 is heard
+    again, w2 a heartbeat interval later. Neither is silent: each has a full fault timeout
+    from the end of the gap, and the pod never heard again (killed meanwhile) is silent a
+    fault timeout after it."""
+    h = Hearing(FT, now=0.0)
+    h.heard(10.0)                # the last heartbeat before the cut, from any pod
+    assert h.deaf(10.0 + FT + 1)
+    assert h.heard(25.0) == pytest.approx(15.0)  # w0: the gap it ends
+    assert not h.deaf(25.2) and h.since == 25.0
+    w2_last, w1_last = 9.9, 5.0  # as this view last heard them, before the cut
+    assert quiet(w2_last, h.since, 25.2) == pytest.approx(0.2)  # not silent (else 15.3 s)
+    assert quiet(w1_last, h.since, 25.0 + FT + 0.1) > FT  # silent, counted from the gap's end
+    assert quiet(None, h.since, 25.0 + FT + 0.1) > FT     # never heard: the same
+    assert h.heard(25.3) is None and h.since == 25.0     # heartbeats go on: nothing moves
+
+
+def test_a_heartbeat_relayed_late_moves_nothing_back():
+    h = Hearing(FT, now=0.0)
+    h.heard(5.0)
+    assert h.heard(4.0) is None and h.last == 5.0
+
+
+def test_a_new_jobs_first_pod_is_no_outage_unless_one_was_found():
+    """Services start seconds before their job's pods: the first heartbeat ends no gap. A
+    restarted instance that found no pod at all for a fault timeout (``deaf``) counts
+    silence from the first pod it hears."""
+    fresh = Hearing(FT, now=0.0)
+    assert fresh.heard(10.0) is None and fresh.since == 0.0
+    blind = Hearing(FT, now=0.0)
+    assert blind.deaf(FT + 1)
+    assert blind.heard(10.0) == pytest.approx(10.0) and blind.since == 10.0
+    assert not blind.deaf(10.1)
+
+
+def test_a_fault_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        Hearing(0.0, now=0.0)
