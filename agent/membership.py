@@ -93,6 +93,9 @@ class Membership:
         # the handoff found replicas that disagreed (handoff.disagreed): (the restore step,
         # this member's own corruption report or None) until the verifier rolls back
         self.diverged: tuple[int, str | None] | None = None
+        # a plan named this process a spare: a later plan that fences it means it was
+        # declared lost (a restarted pod gets a new id: never fenced by an old plan)
+        self._named_spare = False
 
     # ------------------------------------------------------------------ the state machine
     def _to(self, new: Phase, why: str = "") -> None:
@@ -352,8 +355,10 @@ class Membership:
             if plan.rank_of(pod) is not None:
                 return got  # a following spare drains its stream in handoff.enter
             self.seen_generation = plan.generation
-            if self.generation > 0 and pod in plan.fenced:
-                # We were a member and the plan dropped us (fenced, e.g. after a hang).
+            if (self.generation > 0 or self._named_spare) and pod in plan.fenced:
+                # We were a member (or a spare) and the plan dropped us (fenced, e.g. after
+                # a hang, or a spare declared lost while its host was cut off): a replacement
+                # takes our place
                 rt.report_sync(ReportKind.fenced, f"not in plan {plan.generation}")
                 self.fallback(f"fenced: pod {pod} is not in plan generation {plan.generation}")
             self._not_member()
@@ -363,6 +368,7 @@ class Membership:
                 self._to(Phase.RELEASED, f"not in plan {plan.generation}")
                 return Arrival("released")
             self._to(Phase.SPARE, f"a spare of plan {plan.generation}")
+            self._named_spare = self._named_spare or pod in plan.spares
             rt.update(now=True, generation=plan.generation, rank=None, role=Role.spare,
                       state=AgentState.waiting)
             self.follower.follow(plan)

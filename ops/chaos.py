@@ -497,6 +497,9 @@ class Chaos:
         last_top = 0.0
         while True:
             if self.finished():
+                if time.monotonic() > next_why:  # not ready for a while, then the job ended
+                    raise ChaosFailure(f"the job finished while not ready for the event "
+                                       f"({self.unready(need)})")
                 return
             ok = self.healthy() and len(self.spares()) >= need
             if ok:

@@ -174,6 +174,24 @@ def test_a_release_naming_pods_takes_those_pods():
     assert {m.rank: m.pod for m in new.members} == {0: "w0", 1: "w1"}
 
 
+def test_a_spare_gone_from_the_scalers_view_is_fenced_by_the_next_plan():
+    """The host chaos run (issue 42): a spare on a partitioned host was declared lost and
+    left out of the next plan's spares, but nothing told it: after the heal it followed the
+    job as a spare no plan named, and `up` never replaced it (its process was alive). The
+    next plan now fences it, so it exits and is replaced."""
+    cfg = PolicyConfig(workers=3, min_replicas=1, max_replicas=4, global_batch_size=24,
+                       micro_batch_size=4)
+    plan = initial_plan(["w0", "w1", "w2"], ["s0", "s1"], cfg)
+    assert plan.spares == ["s0", "s1"]
+    new = on_fault(plan, "w2", ["s0"], cfg)   # s1 lost with w2's host
+    assert {m.rank: m.pod for m in new.members} == {0: "w0", 1: "w1", 2: "s0"}
+    assert new.spares == [] and "s1" in new.fenced and "w2" in new.fenced
+    grown = scale_plan(plan, 4, ["s0"], cfg, apply_step=5)  # s1 gone before a scale-up
+    assert "s1" in grown.fenced and "s0" not in grown.fenced
+    same = on_fault(plan, "w2", ["s0", "s1"], cfg)  # both alive: nobody but w2 fenced
+    assert same.fenced == ["w2"]
+
+
 # ----------------------------------------------------------------------------- sharded (issue 21)
 @st.composite
 def sharded_scenario(draw):

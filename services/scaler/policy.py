@@ -215,6 +215,14 @@ def initial_plan(workers: Iterable[str], spares: Iterable[str], cfg: PolicyConfi
         shard_size=k)
 
 
+def gone_spares(plan: Plan, alive_spares: Iterable[str]) -> list[str]:
+    """The previous plan's spares no longer alive in the scaler's view: fenced, so that one
+    that comes back (a partitioned host healed) exits and is replaced, instead of following
+    the job as a spare no plan names (the host chaos run: a spare short for good)."""
+    alive = set(alive_spares)
+    return [p for p in plan.spares if p not in alive and p not in plan.fenced]
+
+
 def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str],
              cfg: PolicyConfig, incident: str | None = None) -> Plan | Wait | None:
     """Plan ``g+1`` after the members ``failed`` died, or ``Wait``, or None if none of
@@ -264,7 +272,7 @@ def on_fault(plan: Plan, failed: str | Iterable[str], alive_spares: Iterable[str
             spare = pool.pop(0)
             members[r] = spare
             replaced.append(f"{by_rank[r]} with {spare}")
-    fenced = [*plan.fenced, *dead_pods]
+    fenced = [*plan.fenced, *dead_pods, *gone_spares(plan, alive_spares)]
     common = dict(incident=incident, fenced=fenced,
                   lr_warmup_steps=cfg.policy.lr_warmup_steps, shard_size=k)
     if not dropped:
@@ -494,7 +502,7 @@ def scale_plan(plan: Plan, target: int, alive_spares: Iterable[str], cfg: Policy
     return make_plan(plan.generation + 1, members, **plan_batch(plan, cfg, new_w),
                      spares=spares,
                      reason=f"{what} at step {apply_step}" + (f" ({reason})" if reason else ""),
-                     incident=incident, fenced=plan.fenced,
+                     incident=incident, fenced=[*plan.fenced, *gone_spares(plan, pool)],
                      lr_factor=cfg.policy.lr_factor(new_rep),
                      lr_warmup_steps=cfg.policy.lr_warmup_steps, apply_step=apply_step,
                      shard_size=k)
