@@ -235,6 +235,44 @@ async def test_a_plan_without_this_member_releases_it(bus, nats_server):
         rt.stop()
 
 
+async def test_a_spare_the_job_fenced_leaves_and_a_new_pod_of_that_name_does_not(bus,
+                                                                                 nats_server):
+    """A spare declared lost while its host was cut off comes back: the plan after its loss
+    fences it (services/scaler/policy.py gone_spares) and it leaves, to be replaced. A pod
+    that no plan named yet is not told to leave by an old fence (ids are not reused, but a
+    plan's fenced list is history)."""
+    s = bus.subjects
+    for named in (True, False):
+        rt, m = pod(nats_server)
+        left: list[str] = []
+
+        class Left(Exception):
+            pass
+
+        def leave(why: str) -> None:  # the real one exits the process (the fallback code)
+            left.append(why)
+            raise Left(why)
+
+        m.fallback = leave
+        try:
+            waiting = asyncio.ensure_future(in_daemon(m.recover))
+            if named:
+                await bus.publish(s.plan, plan(1, ["p1"], spares=("p0",)))
+                await until(lambda: rt.hb.generation == 1, "a spare of plan 1")
+            await bus.publish(s.plan, plan(2, ["p1"], fenced=("p0",)))
+            if named:
+                with pytest.raises(Left):
+                    await waiting
+                assert left and "fenced" in left[0]
+            else:
+                await until(lambda: rt.hb.generation == 2, "a pod waiting in plan 2")
+                assert not left and m.phase is Phase.SPARE
+                waiting.cancel()
+        finally:
+            m.close_group()
+            rt.stop()
+
+
 def test_moves_outside_the_table_are_refused(nats_server):
     rt, m = pod(nats_server)
     try:
