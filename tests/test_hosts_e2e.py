@@ -210,8 +210,10 @@ async def test_two_of_three_bus_hosts_lost_no_quorum_then_back(tmp_path, referen
         assert set(hosts["pods"].values()) <= {"h4", "h5"}, hosts
         gen = c.plans[-1].generation
         t_cut = time.time()
-        for h in ("h1", "h3"):
-            _partition(c, h, QUORUM_CUT_S)
+        # both at once: one after the other (~1.6 s per CLI call) left s2+s3 a majority
+        # long enough for h2's standby scaler to take the lease and plan before the heal
+        await asyncio.gather(*(asyncio.to_thread(_partition, c, h, QUORUM_CUT_S)
+                               for h in ("h1", "h3")))
         await c.wait_for(lambda: said("the bus has no JetStream quorum: 1 of 3 servers "
                                       "reachable (s2)"), 15, "up saying why")
         at = {h.pod: h.step for h in c.hb.values() if h.role.value == "worker"}
