@@ -195,11 +195,17 @@ def the_bus_failed(exc: BaseException) -> bool:
     import torch.distributed as dist
     from nats.errors import Error as NatsError
 
+    return _in_chain(exc, (NatsError, dist.DistStoreError))
+
+
+def _in_chain(exc: BaseException, kinds: tuple[type, ...]) -> bool:
+    """Whether ``exc`` or an exception it was raised from (cause or context) is one of
+    ``kinds``."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (NatsError, dist.DistStoreError)):
+        if isinstance(e, kinds):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -213,14 +219,7 @@ def not_the_scripts(exc: BaseException) -> bool:
     soak, seed 7, a kill_all after a restart)."""
     from .vocab import JobStateLost
 
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, JobStateLost):
-            return True
-        e = e.__cause__ or e.__context__
-    return the_bus_failed(exc)
+    return _in_chain(exc, (JobStateLost,)) or the_bus_failed(exc)
 
 
 def describe(exc_type: type, exc: BaseException, tb: Any, limit: int = 2000) -> str:
