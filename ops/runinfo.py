@@ -22,8 +22,12 @@ class ClusterInfo:
     tls_ca: str | None = None   # the run's CA certificate when the bus serves TLS only
 
     def write(self) -> None:
+        # written whole then renamed: a reader polling for the file (the test harness, `status`)
+        # must never see it empty or half written
         p = Path(self.run_dir) / "cluster.json"
-        p.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp = p.with_name(f".cluster.json.{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, p)
 
     @classmethod
     def read(cls, run_dir: str | Path) -> "ClusterInfo":
