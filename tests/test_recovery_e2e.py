@@ -27,9 +27,22 @@ def _kill(c: Cluster, rank: int, sig=signal.SIGKILL) -> int:
     return h.pid
 
 
+def _divergence(summary, ref) -> str:
+    """What a failed comparison needs to be read without the run's directory (CI keeps none):
+    the first step whose logged loss differs, the incidents, the plans' generations."""
+    losses = summary.get("losses") or {}
+    first = next((k for k in sorted(losses, key=int) if ref["losses"].get(k) != losses[k]), None)
+    at = (f"first step whose loss differs: {first} ({losses[first]!r} vs {ref['losses'].get(first)!r})"
+          if first is not None else "every logged loss equals the reference's")
+    plans = [(p.generation, p.world_size) for p in summary.get("plans", [])]
+    return (f"{at}; lost_steps {summary.get('lost_steps')}, committed {summary.get('committed_step')}, "
+            f"skipped {summary.get('skipped_steps')}, plans {plans}, incidents {summary.get('incidents')}, "
+            f"pod exits {summary.get('pod_exits')}")
+
+
 def _assert_same(summary, ref, steps=STEPS):
     assert summary["final_step"] == steps - 1
-    assert summary["param_sha256"] == ref["param_sha256"], (summary, ref)
+    assert summary["param_sha256"] == ref["param_sha256"], _divergence(summary, ref)
     assert summary["lost_steps"] == 0
     # Killed pods take their loss log with them; every step a survivor logged must match.
     assert summary["losses"], summary

@@ -921,3 +921,38 @@ def test_what_a_fault_means():
     assert j(slow, dropin=True).act is Act.IGNORE
     assert j(f("w1", FaultKind.straggler)).act is Act.IGNORE  # no slowness measured
     assert j(slow, spare=True, preempting={"w1": ("straggler", None)}).act is Act.SHARE
+
+
+async def test_a_view_that_stopped_coming_makes_no_pod_silent(env, bus, nats_server):
+    """The CI failure of test_standby_e2e (every active service killed, then a worker): the
+    scaler read its heartbeats from the monitor's view, the monitor died, and a fault it
+    judged a fault timeout later found the spare "not alive" (its last heartbeat was the
+    dead view's), so the job shrank instead of taking the spare: a different trajectory.
+    Time the scaler did not listen (a view overdue, until it reads the heartbeats itself)
+    is not a pod's silence. (Fails without it: the plan is "shrink".)"""
+    from services.health_monitor import HealthMonitor
+
+    ft = 0.8
+    mon_bus = await Bus.connect(nats_server.url, "test", "health_monitor", nats_server.creds)
+    # views every 1 s: the scaler goes back to the heartbeats 2.5 s after the last one
+    mon = HealthMonitor(mon_bus, fault_timeout=ft, view_interval=1.0)
+    try:
+        await mon.start()
+        sc = await env.scaler(workers=2, min_replicas=1, fault_timeout=ft)
+        for pod, role in (("w0", Role.worker), ("w1", Role.worker), ("s0", Role.spare)):
+            await env.agent(pod, role)
+        await until(lambda: env.plans and sc.alive_spares(sc.plans.plan) == ["s0"],
+                    what="the initial plan, s0 a live spare")
+        await until(lambda: sc.feed.source == "monitor view", timeout=15,
+                    what="the scaler on the view (a complete listing)")
+        await mon.stop()  # the view stops; every pod goes on heartbeating
+        stopped = time.monotonic()
+        await asyncio.sleep(ft + 0.3)
+        assert sc.feed.source == "monitor view"  # not reading the heartbeats yet
+        assert time.monotonic() - stopped < 1.5, "the loop stalled: the test proves nothing"
+        await env.fault("w1", 1)
+        await until(lambda: len(env.plans) >= 2, what="the replacement plan")
+        assert members(env.plans[1]) == {0: "w0", 1: "s0"}, env.plans[1].reason
+    finally:
+        await mon.stop()
+        await mon_bus.close()

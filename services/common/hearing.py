@@ -65,6 +65,12 @@ class Hearing:
             return gap
         return None
 
+    def listening_from(self, at: float) -> None:
+        """This instance could not hear anything until ``at`` (its feed was cut: a view that
+        stopped coming): silence counts from ``at`` at the earliest."""
+        if at > self.since:
+            self.since, self.state = at, Ear.HEARING
+
     def deaf(self, now: float) -> bool:
         """No pod heard for a fault timeout: the silence is this instance's own (DEAF until
         a pod is heard)."""

@@ -139,9 +139,12 @@ class HeartbeatFeed:
     for that pod within a generation; compact entries go to ``on_beats`` in bulk, and a
     consumer applies only those whose generation it already holds for the pod."""
 
-    def __init__(self, bus: Bus, log: Any, on_heartbeat: OnHeartbeat, on_beats: OnBeats) -> None:
+    def __init__(self, bus: Bus, log: Any, on_heartbeat: OnHeartbeat, on_beats: OnBeats,
+                 on_resume: Callable[[float], None] | None = None) -> None:
         self.bus, self.log = bus, log
         self.on_heartbeat, self.on_beats = on_heartbeat, on_beats
+        # told the monotonic time the feed listens again after a view stopped coming
+        self.on_resume = on_resume
         self._direct: Any = None
         self._view_sub: Any = None
         self._last_view = 0.0
@@ -153,6 +156,13 @@ class HeartbeatFeed:
     @property
     def source(self) -> str:
         return "direct" if self._direct is not None else "monitor view"
+
+    def horizon(self, now: float) -> float:
+        """Until when this feed has heard what there was to hear: now while it reads the
+        heartbeats, the last view's arrival while it reads views. Silence is measured up to
+        here: a view that stopped coming (the monitor killed) is the feed's deafness, not the
+        pods' silence (a spare judged dead from a dead monitor's last view shrank a job)."""
+        return now if self._direct is not None else min(now, self._last_view)
 
     async def start(self) -> None:
         await self._go_direct()
@@ -187,6 +197,9 @@ class HeartbeatFeed:
                     await self._go_direct()
                 except Exception as e:  # disconnected: the next round tries again
                     self.log.warning("could not subscribe to heartbeats", error=str(e)[:200])
+                    continue
+                if self.on_resume is not None:  # nothing was heard between: from here on
+                    self.on_resume(time.monotonic())
 
     async def _on_direct(self, hb: Heartbeat, env: Envelope) -> None:
         await self._give(hb, env.subject, 0.0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from plumbing.bounded import BoundedSet
-from services.common.hearing import Ear, Hearing
+from services.common.hearing import Ear, Hearing, quiet
 from schemas.messages import MAX_PODS, AgentState, Heartbeat, Lifecycle, Plan, Role
 from schemas.timeouts import VIEW_INTERVAL
 
@@ -55,6 +55,9 @@ class Liveness:
         self.done = BoundedSet(MAX_TRACKED)
         self._dead_logged = BoundedSet(MAX_TRACKED)
         self.hearing = Hearing(fault_timeout, time.monotonic())
+        # until when the heartbeats' source has been heard (HeartbeatFeed.horizon): silence
+        # is measured up to there, never over a stretch the scaler could not listen
+        self.horizon: Callable[[float], float] = lambda now: now
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, subject: str, age: float = 0.0) -> bool:
@@ -108,11 +111,22 @@ class Liveness:
             self.log.warning("pods heard again after none was: silence counts from now",
                              silent_s=round(gap, 3))
 
+    def resumed(self, at: float) -> None:
+        """The heartbeats' source was cut until ``at`` (the monitor's view stopped coming):
+        every pod gets a full fault timeout from ``at``."""
+        self.hearing.listening_from(at)
+        self.log.info("listening to the pods again: silence counts from now")
+
+    def quiet(self, s: PodSeen | None, now: float) -> float:
+        """How long a pod counts as silent: up to the feed's horizon, from the later of its
+        last heartbeat and the scaler's ``hearing.since``."""
+        return quiet(s.last if s else None, self.hearing.since, self.horizon(now))
+
     def deaf(self, now: float) -> bool:
         """No pod heard for a fault timeout: the scaler's own outage (its server's route to
         the pods' may be stuck), so its view judges no pod silent (logged once)."""
         was = self.hearing.state
-        if not self.hearing.deaf(now):
+        if not self.hearing.deaf(self.horizon(now)):
             return False
         if was is not Ear.DEAF:
             self.log.warning("no pod heard at all: the silence is the scaler's own; no member "
@@ -150,7 +164,7 @@ class Liveness:
     def alive(self, pod: str, now: float) -> bool:
         s = self.pods.get(pod)
         return (s is not None and pod not in self.dead and pod not in self.done
-                and s.state not in GONE_STATES and now - s.last <= self.fault_timeout)
+                and s.state not in GONE_STATES and self.quiet(s, now) <= self.fault_timeout)
 
     def alive_spares(self, plan: Plan | None, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -173,7 +187,7 @@ class Liveness:
         s = self.pods.get(pod)
         if s is None:
             return True
-        return now - s.last > self.fault_timeout or (
+        return self.quiet(s, now) > self.fault_timeout or (
             s.state in GONE_STATES and now - s.last > 1.0)
 
     def not_entered(self, plan: Plan) -> list[str]:

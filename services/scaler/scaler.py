@@ -129,7 +129,9 @@ class Scaler(Service):
         self._last_elastic = 0.0
         self._elastic_due = False
         # heartbeats from the monitor's health view, or read directly while there is none
-        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat, self._on_beats)
+        self.feed = HeartbeatFeed(bus, self.log, self._on_heartbeat, self._on_beats,
+                                  on_resume=self.live.resumed)
+        self.live.horizon = self.feed.horizon
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -797,7 +799,7 @@ class Scaler(Service):
         # once a term: after this line a member's silence is the health monitor's to report
         self.log.info("lease term reconciled", generation=plan.generation)
         for p in faults.silent_members(plan, self.pods, self.pending, self.done, self.dead,
-                                       self.fault_timeout, now, since):
+                                       self.fault_timeout, self.live.horizon(now), since):
             self.log.warning("member silent after restart; handled as faulted", pod=p.pod,
                              rank=plan.rank_of(p.pod), incident=p.incident,
                              generation=plan.generation)
