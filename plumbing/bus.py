@@ -379,7 +379,15 @@ class Bus:
             cfg.num_replicas = max(self.replicas, have)
             await self.js.update_stream(cfg)
 
-    async def kv(self, storage: StorageType = StorageType.FILE) -> KeyValue:
+    async def kv(self, storage: StorageType = StorageType.FILE,
+                 timeout: float | None = None) -> KeyValue:
+        """The job's bucket. ``timeout``: its requests' (nats-py's JetStream default is 5 s;
+        a lease check must give up within a tick: a bucket whose stream leader was lost
+        answers nothing until its Raft group elects another, ~5 s, and a request sent
+        meanwhile is never answered, so a 5 s timeout came on top of the election)."""
+        if timeout is not None:
+            await self._bucket(self.subjects.kv_bucket, history=16, ttl=None, storage=storage)
+            return await self.nc.jetstream(timeout=timeout).key_value(self.subjects.kv_bucket)
         return await self._bucket(self.subjects.kv_bucket, history=16, ttl=None, storage=storage)
 
     async def store_kv(self, ttl: float = 3600.0) -> KeyValue:

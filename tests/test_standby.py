@@ -61,6 +61,36 @@ async def test_a_lease_has_one_holder_and_a_term_that_only_rises(bus):
     assert (stored.holder, stored.term) == ("a", 3)
 
 
+async def test_a_standbys_check_gives_up_within_a_tick_and_the_holders_renewal_does_not(
+        nats_server, bus):
+    """A bucket whose stream leader's host was lost answers nothing until its Raft group
+    elects another (~5 s): a check sent meanwhile is never answered. With nats-py's 5 s
+    request timeout a standby's check came back 5 s later and the lease was taken 12 s after
+    the host loss (docs/cluster.md "Losing a host"); a standby now gives up within a tick
+    and tries again at once. The holder keeps the long timeout: a slow answer under load
+    must not depose it. (A paused nats-server stands in for the leaderless bucket.)"""
+    import os
+    import signal
+
+    a = Lease(bus, "scaler", "a", 6.0, log)   # ticks every 2 s; a standby's check: 2 s
+    b = Lease(bus, "scaler", "b", 6.0, log)
+    await a.start()
+    await b.start()
+    try:
+        assert a.acting and b.state is LeaseState.STANDBY
+        os.kill(nats_server.proc.pid, signal.SIGSTOP)
+        try:
+            # with 5 s timeouts no check could have failed yet; b's failed within a tick
+            await until(lambda: b.outage, timeout=4.5, what="the standby's check to give up")
+        finally:
+            os.kill(nats_server.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        assert a.acting and a.term == 1 and not a.outage  # the holder was not deposed
+    finally:
+        await b.stop()
+        await a.stop()
+
+
 def test_a_lease_value_that_does_not_parse_counts_as_expired():
     assert parse_lease(b"{not json") == parse_lease(None) == parse_lease(b"[]")
     assert parse_lease(b'{"holder": "x", "expires": 5}').term == 0  # before terms

@@ -99,6 +99,7 @@ class Lease:
         # ``on_acquired`` may want to know (the health monitor's silence was its own)
         self.outage = False
         self._kv: Any = None
+        self._probe: Any = None  # the bucket with a tick-long request timeout (standby checks)
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -109,6 +110,12 @@ class Lease:
     async def start(self) -> None:
         """The first try before returning: a lone instance acts from its first message."""
         self._kv = await self.bus.kv()
+        # A standby's check gives up within a tick and a failed one is tried again at once:
+        # it takes the lease as soon as the bucket answers again after its stream leader's
+        # host was lost (with nats-py's 5 s request timeout that took 12 s, not ~6). The
+        # holder's renewals keep the long timeout: a slow answer under load must not depose
+        # it (its own clock stops it acting when its lease runs out anyway).
+        self._probe = await self.bus.kv(timeout=max(0.25, self.ttl / TICKS_PER_TTL))
         self._stopping = False
         await self._try()
         self._task = asyncio.create_task(self._loop())
@@ -127,7 +134,8 @@ class Lease:
 
     async def _loop(self) -> None:
         while not self._stopping:
-            await asyncio.sleep(self.ttl / TICKS_PER_TTL)
+            # after a failed check (it already waited out its timeout) only a short pause
+            await asyncio.sleep(0.05 if self.outage else self.ttl / TICKS_PER_TTL)
             await self._try()
 
     async def _try(self) -> None:
@@ -158,8 +166,9 @@ class Lease:
     async def tick(self) -> None:
         """Renew (ACTIVE) or try to take (STANDBY) the lease once."""
         now = time.time()
+        kv = self._kv if self.state is LeaseState.ACTIVE or self._probe is None else self._probe
         try:
-            entry = await self._kv.get(self.key)
+            entry = await kv.get(self.key)
         except (KeyNotFoundError, NotFoundError):
             entry = None
         cur = parse_lease(entry.value if entry is not None else None)
@@ -174,9 +183,9 @@ class Lease:
         new = LeaseValue(self.holder_id, now + self.ttl, term)
         try:
             if entry is None or entry.value is None:
-                await self._kv.create(self.key, new.dumps())
+                await kv.create(self.key, new.dumps())
             else:
-                await self._kv.update(self.key, new.dumps(), last=entry.revision)
+                await kv.update(self.key, new.dumps(), last=entry.revision)
         except KeyWrongLastSequenceError:
             self._to(LeaseState.STANDBY)  # another instance took or renewed it first
             return
