@@ -586,6 +586,19 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
             raise SystemExit(f"ceaseless up: the {len(srv.servers)} nats-servers formed no "
                              f"JetStream cluster in {BUS_READY_S:.0f}s ({type(e).__name__}: "
                              f"{str(e)[:200]}); see {run_dir / 'nats'}/s*/nats-server.log")
+        if hosted is not None:
+            # the streams' leaders off the active instances' host: losing it then costs the
+            # standbys a lease expiry, not a Raft election too (docs/cluster.md)
+            from .emulated import active_servers, lead_elsewhere
+
+            on_active = active_servers(hosted.placement, list(SERVICES))
+            if on_active and len(on_active) < len(srv.servers):
+                moved = await lead_elsewhere(
+                    bus, {srv.specs[i].server_name for i in on_active}, 15.0, log)
+                print(f"  leaders: off {', '.join(f's{i + 1}' for i in on_active)} (the active "
+                      f"instances' host): {len(moved['moved'])} streams moved"
+                      + (f", {len(moved['stayed'])} stayed" if moved["stayed"] else ""),
+                      file=out, flush=True)
     # The pods' zygote (services/actuator/prefork.py) imports torch while the bus and the
     # services come up: every pod, a replacement spare's too, then starts as a fork. With
     # emulated hosts too (forked into its host's namespace): exec'd, a replacement spare took

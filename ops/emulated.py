@@ -251,3 +251,42 @@ def placement_status(hosts: dict[str, Any], leases: dict[str, Any]) -> dict[str,
     active = {v["active"] for v in leases.values() if v}
     return {**hosts, "instances": {i: {"host": h, "active": i in active}
                                    for i, h in hosts.get("instances", {}).items()}}
+
+
+def active_servers(placement: Placement, services: list[str]) -> list[int]:
+    """Indexes of the nats-servers on the host of the active service instances (instance 0
+    of each service starts active)."""
+    active = {placement.instances[s] for s in services if s in placement.instances}
+    return [i for i, h in enumerate(placement.servers) if h in active]
+
+
+async def lead_elsewhere(bus: Any, avoid: set[str], timeout: float, log: Any) -> dict[str, Any]:
+    """Ask every stream (and KV bucket) led by a server in ``avoid`` (full server names) to
+    elect another leader, until none is or ``timeout``. Why: a standby can take a lease, and
+    anyone write a plan, only once the bucket has a leader. Where the host of the active
+    instances also held the leaders, its loss cost a Raft election (nats-server's 4-9 s,
+    not configurable) before the standbys could act: the downtime of a lost control-plane
+    host was the election's, not the lease's. Best effort: a leader that stays is logged."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    asked: dict[str, float] = {}  # stream -> when its leader was last asked to step down
+    stay: list[str] = []
+    while True:
+        stay = [si.config.name for si in await bus.js.streams_info()
+                if si.cluster is not None and si.cluster.leader in avoid]
+        if not stay or loop.time() > deadline:
+            break
+        for name in stay:  # again after 2 s: a new election may have picked it again
+            if loop.time() - asked.get(name, -10.0) < 2.0:
+                continue
+            asked[name] = loop.time()
+            try:
+                await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{name}", b"",
+                                     timeout=2.0)
+            except Exception as e:  # answered late or refused: the next look decides
+                log.warning("stream leader step-down not answered", stream=name,
+                            error=str(e)[:200])
+        await asyncio.sleep(0.25)
+    if stay:
+        log.warning("stream leaders still on the active instances' server", streams=stay)
+    return {"moved": sorted(set(asked) - set(stay)), "stayed": stay}

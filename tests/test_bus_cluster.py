@@ -201,3 +201,37 @@ async def test_a_client_of_several_servers_pings_to_find_a_lost_one(nats_server)
     finally:
         await one.close()
         await two.close()
+
+
+async def test_the_streams_leaders_leave_the_active_instances_server(tmp_path):
+    """`up --hosts` moves every stream's and bucket's leader off the server on the active
+    instances' host (ops/emulated.py lead_elsewhere): losing that host then costs the
+    standbys a lease expiry, not a Raft election first (docs/cluster.md "Losing a host")."""
+    from ops.emulated import active_servers, lead_elsewhere
+    from ops.placement import place
+    from plumbing import logs
+
+    placement = place(["h1", "h2", "h3"], 3, ["health_monitor", "scaler", "state_broker"],
+                      1, 3, 1)
+    assert active_servers(placement, ["health_monitor", "scaler", "state_broker"]) == [0]
+    roles = write_role_credentials(tmp_path / "creds")
+    users = [(c, role_permissions(r, JOB)) for r, (_, c) in roles.items()]
+    servers = BusServers.start(tmp_path / "nats", 3, users=users, creds=roles["operator"][1])
+    op = None
+    try:
+        op = await Bus.connect(servers.url, JOB, "op", roles["operator"][1])
+        await op.ensure_job_storage(READY_S)
+        names = [sp.server_name for sp in servers.specs]
+
+        async def leaders() -> dict[str, str]:
+            return {si.config.name: si.cluster.leader for si in await op.js.streams_info()}
+        # the server leading the job's bucket now: every leader moves off it
+        target = (await _retry(leaders, READY_S, "the leaders"))[f"KV_{op.subjects.kv_bucket}"]
+        got = await lead_elsewhere(op, {target}, READY_S, logs.get("test"))
+        now = await leaders()
+        assert got["stayed"] == [] and f"KV_{op.subjects.kv_bucket}" in got["moved"], got
+        assert all(v in names and v != target for v in now.values()), now
+    finally:
+        if op is not None:
+            await op.close()
+        servers.stop()
