@@ -185,11 +185,6 @@ def _partition(c, host: str, for_s: float) -> None:
     raise AssertionError(f"inject partition {host}: no answer three times")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the bug it found (after the heal JetStream answered while s1's route to s2 was stuck: "
-    "h1's scaler and monitor judged a blind view, state lost) is fixed by "
-    "services/common/hearing.py (unit tests fail without it); the mark stays until locked "
-    "runs of this test pass: none could run in the session of the fix (docs/cluster.md)"))
 async def test_two_of_three_bus_hosts_lost_no_quorum_then_back(tmp_path, reference,
                                                                namespaces):
     """`--hosts 5 --bus-servers 3 --control-hosts 3 --standbys 1`: h1..h3 each run a
