@@ -260,6 +260,29 @@ async def test_peer_error_reports_cost_the_silent_pods_not_the_members(env, bus)
     assert m.peer_error_looked - looked == 3  # w5, s0, then the first pod heard from
 
 
+async def test_liveness_checks_cost_the_silent_pods_not_every_pod(env, bus):
+    """Issue 45: the liveness check runs 20 times a second and looked at every watched pod
+    each time (a core at 16,384 pods). It now looks at the front of ``pods`` (least recently
+    heard first) up to the first pod heard within the fault timeout: with every pod fresh,
+    about one look per check; a silent pod is still found, whatever its place in the plan."""
+    n = 300
+    pods = [f"w{i}" for i in range(n)]
+    m = await env.monitor(make_plan(pods), fault_timeout=30.0, suspect_timeout=10.0,
+                          stall_timeout=40.0, collective_timeout=60.0)
+    await until(lambda: len(m.pods) == n, what="members watched")
+    looked = m.check_looked
+    for _ in range(20):  # (the loop's own checks run meanwhile too)
+        await m.check()
+    assert m.check_looked - looked <= 2 * 20 + 2 * 40, m.check_looked - looked  # was 20 * n
+    assert m.status()["checks"] == {"pods_looked_at": m.check_looked}
+    # w150 silent past its fault timeout and grace (a member never heard from has both):
+    # at the front, as the heartbeats order it
+    m.pods["w150"].last_hb -= 61.0
+    m.pods.move_to_end("w150", last=False)
+    await until(lambda: env.faults, what="the silent member declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w150", "lost")]
+
+
 async def test_dead_spare_reported(env, bus):
     m = await env.monitor(make_plan(["w0"], spares=["s0"]))
     env.beat("w0", rank=0)
