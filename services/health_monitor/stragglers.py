@@ -139,8 +139,8 @@ class _Ring:
         self.last = k
 
     def clear(self) -> None:
-        for j in range(self.n):
-            self.vals[j] = 0
+        if self.last is not None:  # (an empty ring stays empty: thousands of these a check)
+            self.vals[:] = array(self.vals.typecode, [0]) * self.n
         self.last = None
 
     def span(self, now: float) -> range:
