@@ -274,13 +274,38 @@ async def test_liveness_checks_cost_the_silent_pods_not_every_pod(env, bus):
     for _ in range(20):  # (the loop's own checks run meanwhile too)
         await m.check()
     assert m.check_looked - looked <= 2 * 20 + 2 * 40, m.check_looked - looked  # was 20 * n
-    assert m.status()["checks"] == {"pods_looked_at": m.check_looked}
+    assert m.status()["checks"]["pods_looked_at"] == m.check_looked
     # w150 silent past its fault timeout and grace (a member never heard from has both):
     # at the front, as the heartbeats order it
     m.pods["w150"].last_hb -= 61.0
     m.pods.move_to_end("w150", last=False)
     await until(lambda: env.faults, what="the silent member declared")
     assert [(f.pod, f.kind.value) for f in env.faults] == [("w150", "lost")]
+
+
+async def test_a_large_job_has_its_stragglers_judged_less_often(env, bus):
+    """Issue 45: the straggler rule's pass over every member with its paces cost 150 ms at
+    16,384 members, 4 times a second. A job over ``straggler_pass_members`` members is
+    judged every ceil(members / it) passes of the stall check (here 6 members, 2 a pass:
+    every 3rd); a smaller one at every pass, as before."""
+    pods = [f"w{i}" for i in range(6)]
+    m = await env.monitor(make_plan(pods), fault_timeout=30.0, suspect_timeout=10.0,
+                          stall_timeout=40.0, collective_timeout=60.0)
+    m.straggler_pass_members = 2
+    m._last_stall_check = time.monotonic() + 3600  # the loop's own checks: no stall pass
+
+    async def passes(n: int) -> int:
+        before = m.straggler_passes
+        for _ in range(n):
+            m._last_stall_check = 0.0
+            await m.check()
+            m._last_stall_check = time.monotonic() + 3600
+        return m.straggler_passes - before
+
+    assert await passes(9) == 3
+    m.straggler_pass_members = 4096
+    assert await passes(4) == 4
+    assert m.status()["checks"]["straggler_passes"] == m.straggler_passes
 
 
 async def test_dead_spare_reported(env, bus):
