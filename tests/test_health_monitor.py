@@ -694,12 +694,15 @@ async def test_a_lone_exception_is_declared_once_nobody_can_repeat_it(env, bus):
     assert not verdicts and not m.held
 
 
-async def test_a_straggler_among_two_members_is_declared(env, bus):
+@pytest.mark.parametrize("pass_members", [4096, 1])
+async def test_a_straggler_among_two_members_is_declared(env, bus, pass_members):
     """Issue 41: among two members the median of both is the slower one, so a member x5
     slower than the other was never declared. Judged against the other member (and its own
-    steady pace), it is: one ``straggler`` fault for it, none for the other."""
+    steady pace), it is: one ``straggler`` fault for it, none for the other. Also when the
+    members are judged every other pass, as a job over 4,096 members is (issue 45)."""
     window = 1.0
     m = await env.monitor(make_plan(["w0", "w1"]), straggler_window=window)
+    m.straggler_pass_members = pass_members
     w0, w1 = env.beat("w0", rank=0), env.beat("w1", rank=1)
     env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)
     w0.compute_time = w1.compute_time = 0.1
