@@ -13,8 +13,10 @@ buckets as ``ceaseless up`` creates them, the three services as their own proces
 simulated agent is an asyncio heartbeater using the real ``schemas`` models and ``Bus``: it
 heartbeats every 0.25 s (the agent's default) as a waiting worker, follows the plan (its rank
 and generation from the plan it received, state ``training``, a step that advances with wall
-time), and stops when it is fenced. The agents of one process share one NATS connection and
-one plan subscription (one decode of a plan serves all of them).
+time), and stops when it is fenced (each pod's heartbeat is built with the real model once
+per generation and rank, then only its step and time are filled in: the agents stand for
+machines of their own, not for load on this one). The agents of one process share one NATS
+connection and one plan subscription (one decode of a plan serves all of them).
 
 Then ``--rounds`` rounds: in each, ``--silences`` random members stop heartbeating (as a
 SIGSTOPped or vanished process does). Reported:
@@ -25,7 +27,9 @@ SIGSTOPped or vanished process does). Reported:
   last agent process having received and decoded it (all N agents then know it); also from
   the fault to that moment;
 * **CPU** of each service process (and of nats-server and the agent processes) over the
-  measured phase, as a fraction of one core (from ``/proc/<pid>/stat``).
+  measured phase, as a fraction of one core (from ``/proc/<pid>/stat``);
+* **memory per agent** of each service: its resident memory's growth from before the agents
+  started to the end, over N (the interpreter's own ~60 MiB left out).
 """
 
 from __future__ import annotations
@@ -60,9 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-timeout", type=float, default=TIMEOUTS["fault_timeout"])
     p.add_argument("--settle-timeout", type=float, default=30.0,
                    help="seconds a round may take to get its plan to every agent")
+    p.add_argument("--start-timeout", type=float, default=None,
+                   help="seconds the first plan may take to reach every agent "
+                        "(default 60 + agents / 50)")
     p.add_argument("--view-interval", type=float, default=VIEW_INTERVAL,
                    help="the monitor's health-view interval (0: no view; the scaler and the "
                         "broker read every heartbeat themselves, as before the fan-in)")
+    p.add_argument("--profile", action="store_true",
+                   help="run the three services under cProfile: <run dir>/<service>.prof "
+                        "(where their time goes; slower)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", help="write the results here")
@@ -117,6 +127,23 @@ async def agents_main(a: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     subj = {p: bus.subjects.heartbeat(p) for p in pods}
+    # A pod's heartbeat is built with the real model once per (generation, rank) and then
+    # filled in (step, ts) as text: the simulated agents stand for machines of their own, and
+    # building each heartbeat (~20 µs) took more of this machine's 2 cores at 16,384 agents
+    # than the control plane under test.
+    made: dict[str, tuple[tuple[int, int | None], str]] = {}
+
+    def beat(p: str, rank: int | None, step: int) -> bytes:
+        key = (state["gen"], rank)
+        t = made.get(p)
+        if t is None or t[0] != key:
+            hb = Heartbeat(pod=p, role=Role.worker, generation=state["gen"], rank=rank,
+                           step=_STEP_MARK, ts=_TS_MARK, pid=os.getpid(),
+                           state=AgentState.training if rank is not None else AgentState.waiting,
+                           step_time=STEP_PERIOD if rank is not None else None)
+            t = made[p] = (key, fill_template(hb.model_dump_json(by_alias=True)))
+        return (t[1] % (step if rank is not None else -1, time.time())).encode()
+
     while not stop.is_set():
         now = time.monotonic()
         step = int((time.time() - t0) / STEP_PERIOD)
@@ -124,12 +151,7 @@ async def agents_main(a: argparse.Namespace) -> None:
             if due[p] > now or p in silenced or p in state["fenced"]:
                 continue
             due[p] = now + HB_INTERVAL
-            rank = state["ranks"].get(p)
-            hb = Heartbeat(pod=p, role=Role.worker, generation=state["gen"], rank=rank,
-                           step=step if rank is not None else -1, pid=os.getpid(),
-                           state=AgentState.training if rank is not None else AgentState.waiting,
-                           step_time=STEP_PERIOD if rank is not None else None)
-            await bus.publish(subj[p], hb)
+            await bus.nc.publish(subj[p], beat(p, state["ranks"].get(p), step))
             last_sent[p] = time.time()
         try:
             await asyncio.wait_for(stop.wait(), 0.01)
@@ -137,6 +159,18 @@ async def agents_main(a: argparse.Namespace) -> None:
             pass
     out.close()
     await bus.close()
+
+
+_STEP_MARK, _TS_MARK = 987654321, 1234.5678  # stand-ins, replaced by fill_template
+
+
+def fill_template(raw: str) -> str:
+    """A heartbeat's JSON (built with the stand-ins above) as a %-format of (step, ts)."""
+    out = raw.replace("%", "%%").replace(f'"step":{_STEP_MARK}', '"step":%d') \
+        .replace(f'"ts":{_TS_MARK!r}', '"ts":%r')
+    if out.count("%d") != 1 or out.count("%r") != 1:
+        raise ValueError(f"heartbeat template: step/ts not found once in {raw[:200]}")
+    return out
 
 
 # ---------------------------------------------------------------------------- one size
@@ -206,16 +240,18 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         await bus.subscribe(bus.subjects.fault, Fault, on_fault)
         await bus.subscribe(bus.subjects.plan, PLAN_MODELS, on_plan)
         base = [sys.executable, "-m"]
+        svc = (lambda name: [sys.executable, "-m", "cProfile", "-o", str(d / f"{name}.prof"),
+                             "-m"] if a.profile else base)
         common = ["--nats", srv.url, "--creds", str(creds_path), "--job", job, "--run-dir",
                   str(d), "--log-level", "warning"]
-        start("health_monitor", [*base, "services.health_monitor", *common,
+        start("health_monitor", [*svc("health_monitor"), "services.health_monitor", *common,
                                  "--fault-timeout", str(a.fault_timeout),
                                  "--view-interval", str(a.view_interval)])
-        start("scaler", [*base, "services.scaler", *common, "--workers", str(n),
+        start("scaler", [*svc("scaler"), "services.scaler", *common, "--workers", str(n),
                          "--max-replicas", str(n), "--min-replicas", "1",
                          "--global-batch-size", str(n), "--micro-batch-size", "1",
                          "--start-timeout", "120", "--fault-timeout", str(a.fault_timeout)])
-        start("state_broker", [*base, "services.state_broker", *common])
+        start("state_broker", [*svc("state_broker"), "services.state_broker", *common])
         # as `ceaseless up` does, the agents come after the services; here after each one
         # answers on its status endpoint (registered last in its start-up)
         end = time.monotonic() + 60
@@ -228,6 +264,9 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                     if procs[name].poll() is not None or time.monotonic() > end:
                         raise RuntimeError(f"{name} did not come up: "
                                            f"{(d / f'{name}.log').read_text()[-2000:]}")
+        # each service's memory before any agent: what it holds per agent is the growth
+        rss_idle = {name: rss_bytes(p.pid) for name, p in procs.items()}
+        rss_idle["nats-server"] = rss_bytes(srv.proc.pid)
         t0 = time.time()
         t_setup = time.monotonic()
         per = [n // a.procs + (1 if i < n % a.procs else 0) for i in range(a.procs)]
@@ -241,7 +280,7 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
             start(f"agents{i}", [*base, "bench.control_plane", "agents", "--nats", srv.url,
                                  "--creds", str(creds_path), "--job", job, "--first", str(first),
                                  "--count", str(count), "--out", str(o), "--t0", str(t0)])
-        start_to = 60 + n / 50
+        start_to = a.start_timeout or 60 + n / 50
 
         async def wait(pred, timeout: float, what: str) -> None:
             end = time.monotonic() + timeout
@@ -290,6 +329,8 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
         rss = {name: rss_bytes(p.pid) for name, p in procs.items()
                if not name.startswith("agents")}
         rss["nats-server"] = rss_bytes(srv.proc.pid)
+        per_agent = {k: (v - rss_idle[k]) / n for k, v in rss.items()
+                     if v is not None and rss_idle.get(k) is not None}
         for s in silenced:
             hit = faults.get(s["pod"])
             if hit is None:
@@ -320,6 +361,7 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                 "initial_plan_delivery_s": init_delivery,
                 "setup_s": round(t_g1 - t_setup, 3),
                 "measured_s": wall, "cpu_core_fraction": cpu, "rss_bytes": rss,
+                "rss_idle_bytes": rss_idle, "rss_per_agent_bytes": per_agent,
                 "detect_p50_s": quantile(det, 0.5), "detect_p99_s": quantile(det, 0.99),
                 "detect_max_s": max(det) if det else None,
                 "plan_delivery": summary(x["ts_to_all_s"] for x in deliveries),
@@ -426,7 +468,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         if res["error"]:
             print(f"{n:>5} agents: did not keep up: {res['error']}", flush=True)
         f3 = (lambda v: f"{v:.3f}" if v is not None else "-")
-        kb = {k: f"{v / n / 1024:.1f}" if v else "-" for k, v in res["rss_bytes"].items()}
+        # what each holds per agent: its growth from before the agents started
+        kb = {k: f"{v / 1024:.1f}" for k, v in res["rss_per_agent_bytes"].items()}
         print(f"{n:>5} agents: detect p50 {f3(res['detect_p50_s'])}s p99 "
               f"{f3(res['detect_p99_s'])}s; plan to all {fmt(res['plan_delivery'])}; initial "
               f"plan {f3(res['initial_plan_delivery_s'])}s; CPU monitor "
@@ -449,14 +492,15 @@ def markdown(res: dict[str, Any]) -> str:
            f"{c['silences']} silenced members per size. Detection = last heartbeat of the "
            "silenced agent → its `fault` received by a subscriber; plan delivery = the plan's "
            "`ts` → the last agent process has it decoded; CPU = fraction of one core over the "
-           "measured phase.", "",
+           "measured phase; memory per agent = resident memory's growth from before the "
+           "agents started, over the agents.", "",
            "| agents | detection p50 | p99 | max | plan → all agents, median (min–max) | "
            "fault → plan at all agents | first plan → all | CPU monitor | scaler | broker | "
-           "nats-server | agents (all procs) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "nats-server | agents (all procs) | KiB per agent: monitor / scaler / broker / nats |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         if r.get("failed"):
-            out.append(f"| {r['agents']} | failed: {r['failed'][:200]} |" + " |" * 10)
+            out.append(f"| {r['agents']} | failed: {r['failed'][:200]} |" + " |" * 11)
             continue
         cpu = r["cpu_core_fraction"]
         ag = sum(v for k, v in cpu.items() if k.startswith("agents") and v is not None)
@@ -466,7 +510,7 @@ def markdown(res: dict[str, Any]) -> str:
                    f"{fmt(r['fault_to_plan_everywhere'])} | {f(r['initial_plan_delivery_s'])} | "
                    f"{cpu.get('health_monitor') or 0:.2f} | {cpu.get('scaler') or 0:.2f} | "
                    f"{cpu.get('state_broker') or 0:.2f} | {cpu.get('nats-server') or 0:.2f} | "
-                   f"{ag:.2f} |")
+                   f"{ag:.2f} | {per_agent_kib(r)} |")
     for r in res["runs"]:
         if r.get("error"):
             out += ["", f"{r['agents']} agents: the run stopped early: {r['error']} "
@@ -474,6 +518,13 @@ def markdown(res: dict[str, Any]) -> str:
                     "the figures above are from what completed)."]
     out += ["", "![control plane](img/bench-control-plane.svg)"]
     return "\n".join(out) + "\n"
+
+
+def per_agent_kib(r: dict[str, Any]) -> str:
+    """Each service's memory growth from before the agents started, per agent."""
+    g = r.get("rss_per_agent_bytes") or {}
+    return " / ".join(f"{g[k] / 1024:.1f}" if g.get(k) is not None else "–"
+                      for k in ("health_monitor", "scaler", "state_broker", "nats-server"))
 
 
 def plot(res: dict[str, Any]) -> str:

@@ -190,6 +190,25 @@ def test_control_plane(tmp_path):
     assert run["rss_bytes"]["health_monitor"] > 0 and run["rss_bytes"]["nats-server"] > 0
 
 
+def test_control_plane_heartbeat_template():
+    """The simulated agents' heartbeat, built once and filled in per beat, decodes to what
+    the model builds (step, ts, a waiting pod's -1); a template without the stand-ins is
+    refused, not sent wrong."""
+    from bench.control_plane import _STEP_MARK, _TS_MARK, fill_template
+    from plumbing.bus import decode
+    from schemas.messages import AgentState, Heartbeat, Role
+
+    for rank, state, step in ((3, AgentState.training, 41), (None, AgentState.waiting, -1)):
+        hb = Heartbeat(pod="w3", role=Role.worker, generation=2, rank=rank, step=_STEP_MARK,
+                       ts=_TS_MARK, pid=7, state=state)
+        t = fill_template(hb.model_dump_json(by_alias=True))
+        got = decode(Heartbeat, (t % (step, 1796625955.5240784)).encode(),
+                     "ceaseless.j.heartbeat.w3")
+        assert got == hb.model_copy(update={"step": step, "ts": 1796625955.5240784})
+    with pytest.raises(ValueError, match="step/ts not found"):
+        fill_template('{"step":1,"ts":2.0}')
+
+
 @pytest.mark.timeout(LIMIT)
 def test_init(tmp_path):
     res = run_bench(tmp_path, ["init", "--world-sizes", "2", "--repeats", "1",

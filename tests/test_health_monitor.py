@@ -260,6 +260,54 @@ async def test_peer_error_reports_cost_the_silent_pods_not_the_members(env, bus)
     assert m.peer_error_looked - looked == 3  # w5, s0, then the first pod heard from
 
 
+async def test_liveness_checks_cost_the_silent_pods_not_every_pod(env, bus):
+    """Issue 45: the liveness check runs 20 times a second and looked at every watched pod
+    each time (a core at 16,384 pods). It now looks at the front of ``pods`` (least recently
+    heard first) up to the first pod heard within the fault timeout: with every pod fresh,
+    about one look per check; a silent pod is still found, whatever its place in the plan."""
+    n = 300
+    pods = [f"w{i}" for i in range(n)]
+    m = await env.monitor(make_plan(pods), fault_timeout=30.0, suspect_timeout=10.0,
+                          stall_timeout=40.0, collective_timeout=60.0)
+    await until(lambda: len(m.pods) == n, what="members watched")
+    looked = m.check_looked
+    for _ in range(20):  # (the loop's own checks run meanwhile too)
+        await m.check()
+    assert m.check_looked - looked <= 2 * 20 + 2 * 40, m.check_looked - looked  # was 20 * n
+    assert m.status()["checks"]["pods_looked_at"] == m.check_looked
+    # w150 silent past its fault timeout and grace (a member never heard from has both):
+    # at the front, as the heartbeats order it
+    m.pods["w150"].last_hb -= 61.0
+    m.pods.move_to_end("w150", last=False)
+    await until(lambda: env.faults, what="the silent member declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w150", "lost")]
+
+
+async def test_a_large_job_has_its_stragglers_judged_less_often(env, bus):
+    """Issue 45: the straggler rule's pass over every member with its paces cost 150 ms at
+    16,384 members, 4 times a second. A job over ``straggler_pass_members`` members is
+    judged every ceil(members / it) passes of the stall check (here 6 members, 2 a pass:
+    every 3rd); a smaller one at every pass, as before."""
+    pods = [f"w{i}" for i in range(6)]
+    m = await env.monitor(make_plan(pods), fault_timeout=30.0, suspect_timeout=10.0,
+                          stall_timeout=40.0, collective_timeout=60.0)
+    m.straggler_pass_members = 2
+    m._last_stall_check = time.monotonic() + 3600  # the loop's own checks: no stall pass
+
+    async def passes(n: int) -> int:
+        before = m.straggler_passes
+        for _ in range(n):
+            m._last_stall_check = 0.0
+            await m.check()
+            m._last_stall_check = time.monotonic() + 3600
+        return m.straggler_passes - before
+
+    assert await passes(9) == 3
+    m.straggler_pass_members = 4096
+    assert await passes(4) == 4
+    assert m.status()["checks"]["straggler_passes"] == m.straggler_passes
+
+
 async def test_dead_spare_reported(env, bus):
     m = await env.monitor(make_plan(["w0"], spares=["s0"]))
     env.beat("w0", rank=0)
@@ -646,12 +694,15 @@ async def test_a_lone_exception_is_declared_once_nobody_can_repeat_it(env, bus):
     assert not verdicts and not m.held
 
 
-async def test_a_straggler_among_two_members_is_declared(env, bus):
+@pytest.mark.parametrize("pass_members", [4096, 1])
+async def test_a_straggler_among_two_members_is_declared(env, bus, pass_members):
     """Issue 41: among two members the median of both is the slower one, so a member x5
     slower than the other was never declared. Judged against the other member (and its own
-    steady pace), it is: one ``straggler`` fault for it, none for the other."""
+    steady pace), it is: one ``straggler`` fault for it, none for the other. Also when the
+    members are judged every other pass, as a job over 4,096 members is (issue 45)."""
     window = 1.0
     m = await env.monitor(make_plan(["w0", "w1"]), straggler_window=window)
+    m.straggler_pass_members = pass_members
     w0, w1 = env.beat("w0", rank=0), env.beat("w1", rank=1)
     env.beat("s0", role=Role.spare, state=AgentState.waiting, advance=False)
     w0.compute_time = w1.compute_time = 0.1

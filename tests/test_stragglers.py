@@ -42,6 +42,22 @@ def test_bad_settings_and_input_are_refused():
 paces = hs.builds(sg.Pace, hs.floats(0.001, 10), hs.one_of(hs.none(), hs.floats(0.001, 10)))
 
 
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(hs.sampled_from([0.01, 0.03, 0.05, 0.2, 0.5]),
+                          hs.sampled_from([None, 0.0, 0.01, 0.03, 0.1])), min_size=2, max_size=12))
+def test_judging_every_member_at_once_gives_each_ones_own_verdict(pairs):
+    """The monitor judges every member at once (``judge_all``, one sort: judging each alone
+    was O(N² log N), seconds per check at thousands of members): each verdict is exactly the
+    one ``judge`` gives that member against the others (repeated values, members without a
+    steady pace, a single other with one)."""
+    paces = [sg.Pace(c, b) for c, b in pairs]
+    rule = sg.Rule()
+    assert sg.judge_all(paces, rule) == [sg.judge(p, paces[:i] + paces[i + 1:], rule)
+                                         for i, p in enumerate(paces)]
+    with pytest.raises(ValueError, match="at least one other"):
+        sg.judge_all(paces[:1], rule)
+
+
 @settings(max_examples=300, deadline=None)
 @given(hs.lists(paces, min_size=2, max_size=8), hs.floats(0.01, 100))
 def test_the_verdict_does_not_depend_on_the_units(ps, k):

@@ -24,6 +24,7 @@ one judgment per ``window / MARKS_PER_WINDOW`` s over one.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Sequence
@@ -68,13 +69,47 @@ def judge(me: Pace, others: Sequence[Pace], rule: Rule) -> Verdict:
     """``me`` against the other members (``others``: not itself; at least one)."""
     if not others:
         raise ValueError("a member is judged against at least one other")
-    ref = median(o.compute for o in others)
+    theirs = [o.compute / o.base for o in others if o.base]
+    return _verdict(me, median(o.compute for o in others),
+                    median(theirs) if me.base and theirs else None, rule)
+
+
+def judge_all(paces: Sequence[Pace], rule: Rule) -> list[Verdict]:
+    """``judge`` of each of ``paces`` (at least two) against all the others, the same
+    verdicts in O(n log n): each one's medians are read from the sorted whole with its own
+    value left out (judging each alone sorts the others once per member)."""
+    if len(paces) < 2:
+        raise ValueError("a member is judged against at least one other")
+    computes = sorted(p.compute for p in paces)
+    slowdowns = sorted(p.compute / p.base for p in paces if p.base)
+    out = []
+    for p in paces:
+        usual = None
+        if p.base and len(slowdowns) > 1:
+            usual = _median_without(slowdowns, p.compute / p.base)
+        out.append(_verdict(p, _median_without(computes, p.compute), usual, rule))
+    return out
+
+
+def _median_without(s: Sequence[float], v: float) -> float:
+    """``statistics.median`` of sorted ``s`` with one occurrence of ``v`` (in it) left out."""
+    k = bisect_left(s, v)
+    m = len(s) - 1
+
+    def at(j: int) -> float:
+        return s[j] if j < k else s[j + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
+def _verdict(me: Pace, ref: float, usual: float | None, rule: Rule) -> Verdict:
+    """``me`` against the others' median compute ``ref`` and, where ``me`` has a steady
+    pace and some other member has one, the median of their slowdowns ``usual``."""
     ratio = me.compute / ref if ref > 0 else (float("inf") if me.compute > 0 else 1.0)
     if me.compute > rule.factor * ref and me.compute - ref > rule.min_s:
         return Verdict(True, max(1.0, ratio), f"the others' median {ref:.3f}s")
-    theirs = [o.compute / o.base for o in others if o.base]
-    if me.base and theirs:
-        slowdown, usual = me.compute / me.base, median(theirs)
+    if me.base and usual is not None:
+        slowdown = me.compute / me.base
         if slowdown > rule.factor * usual and me.compute - me.base * usual > rule.min_s:
             return Verdict(True, max(1.0, ratio),
                            f"its own earlier {me.base:.3f}s (x{slowdown:.1f}; the others "
@@ -104,8 +139,8 @@ class _Ring:
         self.last = k
 
     def clear(self) -> None:
-        for j in range(self.n):
-            self.vals[j] = 0
+        if self.last is not None:  # (an empty ring stays empty: thousands of these a check)
+            self.vals[:] = array(self.vals.typecode, [0]) * self.n
         self.last = None
 
     def span(self, now: float) -> range:
