@@ -96,6 +96,7 @@ class Membership:
         # a plan named this process a spare: a later plan that fences it means it was
         # declared lost (a restarted pod gets a new id: never fenced by an old plan)
         self._named_spare = False
+        self._started = time.time()  # a fence decided after this is this process's
 
     # ------------------------------------------------------------------ the state machine
     def _to(self, new: Phase, why: str = "") -> None:
@@ -355,10 +356,13 @@ class Membership:
             if plan.rank_of(pod) is not None:
                 return got  # a following spare drains its stream in handoff.enter
             self.seen_generation = plan.generation
-            if (self.generation > 0 or self._named_spare) and pod in plan.fenced:
+            if pod in plan.fenced and (self.generation > 0 or self._named_spare
+                                       or plan.ts > self._started):
                 # We were a member (or a spare) and the plan dropped us (fenced, e.g. after
                 # a hang, or a spare declared lost while its host was cut off): a replacement
-                # takes our place
+                # takes our place. A spare cut off may never have seen the plan that named it
+                # (it sees the newest after the heal): a fence made while this process lived
+                # is its own; an older plan's is another run's history (a reused pod id).
                 rt.report_sync(ReportKind.fenced, f"not in plan {plan.generation}")
                 self.fallback(f"fenced: pod {pod} is not in plan generation {plan.generation}")
             self._not_member()

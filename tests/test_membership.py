@@ -10,6 +10,7 @@ during a step means) is checked as the pure function it is.
 from __future__ import annotations
 
 import asyncio
+import time
 import threading
 
 import pytest
@@ -240,11 +241,12 @@ async def test_a_plan_without_this_member_releases_it(bus, nats_server):
 async def test_a_spare_the_job_fenced_leaves_and_a_new_pod_of_that_name_does_not(bus,
                                                                                  nats_server):
     """A spare declared lost while its host was cut off comes back: the plan after its loss
-    fences it (services/scaler/policy.py gone_spares) and it leaves, to be replaced. A pod
-    that no plan named yet is not told to leave by an old fence (ids are not reused, but a
-    plan's fenced list is history)."""
+    fences it (services/scaler/policy.py gone_spares) and it leaves, to be replaced, also
+    when it never saw the plan that named it (cut off, it sees only the newest plan after
+    the heal: the host chaos run's spare followed the job for ever, fenced). A pod is not
+    told to leave by a fence older than itself (another run's plans, a reused pod id)."""
     s = bus.subjects
-    for named in (True, False):
+    for named, missed in ((True, False), (False, True), (False, False)):
         rt, m = pod(nats_server)
         left: list[str] = []
 
@@ -267,12 +269,15 @@ async def test_a_spare_the_job_fenced_leaves_and_a_new_pod_of_that_name_does_not
                     except (AssertionError, TimeoutError):
                         continue
 
-            g = 50 if named else 60  # newer than any plan the module's earlier tests left in KV
+            # newer than any plan the module's earlier tests left in KV
+            g = 50 if named else 60 if missed else 70
             if named:
                 await adopted(plan(g, ["p1"], spares=("p0",)))
                 assert rt.hb.generation == g
-            await adopted(plan(g + 1, ["p1"], fenced=("p0",)))
-            if named:
+            # the fence of a run before this pod started, or made while it lived
+            await adopted(plan(g + 1, ["p1"], fenced=("p0",),
+                               **({} if named or missed else {"ts": time.time() - 3600})))
+            if named or missed:
                 with pytest.raises(Left):
                     await waiting
                 assert left and "fenced" in left[0]
