@@ -16,7 +16,7 @@ from plumbing import logs
 from plumbing.bus import Bus, Envelope
 from plumbing.terms import NewestTerm
 from schemas import PLAN_KEY
-from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Fault,
+from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Fault, JobFailed,
                               FaultKind, Plan, StateLost, Transfer)
 from services.common.lease import TICKS_PER_TTL, Lease, LeaseState, parse_lease, ttl_for
 from services.health_monitor import HealthMonitor
@@ -452,3 +452,26 @@ async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decid
         for br, b in made:
             await br.stop()
             await b.close()
+
+
+async def test_read_back_gets_messages_without_a_consumer(bus):
+    """What a new lease holder reads back (services/common/history.py): every fault of the
+    subject, oldest first, bounded to the newest; the last only; a malformed one dropped. By
+    message gets, which the stream's leader answers, not a consumer, which JetStream's meta
+    leader creates: after a host loss that took the meta leader, a consumer waited 4-9 s
+    for its election, and the monitor's declaration and the scaler's plan with it."""
+    from services.common.history import read_back
+
+    s = bus.subjects
+    js = bus.js
+    for i in range(5):
+        await bus.publish(s.fault, Fault(incident=f"inc-p{i}-g1", pod=f"p{i}",
+                                         kind=FaultKind.lost, detected_at=time.time(),
+                                         last_seen=time.time(), generation=1))
+    await js.publish(s.fault, b"{not json")  # logged and dropped
+    await bus.nc.flush()
+    got = await read_back(bus, s.fault, Fault, log)
+    assert [f.pod for f, _ in got] == [f"p{i}" for i in range(5)]
+    assert [f.pod for f, _ in await read_back(bus, s.fault, Fault, log, limit=2)] == ["p3", "p4"]
+    assert await read_back(bus, s.job_failed, JobFailed, log, last_only=True) == []
+    assert (await js.stream_info(s.stream)).state.consumer_count == 0

@@ -5,12 +5,11 @@ dropped spares, the health monitor's declared pods, a job failure)."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
+from collections import deque
 from typing import Any, TypeVar
 
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from plumbing.bus import Bus, DropError, Envelope, decode
 from schemas import Message
@@ -18,8 +17,6 @@ from schemas import Message
 M = TypeVar("M", bound=Message)
 
 MAX_READ = 16384      # messages read back at most (the newest ones are what counts)
-FETCH_BATCH = 256
-FETCH_WAIT_S = 0.5    # no message within this: the stream is read to its end
 
 
 async def read_back(bus: Bus, subject: str, model: type[M], log: Any, *,
@@ -29,42 +26,37 @@ async def read_back(bus: Bus, subject: str, model: type[M], log: Any, *,
     (all of them when None), or only the last one (``last_only``). Reads what is there now,
     no more (waiting for a fetch to time out would delay the caller's decisions); at most
     ``limit``, the newest. Messages that do not validate are logged and dropped."""
-    s = bus.subjects
-    if last_only:
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.LAST, ack_policy=AckPolicy.NONE,
-                             filter_subject=subject, inactive_threshold=30.0)
-    elif since is not None:
-        start = datetime.datetime.fromtimestamp(max(0.0, since), datetime.timezone.utc)
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
-                             ack_policy=AckPolicy.NONE, filter_subject=subject,
-                             inactive_threshold=30.0)
-    else:
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
-                             filter_subject=subject, inactive_threshold=30.0)
-    sub = await bus.js.pull_subscribe(subject, stream=s.stream, config=cfg)
-    out: list[tuple[M, Envelope]] = []
-    try:
-        left = (await sub.consumer_info()).num_pending or 0
-        while left > 0:
-            try:
-                msgs = await sub.fetch(min(FETCH_BATCH, left), timeout=FETCH_WAIT_S)
-            except (NatsTimeoutError, asyncio.TimeoutError):
-                break
-            left -= len(msgs)
-            for m in msgs:
-                try:
-                    obj = decode(model, m.data, m.subject)
-                except DropError as e:
-                    log.warning("message read back dropped", subject=m.subject,
-                                reason=str(e)[:200])
-                    continue
-                out.append((obj, Envelope(subject=m.subject, headers=dict(m.headers or {}),
-                                          raw=m)))
-            if len(out) > limit:  # bounded memory: keep the newest
-                del out[:len(out) - limit]
-    finally:
+    # Message gets by subject, not a consumer: a get is answered by the stream's leader, a
+    # consumer is created by JetStream's meta leader. An instance takes its lease and reads
+    # back right after a host loss, and where that host held the meta leader a consumer
+    # waited 4-9 s for its election (the declaration and the plan with it).
+    stream = bus.subjects.stream
+    since_dt = (datetime.datetime.fromtimestamp(max(0.0, since), datetime.timezone.utc)
+                if since is not None else None)
+    out: deque = deque(maxlen=max(1, limit))  # bounded memory: the newest ``limit``
+
+    def take(m: Any) -> None:
         try:
-            await sub.unsubscribe()
-        except Exception:  # the consumer goes away by itself (inactive_threshold)
+            obj = decode(model, m.data or b"", m.subject or subject)
+        except DropError as e:
+            log.warning("message read back dropped", subject=m.subject, reason=str(e)[:200])
+            return
+        out.append((obj, Envelope(subject=m.subject or subject,
+                                  headers=dict(m.headers or {}), raw=m)))
+
+    if last_only:
+        try:
+            take(await bus.js.get_msg(stream, subject=subject))
+        except NotFoundError:
             pass
-    return out
+    else:
+        seq = 1
+        while True:
+            try:
+                raw = await bus.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except NotFoundError:  # no message of the subject from ``seq`` on
+                break
+            seq = (raw.seq or seq) + 1
+            if since_dt is None or raw.time is None or raw.time >= since_dt:
+                take(raw)
+    return list(out)
