@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
                         "part of the training state), updated after each step; 0: off")
     p.add_argument("--sleep", type=float, default=0.0, metavar="S",
                    help="sleep S seconds per micro-batch: a slower model, same numerics (tests)")
+    p.add_argument("--sleep-while", default=None, metavar="PATH",
+                   help="--sleep only while PATH exists: a test keeps the job slow until its "
+                        "checks are done, then removes PATH and the job ends at full speed")
     p.add_argument("--after-step", type=float, default=0.0, metavar="S",
                    help="sleep S seconds after each s.step(), as a script that logs or "
                         "evaluates there (same numerics; the liveness stress)")
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                            y.reshape(-1))
                 s.backward(loss * jitter if a.outside_rng else loss)
-                if a.sleep:
+                if a.sleep and (a.sleep_while is None or os.path.exists(a.sleep_while)):
                     time.sleep(a.sleep)
             committed = s.step(max_grad_norm=a.grad_clip) if a.grad_clip else s.step()
             if a.after_step:

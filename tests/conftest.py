@@ -36,6 +36,9 @@ ONE_WORKER_FILES = {"test_trace_cli.py", "test_data_loader.py"}
 BESIDE_CLUSTERS = {"test_bad_input.py", "test_compose.py", "test_state_handoff.py",
                    "test_telemetry.py", "test_tls.py", "test_shadow.py", "test_shadow_roles.py",
                    "test_host_syncs.py",
+                   # no `up`: two gloo processes (FSDP2), one nats-server restarted, pure
+                   # functions; bitwise or generously bounded (~30 s off the serial worker)
+                   "test_sharded.py", "test_store_keeper.py", "test_data_bench.py",
                    # one process each (Lightning, the HF Trainer in subprocesses, ~40 s each): not the quick tier
                    "test_lightning.py", "test_hf.py"}
 

@@ -56,23 +56,33 @@ async def _fault_during_outage(c, name: str, checks: dict) -> None:
     await c.wait_for(lambda: _count(c, name) >= 2, 30, f"{name} restarted")
 
 
-def _slower(tmp_path) -> list[str]:
+def _slower(tmp_path, gate=None) -> list[str]:
     """The default example, 0.02 s slower per micro-batch (same numerics): the job must still
-    be training after its first 16 steps and the scaler's reconcile (~3.5 s after `up`)."""
+    be training after its first 16 steps and the scaler's reconcile (~3.5 s after `up`).
+    ``gate`` (a path): slower only while it exists; the test removes it once nothing is left
+    to wait for, and the rest of the steps run at full speed."""
     from ops.cluster import UpOptions, _default_data, default_cmd
 
-    return [*default_cmd(UpOptions(steps=STEPS), _default_data(tmp_path / "data")),
-            "--sleep", "0.02"]
+    cmd = [*default_cmd(UpOptions(steps=STEPS), _default_data(tmp_path / "data")),
+           "--sleep", "0.02"]
+    if gate is not None:
+        gate.touch()
+        cmd += ["--sleep-while", str(gate)]
+    return cmd
 
 
 @pytest.mark.parametrize("name", ["health_monitor", "state_broker", "nats-server"])
 async def test_fault_while_down_is_handled_once_back(tmp_path, reference, name):
     checks: dict = {}
+    gate = tmp_path / "slow"
 
     async def fault(c):
         await _fault_during_outage(c, name, checks)
+        # restarted: the fault is handled from here (the survivor cannot step without a new
+        # plan, so the job cannot end before it), no need to train slowly any more
+        gate.unlink()
 
-    s = await _run(tmp_path, f"down-{name}", 2, 1, fault, cmd=_slower(tmp_path))
+    s = await _run(tmp_path, f"down-{name}", 2, 1, fault, cmd=_slower(tmp_path, gate))
     _assert_same(s, reference(2))
     gens = [p.generation for p in s["plans"]]
     assert gens[-1] == 2 and gens.count(2) >= 1, gens          # one replacement, no more

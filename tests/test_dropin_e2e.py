@@ -64,10 +64,22 @@ async def _run(tmp_path, name, spares, fault=None, extra=(), up=None):
         return c.summary(), run
 
 
-async def test_dropin_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_path):
-    ref, ref_dir = await _run(tmp_path, "ref", 0)
-    assert ref["final_step"] == ITERS - 1 and ref["lost_steps"] == 0
-    assert (ref_dir / "out" / "ckpt.pt").exists()  # rank 0's own checkpoint at the end
+_REF: list = []  # (summary, run dir) of the fault-free run: once per test process
+
+
+async def _reference(tmp_path_factory):
+    """The fault-free run (no flags), shared by this file's tests (it was run by three)."""
+    if not _REF:
+        ref, ref_dir = await _run(tmp_path_factory.mktemp("dropin"), "ref", 0)
+        assert ref["final_step"] == ITERS - 1 and ref["lost_steps"] == 0
+        assert (ref_dir / "out" / "ckpt.pt").exists()  # rank 0's own checkpoint at the end
+        _REF.append((ref, ref_dir))
+    return _REF[0]
+
+
+async def test_dropin_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_path,
+                                                                       tmp_path_factory):
+    ref, ref_dir = await _reference(tmp_path_factory)
 
     killed: list[str] = []
 
@@ -159,14 +171,15 @@ async def test_rank0_work_inside_dist_solo_is_no_fault(tmp_path, monkeypatch):
     assert log_events(tmp_path / "solo", "w1", "waiting for a peer that works alone")
 
 
-async def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, monkeypatch):
+async def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, tmp_path_factory,
+                                                             monkeypatch):
     """Issue 41 (5b): resuming from the script's own checkpoint (`--resume`, its iter_num) at
     iteration 20 ends bitwise equal to the run of 40 in one go, with and without a fault in
     the resumed run's first step (rank 1 alive but out of step 20's all-reduce: declared,
     replaced by the spare; rank 0 computes step 20 again). The script draws the resumed
     step's first batch before its loop, before the session knows the step."""
     half = ITERS // 2
-    ref, ref_dir = await _run(tmp_path, "ref", 0)
+    ref, ref_dir = await _reference(tmp_path_factory)
     first, first_dir = await _run(tmp_path, "first", 0, extra=("--max-iters", str(half)))
     assert first["final_step"] == half - 1
     import shutil
@@ -196,7 +209,7 @@ async def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, monkeypa
     assert [e["step"] for e in log_events(run, "w0", "step discarded")] == [half]
 
 
-async def test_verify_every_finds_a_flipped_bit_and_rolls_back(tmp_path):
+async def test_verify_every_finds_a_flipped_bit_and_rolls_back(tmp_path, tmp_path_factory):
     """Issue 41 (5c): `--verify-every` for the drop-in (before, every drop-in run warned that it
     was not done). One bit of rank 1's parameters flipped at step 12, verification every 5
     steps: at step 14 the digests disagree, both ranks restore the copy verified at step 9,
@@ -205,7 +218,7 @@ async def test_verify_every_finds_a_flipped_bit_and_rolls_back(tmp_path):
     fault-free one."""
     from schemas.messages import Inject, InjectAction
 
-    ref, ref_dir = await _run(tmp_path, "ref", 0)
+    ref, ref_dir = await _reference(tmp_path_factory)
 
     async def flip(c):
         await c.wait_rank_step(1, 3)

@@ -45,9 +45,13 @@ async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_pa
     async with Cluster(tmp_path / "ref", 3, 0, steps, extra=["--", *_example(steps)]) as c:
         assert await c.finish() == 0, c.output()
         ref = c.summary()
-    # slower steps (same numerics): the replacement must start and follow before the end
+    # slower steps (same numerics): the replacement must start and follow before the end;
+    # slower only while `slow` exists (removed once both faults are handled and replaced)
+    slow = tmp_path / "slow"
+    slow.touch()
     async with Cluster(tmp_path / "heal", 3, 1, steps, replace=True, extra=[
-            "--fault-timeout", "1.5", "--", *_example(steps, "--sleep", "0.1")]) as c:
+            "--fault-timeout", "1.5", "--",
+            *_example(steps, "--sleep", "0.1", "--sleep-while", str(slow))]) as c:
         await c.wait_spares(1)
         await c.wait_rank_step(1, 8)
         t_kill = time.monotonic()
@@ -59,7 +63,12 @@ async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_pa
                          90, "a replacement spare following the job")
         t_ready = time.monotonic() - t_kill
         h = c.member(2)
+        gen = c.plans[-1].generation
         os.kill(h.pid, signal.SIGSTOP)
+        up_out = tmp_path / "heal" / "up.out"
+        await c.wait_for(lambda: c.plans[-1].generation > gen and up_out.read_text().count(
+            "replacement started as a spare") >= 2, 90, "w2 replaced, and a spare started")
+        slow.unlink()  # nothing left to wait for: the rest of the steps at full speed
         assert await c.finish() == 0, c.output()
         s = c.summary()
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0

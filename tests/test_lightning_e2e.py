@@ -9,7 +9,13 @@ during a checkpoint's save: 0 lost steps, the final parameters bitwise equal to 
 fault-free run's, and every checkpoint equal to the fault-free run's, the one rank 0 died
 saving written again by the spare that became rank 0. The promoted spares receive the
 model, the optimizer, the LR scheduler, the fit loop's progress and ModelCheckpoint's state,
-and start on the job's next batch (the run spans three epochs)."""
+and start on the job's next batch (the run spans three epochs).
+
+Then the plain kills, without validation or checkpoints (no ModelCheckpoint state to send):
+SIGKILL of rank 1 mid-training, then, once its replacement trains and a new spare is up, of
+rank 0, compared with the same fault-free run (validation and checkpoints change no
+parameter): one reference for both tests, run once (it was a file and a cluster of its
+own, tests/test_lightning_kills_e2e.py)."""
 
 from __future__ import annotations
 
@@ -44,11 +50,15 @@ def _said(run, pod: str, what: str) -> list[int]:
     return [int(m) for m in re.findall(re.escape(what) + r" (\d+)", text)]
 
 
-async def _run(tmp_path, name, spares, fault=None, extra=()):
+async def _run(tmp_path, name, spares, fault=None, extra=(), plain=False):
+    """``plain``: no validation, no checkpoints."""
     run = tmp_path / name
-    cmd = [sys.executable, AFTER, "--max-steps", str(STEPS), "--out", str(run / "sha"),
-           "--ckpt-dir", str(run / "ck"), "--ckpt-every", "5", "--val-every", "6",
-           "--step-sleep", "0.3", *extra]  # time to kill rank 0 after rank 1's replacement
+    cmd = [sys.executable, AFTER, "--max-steps", str(STEPS), "--out", str(run / "sha")]
+    if not plain:
+        cmd += ["--ckpt-dir", str(run / "ck"), "--ckpt-every", "5", "--val-every", "6"]
+    if fault is not None:  # time to kill rank 0 after rank 1's replacement (a sleep: same
+        cmd += ["--step-sleep", "0.3"]  # numerics, so the reference runs without it)
+    cmd += extra
     async with Cluster(run, 2, spares, STEPS, cmd=cmd, replace=True) as c:
         if fault is not None:
             await c.wait_spares(spares)
@@ -79,12 +89,23 @@ def _same(a, b, where: str, dirs: tuple[str, str]) -> None:
         assert a == b, (where, a, b)
 
 
+_REF: list = []  # (summary, run dir) of the fault-free run: once per test process
+
+
+async def _reference(tmp_path_factory):
+    """The fault-free run (validation, checkpoints), shared by this file's tests."""
+    if not _REF:
+        ref, ref_dir = await _run(tmp_path_factory.mktemp("lightning"), "ref", 0)
+        assert ref["final_step"] == STEPS - 1 and ref["lost_steps"] == 0, ref
+        _REF.append((ref, ref_dir))
+    return _REF[0]
+
+
 async def test_lightning_survives_kills_in_validation_and_in_a_checkpoint_save_bitwise(
-        tmp_path):
+        tmp_path, tmp_path_factory):
     import torch
 
-    ref, ref_dir = await _run(tmp_path, "ref", 0)
-    assert ref["final_step"] == STEPS - 1 and ref["lost_steps"] == 0, ref
+    ref, ref_dir = await _reference(tmp_path_factory)
 
     killed: list[str] = []
 
@@ -96,9 +117,7 @@ async def test_lightning_survives_kills_in_validation_and_in_a_checkpoint_save_b
                          "rank 1 validating")
         at = c.member(1).step
         killed.append(_kill(c, 1))
-        await c.wait_for(lambda: any(h.rank == 1 and h.pod != killed[0] and h.step >= at + 3
-                                     for h in c.hb.values()), 180, "rank 1 replaced, training")
-        await c.wait_spares(1)  # the replacement spare is up
+        await _replaced(c, killed[0], at)
         # rank 0 while it saves a checkpoint (the example sleeps there), before the last one
         seen = len(_said(run, "w0", "saving a checkpoint at step"))
         await c.wait_for(lambda: len(_said(run, "w0", "saving a checkpoint at step")) > seen,
@@ -129,3 +148,33 @@ async def test_lightning_survives_kills_in_validation_and_in_a_checkpoint_save_b
         _same(torch.load(run / "ck" / name, weights_only=False),
               torch.load(ref_dir / "ck" / name, weights_only=False), name,
               (str(run / "ck"), str(ref_dir / "ck")))
+
+
+async def _replaced(c: Cluster, killed: str, at: int) -> None:
+    await c.wait_for(lambda: any(h.rank == 1 and h.pod != killed and h.step >= at + 3
+                                 for h in c.hb.values()), 180, "rank 1 replaced, training")
+    await c.wait_spares(1)  # the replacement spare is up
+
+
+async def test_lightning_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_path,
+                                                                          tmp_path_factory):
+    ref, ref_dir = await _reference(tmp_path_factory)
+    killed: list[str] = []
+
+    async def fault(c, run):
+        await c.wait_rank_step(1, 4)
+        at = c.member(1).step
+        killed.append(_kill(c, 1))
+        await _replaced(c, killed[0], at)
+        killed.append(_kill(c, 0))
+
+    s, run = await _run(tmp_path, "faults", 1, fault, plain=True)
+    assert killed[1] == "w0"
+    assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0, s
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+    # the script's own digest, written by the spare that became rank 0
+    assert (run / "sha").read_text() == (ref_dir / "sha").read_text()
+    # both promoted spares received the loop's progress (and skipped the done batches)
+    got = [p.stem for p in sorted((run / "logs").glob("s*.log"))
+           if log_events(run, p.stem, "lightning: loop progress received")]
+    assert len(got) >= 2, got

@@ -351,13 +351,15 @@ async def test_up_grows_onto_an_added_node_and_gives_a_drained_one_back(cluster,
     ray.get([b.ping.remote() for b in blockers], timeout=60)
     added = None
     steps = 120
+    slow = tmp_path / "slow"  # slower (same numerics) until the drained pod is gone
+    slow.touch()
     t0 = time.monotonic()
     try:
         async with Cluster(tmp_path / "up", 2, 0, steps, replace=True, extra=[
                 "--actuator", "ray", "--ray-address", cluster.address,
                 "--ray-cpus-per-pod", "1", "--max-replicas", "3", "--scale-up-snooze", "1",
                 "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps),
-                "--sleep", "0.05"]) as c:
+                "--sleep", "0.05", "--sleep-while", str(slow)]) as c:
             decisions: list[Decision] = []
             exits: dict[str, float] = {}
 
@@ -391,6 +393,7 @@ async def test_up_grows_onto_an_added_node_and_gives_a_drained_one_back(cluster,
             await c.wait_for(lambda: joiner in exits, 60, "the drained node's pod to exit")
             TIMES["drain -> pod exited (up)"] = exits[joiner] - t2
             assert exits[joiner] - t2 < deadline_s
+            slow.unlink()  # nothing left to wait for: the rest of the steps at full speed
             assert await c.finish() == 0, c.output()
             s = c.summary()
             plans = list(c.plans)
