@@ -170,6 +170,11 @@ async def _server_current(ch: Any, name: str) -> str:
 async def _give_back(ch: Any, name: str, out: Any) -> None:
     """``inject host-return``, then wait for its server to be current again."""
     t = time.monotonic()
+    # the loss first, whole: `up` kills the host's processes right after it answers, and
+    # until then a return is refused while hosts.json still says "up", which the wait for
+    # the answer took for the return (the host stayed lost; the next host loss then took the
+    # bus's quorum, and nothing could be planned again)
+    await ch.wait(lambda: _state(ch, name) == "lost", ANSWER_TIMEOUT, f"{name} lost")
     await _host_inject(ch, "host-return", name, state="up")
     servers = await _server_current(ch, name)
     out.detail = "; ".join(x for x in (out.detail, f"{name} returned, "

@@ -69,6 +69,46 @@ def test_host_kinds_are_chosen_for_a_host_run_and_spread_over_it():
     assert up_args(["kill", "hang"]) == []
 
 
+async def test_a_lost_host_is_given_back_only_once_its_loss_is_complete(monkeypatch):
+    """`up` answers a host loss, then kills the host's processes; until that is done a
+    return is refused, and hosts.json still says "up". The tool took that "up" for the
+    return: the host stayed lost, the next host loss took the bus's quorum and the job
+    could not be planned again (a 300 s host chaos run). It asks once hosts.json says lost.
+    (Stubs: `up`'s answers and hosts.json.)"""
+    import asyncio
+
+    from ops import chaos_hosts as chh
+
+    states = ["up", "up", "up", "lost"]  # hosts.json while `up` kills, then lost
+    asked: list[tuple[str, str]] = []
+
+    def state(ch, name):
+        return states.pop(0) if len(states) > 1 else states[0]
+
+    async def host_inject(ch, action, name, for_s=None, state=""):
+        asked.append((action, states[0]))
+
+    async def current(ch, name):
+        return ""
+
+    class Ch:
+        async def wait(self, pred, timeout, what):
+            for _ in range(100):
+                if got := pred():
+                    return got
+                await asyncio.sleep(0)
+            raise AssertionError(f"waited for {what}")
+
+    class Out:
+        detail = ""
+
+    monkeypatch.setattr(chh, "_state", state)
+    monkeypatch.setattr(chh, "_host_inject", host_inject)
+    monkeypatch.setattr(chh, "_server_current", current)
+    await chh._give_back(Ch(), "h3", Out())
+    assert asked == [("host-return", "lost")], asked
+
+
 def test_a_host_is_lost_only_where_the_other_hosts_spares_replace_its_members():
     """`pick_host`: with the default placement of 3 workers + 2 spares over 3 hosts (h1: w0;
     h2: w1, s0; h3: w2, s1) any host can go while both spares are ready; with s1 gone h3

@@ -133,10 +133,15 @@ class Lease:
         await self.release()
 
     async def _loop(self) -> None:
+        took = 0.0
         while not self._stopping:
-            # after a failed check (it already waited out its timeout) only a short pause
-            await asyncio.sleep(0.05 if self.outage else self.ttl / TICKS_PER_TTL)
+            # a tick apart, the time a failed check took included (it waited out its
+            # timeout: the next one goes at once; one refused at once waits the tick)
+            tick = self.ttl / TICKS_PER_TTL
+            await asyncio.sleep(max(0.05, tick - took) if self.outage else tick)
+            t0 = time.monotonic()
             await self._try()
+            took = time.monotonic() - t0
 
     async def _try(self) -> None:
         try:
@@ -145,9 +150,11 @@ class Lease:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the bus is down: stop acting, keep trying
-            self.outage = True
+            was, self.outage = self.outage, True
             self._to(LeaseState.STANDBY)
-            self.log.warning("lease check failed", key=self.key, error=str(e)[:200])
+            # once per outage (a check a tick: dozens in a leader election)
+            (self.log.debug if was else self.log.warning)(
+                "lease check failed", key=self.key, error=str(e)[:200])
 
     def _to(self, state: LeaseState) -> None:
         old, self.state = self.state, state
