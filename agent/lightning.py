@@ -104,7 +104,13 @@ class _LoopState:
         self.saved: dict[str, tuple[int, str]] = {}
 
     def take(self, last: bool = False, batch_end: bool = True) -> None:
-        snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
+        # every batch end: a fresh dict of counters (the progress objects' ``asdict``), not
+        # deep-copied again (a third of the integration's own time per step) unless the
+        # train DataLoader keeps a state of its own (a stateful loader's, by reference)
+        snap = self.trainer.fit_loop.state_dict()
+        if any("combined_loader" in v for k, v in snap.items()
+               if k.endswith("state_dict") and isinstance(v, dict)):
+            snap = copy.deepcopy(snap)
         if batch_end:  # as a checkpoint written at the batch's end has it (never changed)
             self.at_batch_end = copy.deepcopy(snap) if last else snap
         if last:
@@ -150,6 +156,14 @@ class _LoopState:
             self.snap = copy.deepcopy(fit)
             self.callbacks = copy.deepcopy(ckpt.get("callbacks") or {})
             self._position()
+
+    def digest_tensors(self) -> list:
+        """What the heartbeat digest covers of this state (``digests.covered``): the tensors
+        of the callbacks' state (ModelCheckpoint's scores); the loop's counters are none,
+        and walking them at every commit cost as much as the rest of the digest."""
+        from .digests import tensors_in
+
+        return list(tensors_in(self.callbacks))
 
     def state_dict(self) -> dict:
         return {"fit_loop": self.snap, "epoch_start": self.epoch_start,
