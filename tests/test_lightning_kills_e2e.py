@@ -2,9 +2,11 @@
 test_lightning_e2e.py): ``examples/frameworks/lightning_after.py`` (PyTorch Lightning, the strategy line
 changed) under a real ``ceaseless up --workers 2 --spares 1`` with no batch flags: SIGKILL of
 rank 1, then, once its replacement trains and a new spare is up, of rank 0: 0 lost steps and
-the final parameters bitwise equal to the fault-free run's. The promoted spares receive the
-model, the optimizer, the LR scheduler and the fit loop's progress, and start on the job's
-next batch (the run spans three epochs)."""
+the final parameters bitwise equal to the fault-free run's. Both runs accumulate gradients
+over 2 micro-batches (``accumulate_grad_batches=2``): a step discarded by a kill is computed
+again whole, each micro-batch with its own batch (agent/lightning_window.py). The promoted
+spares receive the model, the optimizer, the LR scheduler and the fit loop's progress as of
+a window's end, and start on the job's next batch (the run spans five epochs)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ pytest.importorskip("lightning")
 from harness import Cluster, log_events  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(420)]
-STEPS = 40  # 256 samples / 8 per batch / 2 ranks: 16 steps an epoch
+STEPS = 40  # 256 samples / 8 per batch / 2 ranks: 16 batches, 8 steps an epoch
 AFTER = "examples/frameworks/lightning_after.py"
 
 
@@ -32,7 +34,8 @@ def _kill(c: Cluster, rank: int) -> str:
 
 async def _run(tmp_path, name, spares, fault=None):
     run = tmp_path / name
-    cmd = [sys.executable, AFTER, "--max-steps", str(STEPS), "--out", str(run / "sha")]
+    cmd = [sys.executable, AFTER, "--max-steps", str(STEPS), "--out", str(run / "sha"),
+           "--accumulate", "2"]
     if fault is not None:  # time to kill rank 0 after rank 1's replacement trained (a sleep:
         cmd += ["--step-sleep", "0.3"]  # same numerics, so the reference runs without it)
     async with Cluster(run, 2, spares, STEPS, cmd=cmd, replace=True) as c:
