@@ -43,7 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from plumbing import logs
 
-from . import ddp
+from . import ddp, lightning_fabric
 from .lightning_window import Window
 
 log = logs.get("agent")
@@ -468,9 +468,10 @@ def _check_optimizers(strategy: CeaselessStrategy) -> None:
 
 
 def register() -> None:
-    """``Trainer(strategy="ceaseless")``: register the name (idempotent)."""
+    """``Trainer(strategy="ceaseless")``: register the name (idempotent), and Fabric's."""
     if NAME not in StrategyRegistry:
         CeaselessStrategy.register_strategies(StrategyRegistry)
+    lightning_fabric.register()  # Fabric's name: refused, saying what to do
 
 
 register()

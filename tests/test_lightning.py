@@ -246,3 +246,16 @@ def test_the_commit_digest_covers_the_callbacks_tensors_not_a_walk_of_the_loop()
     loops.callbacks = {"ModelCheckpoint{'monitor': 'val_loss'}": {"best_model_score": score}}
     got = covered({"lightning_loops": loops})
     assert [id(t) for t in got] == [id(score)]
+
+
+def test_fabric_is_refused_at_once_saying_what_to_do():
+    """``Fabric(strategy="ceaseless")`` is not supported yet: this module's error (the DDP
+    drop-in is what to use), not Lightning's "invalid strategy", and no process group."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+
+    import agent.lightning  # noqa: F401  (registers the names)
+
+    with pytest.raises(NotImplementedError, match="drop-in"):
+        Fabric(accelerator="cpu", devices=1, strategy="ceaseless")
+    assert not dist.is_initialized()
