@@ -3,8 +3,11 @@ test_lightning_e2e.py): ``examples/frameworks/lightning_after.py`` (PyTorch Ligh
 changed) under a real ``ceaseless up --workers 2 --spares 1`` with no batch flags: SIGKILL of
 rank 1, then, once its replacement trains and a new spare is up, of rank 0: 0 lost steps and
 the final parameters bitwise equal to the fault-free run's. Both runs accumulate gradients
-over 2 micro-batches (``accumulate_grad_batches=2``): a step discarded by a kill is computed
-again whole, each micro-batch with its own batch (agent/lightning_window.py). The promoted
+over 2 micro-batches (``accumulate_grad_batches=2``), and the faulty run does not resume a
+step in place (``CEASELESS_RESUME_IN_PLACE=0``): the survivor's step discarded by each kill
+is computed again whole, each micro-batch with its own batch (agent/lightning_window.py;
+with resuming in place, the default, the replacement computes the dead rank's window: that
+path is test_lightning_e2e.py's, without accumulation). The promoted
 spares receive the model, the optimizer, the LR scheduler and the fit loop's progress as of
 a window's end, and start on the job's next batch (the run spans five epochs)."""
 
@@ -47,8 +50,10 @@ async def _run(tmp_path, name, spares, fault=None):
         return c.summary(), run
 
 
-async def test_lightning_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_path):
+async def test_lightning_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_path,
+                                                                       monkeypatch):
     ref, ref_dir = await _run(tmp_path, "ref", 0)
+    monkeypatch.setenv("CEASELESS_RESUME_IN_PLACE", "0")  # the faulty run's pods inherit it
     assert ref["final_step"] == STEPS - 1 and ref["lost_steps"] == 0, ref
 
     killed: list[str] = []
@@ -72,3 +77,7 @@ async def test_lightning_survives_kills_of_a_worker_and_of_rank0_bitwise(tmp_pat
     got = [p.stem for p in sorted((run / "logs").glob("s*.log"))
            if log_events(run, p.stem, "lightning: loop progress received")]
     assert len(got) >= 2, got
+    # the survivor of each kill computed its discarded step again (not resumed in place)
+    assert not any(log_events(run, p, "step resumed in the new generation")
+                   for p in ("w0", "w1")), "a step was resumed in place"
+    assert log_events(run, "w0", "step discarded"), "rank 0 discarded no step"
