@@ -15,7 +15,7 @@ What it covers, and the transfer's exact agreement check:
   parameters (tied ones once; buffers left out: BatchNorm statistics may differ per rank by
   design, as in ``verify.py``), each optimizer's state, and the tensors in any other
   object's ``state_dict()`` (a user's extra; not a GradScaler's: Python numbers, read with
-  two host syncs). Sharded (FSDP2): this rank's shards.
+  two host syncs), or those its ``digest_tensors()`` names (Lightning's loop progress). Sharded (FSDP2): this rank's shards.
 * ``digest(covered(objs))``: the cheap heartbeat digest the broker takes the majority
   of, computed at every commit: a strided sample of all of them (the sample is taken on the
   device; a few thousand elements reach the host).
@@ -178,21 +178,24 @@ def covered(objs: Mapping[str, Any]) -> list[Tensor]:
                         add(v)
         elif isinstance(o, torch.amp.GradScaler):
             continue  # its state is Python numbers; reading them is two host syncs a commit
+        elif hasattr(o, "digest_tensors"):  # an object that names them (no state_dict walk)
+            for t in o.digest_tensors():
+                add(t)
         elif hasattr(o, "state_dict"):
-            for t in _tensors_in(o.state_dict()):
+            for t in tensors_in(o.state_dict()):
                 add(t)
     return out
 
 
-def _tensors_in(x: Any) -> Iterable[Tensor]:
+def tensors_in(x: Any) -> Iterable[Tensor]:
     if isinstance(x, Tensor):
         yield x
     elif isinstance(x, Mapping):
         for v in x.values():
-            yield from _tensors_in(v)
+            yield from tensors_in(v)
     elif isinstance(x, (list, tuple)):
         for v in x:
-            yield from _tensors_in(v)
+            yield from tensors_in(v)
 
 
 def exact(tensors: Iterable[Tensor]) -> Tensor:

@@ -14,9 +14,11 @@ it drives ``agent.ddp`` (docs/porting.md, "The drop-in"), not a second recovery 
   ModelCheckpoint's included): a promoted spare receives model, optimizer, schedulers, loop
   position and callbacks, not ``ckpt_path``'s (Lightning would load it over them); a spare
   that becomes rank 0 writes again the checkpoint rank 0 died saving;
-* ``optimizer_step`` is the step: ``agent.ddp.iteration`` (commit the step before, or recover),
-  then Lightning's closure (training_step, backward; the gradient sync in the backward); a step
-  discarded by a fault is computed again there, with the same batch, before the update;
+* the step is the window of micro-batches one optimizer step takes (``accumulate_grad_batches``;
+  agent/lightning_window.py): its first ``training_step`` calls ``agent.ddp.iteration`` (commit
+  the step before, or recover), the last one's backward synchronises the gradients; a step
+  discarded by a fault is computed again in ``optimizer_step``, every micro-batch with its own
+  batch, before the update; the loop's progress is taken at the windows' ends;
 * the train DataLoader skips, at the start of an epoch, the batches the restored loop already
   did (a promoted spare starts at the job's next batch; a mid-epoch ``ckpt_path=`` resume at
   the checkpoint's).
@@ -29,8 +31,9 @@ callbacks), so an installed package cannot add the name without being imported.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback
@@ -40,7 +43,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from plumbing import logs
 
-from . import ddp
+from . import ddp, lightning_fabric
+from .lightning_window import Window
 
 log = logs.get("agent")
 NAME = "ceaseless"
@@ -104,7 +108,13 @@ class _LoopState:
         self.saved: dict[str, tuple[int, str]] = {}
 
     def take(self, last: bool = False, batch_end: bool = True) -> None:
-        snap = copy.deepcopy(self.trainer.fit_loop.state_dict())
+        # every batch end: a fresh dict of counters (the progress objects' ``asdict``), not
+        # deep-copied again (a third of the integration's own time per step) unless the
+        # train DataLoader keeps a state of its own (a stateful loader's, by reference)
+        snap = self.trainer.fit_loop.state_dict()
+        if any("combined_loader" in v for k, v in snap.items()
+               if k.endswith("state_dict") and isinstance(v, dict)):
+            snap = copy.deepcopy(snap)
         if batch_end:  # as a checkpoint written at the batch's end has it (never changed)
             self.at_batch_end = copy.deepcopy(snap) if last else snap
         if last:
@@ -151,6 +161,14 @@ class _LoopState:
             self.callbacks = copy.deepcopy(ckpt.get("callbacks") or {})
             self._position()
 
+    def digest_tensors(self) -> list:
+        """What the heartbeat digest covers of this state (``digests.covered``): the tensors
+        of the callbacks' state (ModelCheckpoint's scores); the loop's counters are none,
+        and walking them at every commit cost as much as the rest of the digest."""
+        from .digests import tensors_in
+
+        return list(tensors_in(self.callbacks))
+
     def state_dict(self) -> dict:
         return {"fit_loop": self.snap, "epoch_start": self.epoch_start,
                 "at_batch_end": self.at_batch_end, "callbacks": self.callbacks,
@@ -186,21 +204,30 @@ class _LoopState:
 
 
 class _Snapshot(Callback):
+    """The loop's progress at each step's end: the end of the last batch of an accumulation
+    window (a step's first batch: the callbacks' state), or the validation after it."""
+
     def __init__(self, loops: _LoopState) -> None:
         self.loops, self.last = loops, False
+        self.stepped = True  # the last batch end ended a step (not inside a window)
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-        self.loops.take_callbacks()
+        if self.stepped:
+            self.loops.take_callbacks()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.last = batch_idx + 1 >= trainer.num_training_batches
-        self.loops.take(self.last)
+        self.stepped = self.last or not trainer.fit_loop._should_accumulate()
+        if self.stepped:
+            self.loops.take(self.last)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # after the batch's validation: the state Lightning restarts from as from its own
-        # checkpoint there (from the batch end before it, it counts the validation twice)
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+        # checkpoint there (from the batch end before it, it counts the validation twice);
+        # a validation inside a window (val_check_interval counts batches) is no step's end
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and \
+                self.stepped:
             self.loops.take(self.last, batch_end=False)
 
 
@@ -247,6 +274,7 @@ class CeaselessStrategy(DDPStrategy):
             kwargs.setdefault("cluster_environment", CeaselessEnvironment())
         super().__init__(**kwargs)
         self._loops: _LoopState | None = None
+        self._window = Window()
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
@@ -319,22 +347,26 @@ class CeaselessStrategy(DDPStrategy):
         d = ddp.active()
         if not self._on or d is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        trainer = self.lightning_module.trainer
-        # the closure zeroes the gradients and counts that in the loop's progress: an
-        # attempt computed again (a fault, a resume's dry attempt) counts once, as without
-        zeroed = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress \
-            .optimizer.zero_grad
-        counted = zeroed.state_dict()
-        while True:  # a step discarded by a fault is computed again, same batch
-            t = d.iteration(trainer.global_step)
-            if t != trainer.global_step:
-                raise RuntimeError(f"the job's step {t} is not the Trainer's global step "
-                                   f"{trainer.global_step}")
-            out = closure()
-            if d.synced:
-                break
-            zeroed.load_state_dict(counted)
+        # the window's last micro-batch; a step discarded by a fault computed again, whole
+        out = self._window.finish(self.lightning_module.trainer, optimizer, closure,
+                                  self.block_backward_sync)
         return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._on and self._loops is not None and ddp.active() is not None:
+            self._window.on_training_step(self.lightning_module.trainer, args)
+        return super().training_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """A micro-batch before a window's last: its backward accumulates, unsynchronised
+        (Lightning's DDPStrategy only knows torch's DDP class)."""
+        if self._on and isinstance(self.model, ddp.DistributedDataParallel):
+            with self.model.no_sync():
+                yield
+        else:
+            with super().block_backward_sync():
+                yield
 
     def on_train_end(self) -> None:
         super().on_train_end()
@@ -398,10 +430,6 @@ def _refuse_unsupported(trainer: Any) -> None:
             "strategy='ceaseless': manual optimization (automatic_optimization = False) is not "
             "supported yet: use automatic optimization, or the DDP drop-in (agent.ddp) with "
             "your own loop")
-    if trainer.accumulate_grad_batches != 1:
-        raise NotImplementedError(
-            "strategy='ceaseless': accumulate_grad_batches > 1 is not supported yet: raise the "
-            "DataLoader's batch size instead, or use the DDP drop-in (agent.ddp)")
     prec = str(trainer.precision)
     if prec.startswith("16") or prec.startswith("transformer-engine"):
         raise NotImplementedError(
@@ -440,9 +468,10 @@ def _check_optimizers(strategy: CeaselessStrategy) -> None:
 
 
 def register() -> None:
-    """``Trainer(strategy="ceaseless")``: register the name (idempotent)."""
+    """``Trainer(strategy="ceaseless")``: register the name (idempotent), and Fabric's."""
     if NAME not in StrategyRegistry:
         CeaselessStrategy.register_strategies(StrategyRegistry)
+    lightning_fabric.register()  # Fabric's name: refused, saying what to do
 
 
 register()

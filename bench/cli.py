@@ -49,7 +49,7 @@ HELP = {"data": "data loading: throughput vs DataLoader, reposition, spare first
         "sharded": "sharded models (FSDP2/HSDP): step time, state bytes, crash, replica join",
         "size": "real model sizes: peak memory per role, transfer vs the link, kill bitwise",
         "dropin": "the DDP drop-in's step time against the Session API's, side by side",
-        "lightning": "Lightning's CeaselessStrategy step time against its DDPStrategy's",
+        "lightning": "Lightning (or --framework hf: the HF Trainer) step time against its own DDP",
         "guards": "state verification's cost; a preemption's hand-over against a crash"}
 
 

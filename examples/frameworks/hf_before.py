@@ -30,6 +30,8 @@ p.add_argument('--resume', default=None)                  # a checkpoint directo
 p.add_argument('--out', default=None)  # rank 0 writes the final parameters' sha256 here
 p.add_argument('--step-sleep', type=float, default=0.0)  # seconds per step and evaluation batch
 p.add_argument('--save-sleep', type=float, default=0.0)  # seconds inside each checkpoint's save
+p.add_argument('--n-embd', type=int, default=32)  # the model's width (bench: a larger step)
+p.add_argument('--times', default=None)  # rank 0 writes each step's end time here (bench)
 args = p.parse_args()
 
 
@@ -51,7 +53,10 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Sleep(TrainerCallback):  # time for tests to kill a rank in a step, evaluation or save
+    times = []  # each step's end (bench)
+
     def on_step_end(self, *a, **kw):
+        self.times.append(time.perf_counter())
         time.sleep(args.step_sleep)
 
     def on_prediction_step(self, targs, state, control, **kw):  # after an evaluation batch
@@ -68,7 +73,7 @@ class SlowSave(Trainer):
 
 
 torch.manual_seed(1337)  # the initial weights
-model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=args.n_embd, n_layer=2, n_head=2,
                                    bos_token_id=0, eos_token_id=0))
 targs = TrainingArguments(
     output_dir=args.output_dir, max_steps=args.max_steps, seed=0, use_cpu=True,
@@ -88,3 +93,6 @@ if trainer.is_world_process_zero():
     if args.out:
         with open(args.out, 'w') as f:
             f.write(digest + '\n')
+    if args.times:
+        with open(args.times, 'w') as f:
+            f.write(' '.join(f'{t:.6f}' for t in Sleep.times) + '\n')

@@ -8,7 +8,8 @@ one line changed (docs/porting.md, "PyTorch Lightning").
 Synthetic data (no downloads): 256 random inputs and a smooth target. Rank 0 writes the
 final parameters' sha256 to --out, and with --ckpt-dir a ModelCheckpoint every --ckpt-every
 steps; --val-every N validates every N steps (the loss logged with sync_dist); --resume FILE
-continues from a checkpoint (ckpt_path=).
+continues from a checkpoint (ckpt_path=); --accumulate N accumulates gradients over N
+batches a step (accumulate_grad_batches).
 """
 
 import argparse
@@ -35,6 +36,7 @@ p.add_argument('--val-every', type=int, default=0)  # validation every N steps (
 p.add_argument('--resume', default=None)  # a checkpoint to continue from (ckpt_path=)
 p.add_argument('--width', type=int, default=64)  # hidden units (bench: a larger step)
 p.add_argument('--times', default=None)  # rank 0 writes each step's end time here (bench)
+p.add_argument('--accumulate', type=int, default=1)  # accumulate_grad_batches
 args = p.parse_args()
 
 
@@ -87,6 +89,7 @@ trainer = L.Trainer(accelerator='cpu', devices=int(os.environ.get('LOCAL_WORLD_S
                     if args.ckpt_dir else None,
                     val_check_interval=args.val_every or None, check_val_every_n_epoch=None,
                     num_sanity_val_steps=0, enable_model_summary=False,
+                    accumulate_grad_batches=args.accumulate,
                     gradient_clip_val=1.0)  # by the global norm of the synchronised gradients
 trainer.fit(model, data, val if args.val_every else None, ckpt_path=args.resume)
 if trainer.global_rank == 0:
