@@ -145,3 +145,8 @@ async def test_lightning_survives_kills_in_validation_and_in_a_checkpoint_save_b
               torch.load(ref_dir / "ck" / name, weights_only=False), name,
               (str(run / "ck"), str(ref_dir / "ck")))
 
+
+async def _replaced(c: Cluster, killed: str, at: int) -> None:
+    await c.wait_for(lambda: any(h.rank == 1 and h.pod != killed and h.step >= at + 3
+                                 for h in c.hb.values()), 180, "rank 1 replaced, training")
+    await c.wait_spares(1)  # the replacement spare is up
