@@ -31,10 +31,15 @@ TTL = 0.8
 log = logs.get("test")
 
 
-def crash(svc) -> None:
+async def crash(svc) -> None:
     """As SIGKILL does to its lease: renewals stop, nothing is given back (the KV still
-    names it until the lease expires)."""
+    names it until the lease expires). The loop is told to stop too and awaited: nats-py's
+    request can swallow a cancel that lands as its reply does (Lease.stop), and a renewal
+    in flight then took the lease back and renewed it for ever (a CI run: "the standby
+    takes over" timed out)."""
+    svc.lease._stopping = True
     svc.lease._task.cancel()
+    await asyncio.wait({svc.lease._task}, timeout=10)
     svc.lease.state = LeaseState.STANDBY
 
 
@@ -150,7 +155,7 @@ async def test_two_monitors_one_declares_and_the_standby_takes_over(monitors, bu
         await asyncio.sleep(3 * FT)  # (the standby, had it declared, would have by now)
         assert [(f.pod, f.term) for f in monitors.faults] == [("w1", active.lease.term)]
         assert "w1" not in standby.faulted  # a standby declares nothing
-        crash(active)
+        await crash(active)
         await until(lambda: standby.acting, timeout=10, what="the standby takes over")
         assert standby.lease.term > active.lease.term
         beaters[2].alive = False
@@ -274,7 +279,7 @@ async def test_a_new_monitor_does_not_declare_a_pod_again(monitors, bus):
         active, standby = (a, b) if a.acting else (b, a)
         beaters[1].alive = False
         await until(lambda: monitors.faults, what="the fault of w1")
-        crash(active)
+        await crash(active)
         read = getattr(standby, "_inherited", None)  # (None: a monitor that reads nothing)
         await until(lambda: standby.acting and (read is None or read.is_set()), timeout=10,
                     what="the standby takes over")
@@ -298,7 +303,7 @@ async def test_a_standby_declares_the_exit_it_heard_when_it_takes_over(monitors,
     try:
         await until(lambda: all(len(m.pods) == 3 for m in (a, b)), what="both watch")
         active, standby = (a, b) if a.acting else (b, a)
-        crash(active)
+        await crash(active)
         beaters[2].alive = False
         await bus.publish(bus.subjects.lifecycle("w2"), Lifecycle(
             pod="w2", event="exited", exit_code=-9, ts=time.time()))
@@ -326,7 +331,7 @@ async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
         assert s1.acting and not s2.acting
         assert s1.status()["lease"]["state"] == "active"
         assert s2.status()["lease"]["state"] == "standby"
-        crash(s1)
+        await crash(s1)
         await until(lambda: s2.acting, timeout=10, what="the standby scaler takes over")
         assert s2.term == s1.lease.term + 1 and s1.term is None
         # its actuator commands carry its term; the deposed one sends none
@@ -440,7 +445,7 @@ async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decid
         await until(lambda: out, what="the generation-1 transfer")
         await until(lambda: b_.handled_generation == 1, what="the standby decided it too")
         assert [(t.generation, t.term) for t in out] == [(1, a.lease.term)]
-        crash(a)
+        await crash(a)
         await generation(2)  # while nobody acts: the standby decides, holds it back
         await until(lambda: any(t.generation == 2 for t in out), timeout=10,
                     what="the new broker's transfer of generation 2")

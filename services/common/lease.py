@@ -115,7 +115,7 @@ class Lease:
         # host was lost (with nats-py's 5 s request timeout that took 12 s, not ~6). The
         # holder's renewals keep the long timeout: a slow answer under load must not depose
         # it (its own clock stops it acting when its lease runs out anyway).
-        self._probe = await self.bus.kv(timeout=max(0.25, self.ttl / TICKS_PER_TTL))
+        self._probe = await self.bus.kv(timeout=max(1.0, self.ttl / TICKS_PER_TTL))
         self._stopping = False
         await self._try()
         self._task = asyncio.create_task(self._loop())
