@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import pytest_asyncio
 
@@ -139,6 +141,22 @@ def nats_server(tmp_path):
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def no_trainer_leftovers():
+    """A trainer run in this process (Lightning, the HF Trainer) may leave its default
+    process group and its variables (RANK, WORLD_SIZE, MASTER_ADDR...) behind: the next test
+    on the same worker starts without them (Lightning's made Accelerate build a group of its
+    own in test_hf's refusal tests)."""
+    env = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest_asyncio.fixture

@@ -21,23 +21,8 @@ from harness import REPO  # noqa: E402
 
 BEFORE = "examples/frameworks/hf_before.py"
 AFTER = "examples/frameworks/hf_after.py"
-pytestmark = [pytest.mark.timeout(300)]
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left():
-    """A trainer run in this process may leave its default process group and its variables
-    (RANK, WORLD_SIZE, MASTER_ADDR...) behind: the next test (in this file or another one on
-    the same worker: Accelerate then made a group of its own) starts without them."""
-    import os
-
-    env = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.usefixtures("no_trainer_leftovers")]  # conftest.py
 
 
 
