@@ -57,6 +57,27 @@ def fault_timeout_for(given: float | None, bus_servers: int) -> float:
     return DEFAULTS["fault_timeout"]
 
 
+def external_bus_refusal(opts: Any, args: argparse.Namespace) -> str | None:
+    """Why `up`'s flags do not go with (or without) ``--bus``; None: they do."""
+    if not opts.bus:
+        given = [f for f, v in (("--bus-creds", opts.bus_creds), ("--pod-creds", opts.pod_creds),
+                                ("--node", opts.node)) if v]
+        if opts.services != "here":
+            given.append("--services external")
+        return f"{', '.join(given)} only with --bus" if given else None
+    if opts.hosts:
+        return "--hosts emulates hosts with a bus `up` starts: not with --bus"
+    if opts.tls:
+        return ("--tls makes certificates for a bus `up` starts; with --bus give tls:// URLs "
+                "and the bus's CA in CEASELESS_TLS_CA")
+    if args.bus_servers != 1:
+        return "--bus-servers: `up` starts no server with --bus (its URLs are the servers)"
+    if opts.standbys:
+        return ("--standbys: with --bus each node's `up` runs one instance of each service "
+                "(--services here); the other nodes' are the standbys")
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from .cluster import UpOptions, run
 
@@ -85,7 +106,17 @@ def cmd_up(args: argparse.Namespace) -> int:
                      straggler_window=args.straggler_window,
                      on_nonfinite=args.on_nonfinite, loss_spike=args.loss_spike,
                      standbys=args.standbys, hosts=args.hosts,
-                     control_hosts=args.control_hosts)
+                     control_hosts=args.control_hosts, bus=args.bus, bus_creds=args.bus_creds,
+                     pod_creds=args.pod_creds, services=args.services, node=args.node)
+    why = external_bus_refusal(opts, args)
+    if why:
+        print(f"ceaseless up: {why}", file=sys.stderr)
+        return 2
+    if opts.bus:  # its servers count as --bus-servers (the fault timeout, the monitor's)
+        from plumbing.bus import split_urls
+
+        opts.bus_servers = len(split_urls(opts.bus))
+        opts.fault_timeout = fault_timeout_for(args.fault_timeout, opts.bus_servers)
     if opts.hosts and opts.actuator != "local":
         print("ceaseless up: --hosts emulates hosts on this machine: local actuator only",
               file=sys.stderr)
@@ -615,6 +646,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="nats-servers of the bus (default 1); several run clustered, every "
                          "stream and KV bucket replicated on min(N, 3) of them, and every "
                          "client fails over between them (docs/cluster.md)")
+    up.add_argument("--bus", metavar="URLS",
+                    help="attach to a running bus (comma-separated nats:// or tls:// URLs, a "
+                         "NATS cluster run per node): start no nats-server; several drivers "
+                         "of one job (one per node, the same --run-dir) take turns by lease "
+                         "(docs/cluster.md \"The control plane on several Ray nodes\")")
+    up.add_argument("--bus-creds", metavar="FILE",
+                    help="with --bus: the credentials JSON of `up` and its services")
+    up.add_argument("--pod-creds", metavar="FILE",
+                    help="with --bus: the pods' credentials JSON (default --bus-creds)")
+    up.add_argument("--services", choices=["here", "external"], default="here",
+                    help="with --bus: run one instance of each service here (default; one "
+                         "acts per job, by lease) or none (they run elsewhere)")
+    up.add_argument("--node", metavar="NAME",
+                    help="with --bus: this node's name, in its service instances' and its "
+                         "driver's lease holder ids (default: the host name)")
     up.add_argument("--hosts", type=int, default=0, metavar="H",
                     help="emulate H hosts on this machine (network namespaces as root, else "
                          "loopback addresses): the nats-servers, service instances and pods "

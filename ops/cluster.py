@@ -108,6 +108,13 @@ class UpOptions:
     # the first K of them run the bus and the services only, the pods the others (0: pods
     # on every host, rank 0 with the active services on h1; ops/placement.py)
     control_hosts: int = 0
+    # An external bus (issue 42, the Ray path; ops/external.py): comma-separated URLs; `up`
+    # starts no nats-server. Its identity (and its services'), the pods' (default the same).
+    bus: str | None = None
+    bus_creds: str | None = None
+    pod_creds: str | None = None
+    services: str = "here"   # here: run the services | external: they run elsewhere
+    node: str | None = None  # this node's name (its service instances', its Ray driver's)
 
     @property
     def batch_given(self) -> bool:
@@ -132,8 +139,10 @@ class ServiceSupervisor:
 
     def __init__(self, base: list[str], log_dir: Path, flags: dict[str, list[str]],
                  standbys: int = 0, lease_ttl: float | None = None,
-                 hosted: "HostRun | None" = None) -> None:
+                 hosted: "HostRun | None" = None, node: str | None = None) -> None:
         self.base, self.log_dir, self.flags = base, log_dir, flags
+        # `up --bus --node N`: one instance of each, `<service>-N` (one per node of the job)
+        self.node = node
         self.standbys, self.lease_ttl = standbys, lease_ttl
         # emulated hosts: each instance runs on its host; one on a lost host is not restarted
         self.hosted = hosted
@@ -148,7 +157,8 @@ class ServiceSupervisor:
                 for name in SERVICES for i in range(standbys + 1)]
 
     def start(self, instance: str) -> None:
-        name = re.sub(r"-s\d+$", "", instance)
+        name = (instance[:-len(self.node) - 1] if self.node and instance.endswith(
+            f"-{self.node}") else re.sub(r"-s\d+$", "", instance))
         out = open(self.log_dir / f"{instance}.log", "ab")
         argv = [sys.executable, "-m", f"services.{name}", *self.base, *self.flags.get(name, []),
                 "--instance-id", instance,
@@ -162,8 +172,8 @@ class ServiceSupervisor:
         record_pid(self.log_dir.parent, instance, self.procs[instance].pid)
 
     def start_all(self) -> None:
-        for _, instance in self.instances(self.standbys):
-            self.start(instance)
+        for name, instance in self.instances(self.standbys):
+            self.start(f"{name}-{self.node}" if self.node else instance)
 
     async def start_placed(self, bus: Bus, out: Any, wait_s: float = 20.0) -> None:
         """With standbys: each service's first instance first, and its standbys once it
@@ -486,9 +496,22 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     log_dir.mkdir(exist_ok=True)
     # One identity per role, each limited to its subjects by the server itself; this
     # process (launcher, actuator) and the CLI use the operator's.
-    roles = write_role_credentials(run_dir / "creds")
-    creds_path, creds = roles["operator"]
-    users = [(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()]
+    ext = None
+    if opts.bus:  # an external bus: its credentials as given (ops/external.py)
+        from .external import attach
+
+        try:
+            ext = attach(opts.bus, opts.bus_creds, opts.pod_creds)
+        except ValueError as e:
+            raise SystemExit(f"ceaseless up: {e}") from e
+        creds_path, creds = ext.creds_path, ext.creds
+        roles = {r: (ext.creds_path, ext.creds) for r in SERVICES}
+        roles["agent"] = (ext.pod_creds, None)
+        users = []
+    else:
+        roles = write_role_credentials(run_dir / "creds")
+        creds_path, creds = roles["operator"]
+        users = [(c, role_permissions(r, opts.job)) for r, (_, c) in roles.items()]
     ray_act = None
     bus_host = opts.bus_host or "127.0.0.1"
     if opts.actuator == "ray":
@@ -499,6 +522,8 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
                               num_cpus=opts.ray_cpus_per_pod,
                               num_gpus=opts.gpus_per_pod or 0,
                               namespace=f"ceaseless-{opts.job}", watch_nodes=True)
+        # several drivers of one job (one per node): the pods outlive each (ray_adopt.py)
+        ray_act.detached = ext is not None
         try:
             ray_act.connect()
         except Exception as e:  # no cluster there, a version mismatch
@@ -506,7 +531,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
                              f"{opts.ray_address!r}: {type(e).__name__}: {e}") from e
         bus_host = opts.bus_host or ray_act.node_ip()
     tls = None
-    if opts.tls:
+    if opts.tls and ext is None:
         from plumbing.tlsgen import generate
 
         tls = generate(run_dir / "tls", hosts=tuple(dict.fromkeys(
@@ -515,16 +540,17 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         os.environ[CA_ENV] = str(tls.ca)  # services (children) and this process trust it
     # one nats-server, or several clustered: every client is given every URL (comma-separated)
     addrs, prefixes = hosted.servers() if hosted is not None else (None, None)
-    srv = BusServers.start(run_dir / "nats", opts.bus_servers, creds=creds, users=users,
-                           tls=tls, host=bus_host, hosts=addrs, prefixes=prefixes)
+    srv = ext.bus if ext is not None else BusServers.start(
+        run_dir / "nats", opts.bus_servers, creds=creds, users=users, tls=tls, host=bus_host,
+        hosts=addrs, prefixes=prefixes)
     if hosted is not None:
         hosted.srv = srv
         hosted.write()
     for s in srv.servers:
         record_pid(run_dir, "nats-server", s.proc.pid)
-    info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path),
+    info = ClusterInfo(nats_url=srv.url, job=opts.job, creds=str(creds_path or ""),
                        run_dir=str(run_dir), pid=os.getpid(), started=time.time(),
-                       tls_ca=str(tls.ca) if tls else None)
+                       tls_ca=str(tls.ca) if tls else os.environ.get(CA_ENV))
     info.write()
     out = sys.stdout
     print(f"ceaseless up: job {opts.job!r}, {opts.workers} workers + {opts.spares} spares, "
@@ -533,7 +559,8 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     cmd = opts.cmd
     if not cmd:
         cmd = default_cmd(opts, _default_data(run_dir / "data"))
-    env = {"CEASELESS_NATS_URL": srv.url, "CEASELESS_CREDS": str(roles["agent"][0]),
+    env = {"CEASELESS_NATS_URL": srv.url,
+           **({"CEASELESS_CREDS": str(roles["agent"][0])} if roles["agent"][0] else {}),
            "CEASELESS_JOB": opts.job, "CEASELESS_RUN_DIR": str(run_dir),
            "CEASELESS_ALLOW_INJECT": "1" if opts.allow_inject else "0",
            # the agents' own stall watchdog acts at the monitor's stall timeout
@@ -574,7 +601,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
     bus = None
-    if len(srv.servers) > 1:
+    if len(srv.servers) > 1 or ext is not None:
         # a cluster answers JetStream once its servers have elected a meta leader: wait for
         # it before anything else starts, so that a cluster that never forms leaves nothing
         bus = await Bus.connect(srv.url, opts.job, "ceaseless-up", creds)
@@ -583,7 +610,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         except Exception as e:
             await bus.close()
             srv.stop()
-            raise SystemExit(f"ceaseless up: the {len(srv.servers)} nats-servers formed no "
+            raise SystemExit(f"ceaseless up: the bus ({srv.url}) formed no "
                              f"JetStream cluster in {BUS_READY_S:.0f}s ({type(e).__name__}: "
                              f"{str(e)[:200]}); see {run_dir / 'nats'}/s*/nats-server.log")
         if hosted is not None:
@@ -616,11 +643,19 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     base = ["--nats", srv.url, "--job", opts.job, "--run-dir", str(run_dir)]
     flags = service_flags(opts)
     for name in SERVICES:
-        flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
+        if roles[name][0]:
+            flags[name] = [*flags.get(name, []), "--creds", str(roles[name][0])]
+    node = None
+    if ext is not None:
+        from .external import node_name
+
+        node = node_name(opts.node)
     sup = ServiceSupervisor(base, log_dir, flags, standbys=opts.standbys,
-                            lease_ttl=ttl_for(opts.fault_timeout) if opts.standbys else None,
-                            hosted=hosted)
-    await sup.start_placed(bus, out)
+                            lease_ttl=ttl_for(opts.fault_timeout)
+                            if opts.standbys or ext is not None else None,
+                            hosted=hosted, node=node)
+    if opts.services == "here":
+        await sup.start_placed(bus, out)
     sup_task = asyncio.create_task(sup.watch())
     from services.actuator.gpus import GpuAssigner, visible_gpus
 
@@ -657,6 +692,17 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         hosted.sup, hosted.act = sup, act
         act.where, act.on_host_inject = hosted.where, hosted.on_inject
         act.on_exit.append(hosted.exited)
+    ha = None
+    if ray_act is not None and ext is not None:
+        # one driver of the job acts, by lease; the others stand by and adopt its pods
+        from services.actuator.ray_adopt import DriverLease
+
+        async def first_pods() -> None:
+            await act.start(Role.worker, opts.workers)
+            await act.start(Role.spare, opts.spares)
+
+        ha = DriverLease(ray_act, f"actuator-{node}", ttl_for(opts.fault_timeout), first_pods)
+        ha.install()
     await act.attach()
     obs = Observer()
     await obs.attach(bus)
@@ -667,8 +713,13 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
     act.heartbeated = lambda pod: pod in obs.hb
     act.on_start_failure.append(lambda pod, code, lines: _report_start_failure(
         act, pod, code, lines, info.started))
-    await act.start(Role.worker, opts.workers)
-    await act.start(Role.spare, opts.spares)
+    if ha is None:
+        await act.start(Role.worker, opts.workers)
+        await act.start(Role.spare, opts.spares)
+    else:
+        await ha.start()
+        print(f"  driver:  actuator-{node}, {ha.state.value} (term {ha.lease.term}; one driver "
+              f"of the job acts, the others stand by)", file=out, flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -768,6 +819,10 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
             if opts.timeout and time.monotonic() - started > opts.timeout:
                 code, reason = 3, f"timed out after {opts.timeout}s"
                 break
+            if ha is not None and ha.ended is not None:  # the acting driver ended the job
+                code = ha.ended.code
+                reason = f"the job ended under {ha.ended.holder}: {ha.ended.reason}"
+                break
         if interrupted:
             code, reason = 130, "interrupted"
     finally:
@@ -777,6 +832,8 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         deadline = time.monotonic() + (3.0 if code == 0 else 0.0)
         while act.running() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        if ha is not None:  # the job's end for the other drivers, before its pods stop
+            await ha.finish(code, reason)
         await act.shutdown(grace_s=3.0)
         if ray_act is None and act.prefork is not None:
             await act.prefork.close()
@@ -791,8 +848,11 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         if finished_w and not interrupted and (
                 what := _finished(finished_w, _run_steps(run_dir, spans))):
             reason = what + after
-        summary = _summary(run_dir, obs, exits, code, reason, launched=info.started,
-                           spans=spans, committed=await _read_committed(bus))
+        # a driver that never acted has nothing of its own to say: the acting one's summary
+        # (the same run dir, shared by the job's drivers) is the job's
+        summary = {} if ha is not None and not ha.acted else _summary(
+            run_dir, obs, exits, code, reason, launched=info.started, spans=spans,
+            committed=await _read_committed(bus))
         sup.stopping = True
         for t in (sup_task, quorum_task):
             if t is not None:
@@ -815,7 +875,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
         print("  " + "\n  ".join(render(summary["goodput"], last=3)), file=out)
     print(f"  summary: {run_dir / 'summary.json'}", file=out, flush=True)
     if (obs.failed is None and _total_loss(code, exits) and opts.checkpoint_dir
-            and opts.auto_resume > 0):
+            and opts.auto_resume > 0 and ext is None):
         return await _resume_after_loss(opts, run_dir, summary, out, code)
     return code
 

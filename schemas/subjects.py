@@ -160,6 +160,9 @@ def plan_part_key(digest: str, i: int) -> str:
     return f"{PLAN_PARTS_PREFIX}.{digest}.{i}"
 
 LEASE_KEY = "scaler_lease"
+# The job's end as its acting Ray driver saw it ({holder, code, reason}; services/actuator/
+# ray_adopt.py): standby drivers stop instead of taking the lease over
+ACTUATOR_END_KEY = "actuator_end"
 COMMITTED_KEY = "committed"  # schemas.messages.HighWater, written by the state broker only
 
 

@@ -285,10 +285,7 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
     out = (tmp_path / "up" / "up.out").read_text()
     assert s["final_step"] == steps - 1 and s["param_sha256_consistent"], s
     # bitwise the fault-free run of the same command (local pods; --sleep changes no value)
-    from harness import run_job
-
-    ref = await run_job(tmp_path, "ref", 2, 0, steps=steps, extra=[
-        "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps)])
+    ref = await _reference(tmp_path, steps)
     assert s["param_sha256"] == ref["param_sha256"] and s["lost_steps"] == 0, (s, ref)
     assert all(p.world_size == 2 for p in c.plans), [p.world_size for p in c.plans]
     assert s["pod_exits"][pod] == ACTOR_LOST_EXIT_CODE, s["pod_exits"]
@@ -423,3 +420,143 @@ def _rank(c, rank: int, generation: int = 0):
     """The heartbeat of the pod training at ``rank`` (in ``generation`` or later)."""
     return next((h for h in c.hb.values() if h.rank == rank and h.state.value == "training"
                  and h.generation >= generation), None)
+
+
+REFS: dict[int, dict] = {}  # fault-free runs of the example, by steps (shared by the tests)
+
+
+async def _reference(tmp_path, steps: int) -> dict:
+    """The fault-free run of `examples.train_gpt --steps N` at world size 2 (local pods;
+    ``--sleep`` changes no value), once per module."""
+    if steps not in REFS:
+        from harness import run_job
+
+        REFS[steps] = await run_job(tmp_path, "ref", 2, 0, steps=steps, extra=[
+            "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps)])
+    return REFS[steps]
+
+
+async def _lease_holder(bus, key: str) -> str | None:
+    from services.common.lease import parse_lease
+
+    try:
+        cur = parse_lease((await (await bus.kv()).get(key)).value)
+    except Exception:
+        return None
+    return cur.holder if cur.expires > time.time() else None
+
+
+@pytest.mark.timeout(300)
+async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
+        cluster, nats_server, tmp_path):
+    """Issue 42, the Ray path: the services (one instance each, started once) and two
+    `up --actuator ray --bus URL --services external` drivers (n1, n2) sharing a run dir, on
+    a real nats-server. n1 takes the actuator lease and starts 2 workers + 1 spare (named,
+    detached actors); n2 stands by. n1 is SIGKILLed mid-training: n2 takes the lease within
+    the fault timeout and adopts the running pods (no second set). Then a member's process
+    is SIGKILLed: n2 publishes its exit (the spare takes the rank) and starts a replacement
+    spare. The job finishes with 0 lost steps, bitwise equal to the fault-free run."""
+    import signal
+    import subprocess
+
+    from harness import REPO, Cluster
+    from ops.cluster import ServiceSupervisor, UpOptions, service_flags
+    from services.common.lease import ttl_for
+
+    job, steps, fault_timeout = f"ha{os.getpid() % 100000}", 40, 3.0
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    url, creds = nats_server.url, str(nats_server.creds_path)
+    slow = tmp_path / "slow"  # slower (same numerics) until the faults are behind
+    slow.touch()
+    opts = UpOptions(workers=2, spares=1, job=job, fault_timeout=fault_timeout,
+                     start_timeout=120)
+    flags = {n: [*f, "--creds", creds] for n, f in service_flags(opts).items()}
+    flags["state_broker"] = ["--creds", creds]
+    sup = ServiceSupervisor(["--nats", url, "--job", job, "--run-dir", str(run)], run / "logs",
+                            flags, lease_ttl=ttl_for(fault_timeout), node="n0")
+
+    def driver(node: str) -> list[str]:
+        return [sys.executable, "-m", "ops.cli", "up", "--run-dir", str(run), "--job", job,
+                "--workers", "2", "--spares", "1", "--steps", str(steps), "--quiet",
+                "--timeout", "240", "--start-timeout", "120", "--fault-timeout",
+                str(fault_timeout), "--bus", url, "--bus-creds", creds, "--services",
+                "external", "--node", node, "--actuator", "ray", "--ray-address",
+                cluster.address, "--ray-cpus-per-pod", "0.3", "--", sys.executable, "-m",
+                "examples.train_gpt", "--steps", str(steps), "--sleep", "0.1",
+                "--sleep-while", str(slow)]
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["PYTHONPATH"] = str(REPO)
+    first = None
+    t0 = time.monotonic()
+    try:
+        sup.start_all()
+        with open(tmp_path / "n1.out", "wb") as out:
+            first = subprocess.Popen(driver("n1"), stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+        from plumbing.bus import Bus, Credentials
+
+        watch = await Bus.connect(url, job, "test-watch", Credentials.load(creds))
+        try:
+            await until(lambda: (run / "cluster.json").exists(), 60, "n1's cluster.json")
+            holder = None
+            while holder != "actuator-n1":
+                assert first.poll() is None, (tmp_path / "n1.out").read_text()[-3000:]
+                holder = await _lease_holder(watch, "actuator_lease")
+                await asyncio.sleep(0.1)
+            c = Cluster(run, 2, 1, steps, replace=True)
+            c.argv = driver("n2")  # its up.out in the run dir; n1's beside it
+            async with c:
+                await c.wait_spares(1)
+                await c.wait_rank_step(1, 5)
+                TIMES["up --bus, 2 drivers: to step 5 with a spare"] = time.monotonic() - t0
+                pods = {h.pod for h in c.hb.values()}
+                t1 = time.monotonic()
+                first.send_signal(signal.SIGKILL)  # the acting driver's host is lost
+                first.wait(10)
+                while await _lease_holder(watch, "actuator_lease") != "actuator-n2":
+                    assert time.monotonic() - t1 < 30, c.output()
+                    await asyncio.sleep(0.05)
+                TIMES["driver lost -> standby holds the lease"] = time.monotonic() - t1
+                await c.wait_for(lambda: "pod adopted" in c.output() and "actuator acting"
+                                 in c.output(), 30, "n2 adopting the pods")
+                TIMES["driver lost -> standby acting"] = time.monotonic() - t1
+                victim = c.member(1)
+                os.kill(victim.pid, signal.SIGKILL)
+                await c.wait_for(lambda: c.plans and c.plans[-1].pod_of(1) not in
+                                 (None, victim.pod), 60, "a plan without the killed member")
+                await c.wait_for(lambda: "replacement started as a spare" in c.output(), 60,
+                                 "n2 replacing the killed pod")
+                slow.unlink()
+                assert await c.finish() == 0, c.output()
+                s = c.summary()
+                out = (run / "up.out").read_text()
+        finally:
+            await watch.close()
+    finally:
+        if first is not None and first.poll() is None:
+            first.kill()
+            first.wait(10)
+        sup.stop_all()
+        _kill_named_actors(f"ceaseless-{job}")
+    TIMES["up --bus, 2 drivers: whole job"] = time.monotonic() - t0
+    ref = await _reference(tmp_path, steps)
+    assert s["final_step"] == steps - 1 and s["param_sha256_consistent"], s
+    assert s["param_sha256"] == ref["param_sha256"] and s["lost_steps"] == 0, (s, ref)
+    assert [i["pod"] for i in s["incidents"]] == [victim.pod], s["incidents"]
+    # one set of pods: n2 started none but the replacement (no second w0/w1/s0)
+    assert out.count("pod adopted") == len(pods) == 3, out[-3000:]
+    started = [ln for ln in out.splitlines() if "pod started" in ln]
+    assert len(started) == 1 and "role=spare" in started[0], started
+    assert "action=adopt" in out
+
+
+def _kill_named_actors(namespace: str) -> None:
+    """Every actor a test's drivers left in ``namespace`` (detached: nothing else ends them)."""
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == namespace:
+            try:
+                ray.kill(ray.get_actor(a["name"], namespace=namespace), no_restart=True)
+            except Exception:
+                pass

@@ -89,6 +89,7 @@ class PodActor:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.private: str | None = None
+        self.info: dict[str, Any] = {}  # what ``start`` returned: a driver adopting it asks
 
     async def start(self, pod: str, argv: list[str], env: dict[str, str], log_dir: str,
                     files: dict[str, str], gpus: bool) -> dict[str, Any]:
@@ -120,9 +121,14 @@ class PodActor:
                 stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             out.close()
-        return {"pid": self.proc.pid, "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": node_ip, "log": log_path,
-                "cuda_visible_devices": full.get("CUDA_VISIBLE_DEVICES")}
+        self.info = {"pid": self.proc.pid, "node_id": ray.get_runtime_context().get_node_id(),
+                     "node_ip": node_ip, "log": log_path, "role": env.get("CEASELESS_ROLE"),
+                     "cuda_visible_devices": full.get("CUDA_VISIBLE_DEVICES")}
+        return self.info
+
+    async def describe(self) -> dict[str, Any]:
+        """``start``'s answer, for a driver that adopts this pod (ray_adopt.py)."""
+        return dict(self.info)
 
     async def wait(self) -> int:
         assert self.proc is not None
@@ -289,6 +295,10 @@ class RayActuator(LocalActuator):
         self.info: dict[str, dict] = {}     # pod -> what its actor reported at start
         self._connected_here = False
         self._actor_cls: Any = None
+        # Named (the pod id, in ``namespace``) and detached: the pods outlive this driver, so
+        # that a standby driver adopts them (``up --bus``, ray_adopt.py); the job's end
+        # still ends them (``shutdown``). Off: they die with the driver, as always.
+        self.detached = False
 
     # ------------------------------------------------------------------ Ray connection
     def connect(self) -> None:
@@ -460,7 +470,8 @@ class RayActuator(LocalActuator):
             num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources,
             max_restarts=0,
             max_task_retries=0, scheduling_strategy=await self._strategy(spec.role),
-            name=None).remote()
+            **({"name": spec.pod, "namespace": self.namespace, "lifetime": "detached"}
+               if self.detached else {})).remote()
         t0 = time.monotonic()
         try:
             info = await asyncio.wait_for(_ref(actor.start.remote(
