@@ -438,3 +438,42 @@ async def test_nats_cluster_conf_replicates_over_authenticated_routes(cluster_co
             assert len(info.cluster.replicas or []) == 2, info.cluster   # the other two
     finally:
         await op.close()
+
+
+def test_raycluster_runs_the_control_plane_on_three_nodes():
+    """deploy/raycluster.yaml (issue 42, the Ray path): besides the head and the GPU workers,
+    a `control-plane` group of 3 Ray nodes with no CPU for Ray, one per Kubernetes node,
+    each with a nats-server of one cluster (deploy/nats-cluster.conf's routes all set) and
+    the credentials `up --bus` is given; the Services the clients and the routes use select
+    those pods. Parsed only (no Kubernetes here)."""
+    yaml = pytest.importorskip("yaml")
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "raycluster.yaml").read_text()))
+    rc = docs[0]
+    assert rc["kind"] == "RayCluster" and rc["apiVersion"] == "ray.io/v1"
+    assert rc["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    cp = groups["control-plane"]
+    assert cp["replicas"] == cp["minReplicas"] == cp["maxReplicas"] == 3
+    assert cp["rayStartParams"]["num-cpus"] == "0"
+    labels = cp["template"]["metadata"]["labels"]
+    spec = cp["template"]["spec"]
+    anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+    assert anti[0]["labelSelector"]["matchLabels"].items() <= labels.items()
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert {"ray-worker", "nats"} <= containers.keys()
+    nats = containers["nats"]
+    cmd = " ".join(nats["command"])
+    assert "nats-cluster.conf" in cmd and "-js" in cmd and "--name" in cmd
+    conf = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    routes = set(re.findall(r"\$(CEASELESS_NATS_ROUTE_\d+)", conf))
+    assert routes and routes <= {e["name"] for e in nats["env"]}
+    volumes = {v["name"] for v in spec["volumes"]}
+    for c in containers.values():
+        assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, c["name"]
+    services = {d["metadata"]["name"]: d for d in docs[1:] if d["kind"] == "Service"}
+    assert services["ceaseless-nats-routes"]["spec"]["clusterIP"] == "None"
+    for svc in services.values():
+        sel = svc["spec"]["selector"]
+        assert sel["ceaseless/role"] == labels["ceaseless/role"], svc["metadata"]["name"]
+    assert {p["port"] for p in services["ceaseless-nats"]["spec"]["ports"]} == {4222}
