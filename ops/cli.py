@@ -648,8 +648,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          "client fails over between them (docs/cluster.md)")
     up.add_argument("--bus", metavar="URLS",
                     help="attach to a running bus (comma-separated nats:// or tls:// URLs, a "
-                         "NATS cluster run per node): start no nats-server; several drivers "
-                         "of one job (one per node, the same --run-dir) take turns by lease "
+                         "NATS cluster run per node): start no nats-server; with --actuator "
+                         "ray several drivers of one job (one per node, the same --run-dir) "
+                         "take turns by lease "
                          "(docs/cluster.md \"The control plane on several Ray nodes\")")
     up.add_argument("--bus-creds", metavar="FILE",
                     help="with --bus: the credentials JSON of `up` and its services")

@@ -791,7 +791,10 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
                         "committed steps (lost with it, or not written yet)")
                     break
                 obs.fresh = None  # nothing committed yet: a fresh start is right
-            if plan is not None and all(
+            # the pods' exits are this driver's to judge while it watches them (with --bus: it
+            # acts; a standby, or a driver deposed meanwhile, waits for the job's end)
+            watching = ha is None or ha.watching
+            if watching and plan is not None and all(
                     exits.get(m.pod) == 0 or (m.pod in exits and m.pod in obs.hb
                                               and obs.hb[m.pod].state == AgentState.done)
                     for m in plan.members):
@@ -813,7 +816,7 @@ async def _run(opts: UpOptions, run_dir: Path, hosted: "HostRun | None") -> int:
             if failed_at_start:
                 code, reason = 1, failed_at_start
                 break
-            if exits and not act.running():
+            if watching and exits and not act.running():
                 code, reason = 1, f"every pod exited ({exits}) before training finished"
                 break
             if opts.timeout and time.monotonic() - started > opts.timeout:

@@ -136,6 +136,11 @@ class DriverLease:
         self._watch_end: asyncio.Task | None = None
 
     @property
+    def watching(self) -> bool:
+        """It acts: the pods' exits it sees are the job's."""
+        return self.state is DriverState.ACTIVE
+
+    @property
     def acted(self) -> bool:
         return bool(self.taken)
 
