@@ -86,3 +86,49 @@ def test_a_nodes_service_instances_are_named_after_it(tmp_path):
     sup.start = started.append  # what would be run, not run
     sup.start_all()
     assert started == [f"{s}-n-s1" for s in SERVICES]
+
+
+async def test_a_standby_driver_answers_nothing_and_stops_at_the_jobs_end(bus, tmp_path):
+    """A real nats-server, a RayActuator that never reaches Ray: while another driver holds
+    the actuator lease this one stays a standby: an actuator command gets no answer from it
+    and it watches no pod; when the acting driver writes the job's end it stops (ENDED)
+    with that end, without taking the lease."""
+    import asyncio
+    import time
+
+    from harness import until
+    from nats.errors import TimeoutError as NatsTimeout
+    from schemas.messages import ActuatorAction, ActuatorCommand, ActuatorReply
+    from schemas.subjects import ACTUATOR_END_KEY, lease_key
+    from services.actuator.ray import RayActuator
+    from services.actuator.ray_adopt import DriverLease, DriverState
+    from services.common.lease import LeaseValue
+
+    kv = await bus.kv()
+    await kv.put(lease_key("actuator"), LeaseValue("actuator-n1", time.time() + 3600, 1).dumps())
+    act = RayActuator(bus, [], {}, tmp_path / "logs", namespace="ceaseless-test",
+                      watch_nodes=True)
+
+    async def never() -> None:
+        raise AssertionError("a standby started pods")
+
+    ha = DriverLease(act, "actuator-n2", 0.6, never)
+    ha.install()
+    await act.attach()
+    await ha.start()
+    try:
+        assert ha.state is DriverState.STANDBY and not ha.watching and not ha.acted
+        assert ha.lease.holder == "actuator-n1" and act._poller is None
+        with pytest.raises((NatsTimeout, asyncio.TimeoutError)):
+            await bus.request(bus.subjects.actuator, ActuatorCommand(
+                action=ActuatorAction.start, role=Role.spare, count=1), ActuatorReply,
+                timeout=1.0)
+        assert act.running() == {} and act.roles == {}
+        await kv.put(ACTUATOR_END_KEY, JobEnd("actuator-n1", 0, "all 2 members finished").dumps())
+        await until(lambda: ha.ended is not None, 10, "the standby seeing the job's end")
+        assert ha.state is DriverState.ENDED and ha.ended.code == 0 and not ha.acted
+    finally:
+        await ha.finish(1, "test over")
+        await act.shutdown(grace_s=1)
+    # a driver that never acted writes no end of its own
+    assert parse_end((await kv.get(ACTUATOR_END_KEY)).value).holder == "actuator-n1"
