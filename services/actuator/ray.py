@@ -22,6 +22,9 @@ a pod runs:
   one with the fewest of the job's pods), by soft node affinity, so a node loss takes a member or a spare but rarely both; where
   every node holds a member, ``SPREAD``; a node being drained is never chosen, and nodes
   with room now come first.
+* Several drivers (``up --bus``, ``detached``): each pod's actor is named (its id, in the
+  job's namespace) and detached, so it outlives the driver that started it; one driver
+  acts by lease and a standby adopts the pods (``ray_adopt.py``).
 * Cluster signals (``watch_nodes``, on in ``ceaseless up``): Ray's node table is polled
   every ``poll_s`` (1 s). A node that joins with room for N pods → ``capacity add N``; a
   node that leaves with room announced and never used → ``capacity remove``; a node being
