@@ -295,11 +295,14 @@ async def _leases(bus: Any) -> dict[str, Any]:
         kv = await bus.js.key_value(bus.subjects.kv_bucket)
     except Exception:
         return out
-    for name in SERVICE_NAMES:
+    # the Ray driver's too (`up --actuator ray --bus`: one acts per job); listed only where
+    # it has one (a local actuator takes none: "no active instance" would mislead)
+    for name in (*SERVICE_NAMES, "actuator"):
         try:
             cur = parse_lease((await kv.get(lease_key(name))).value)
         except Exception:
-            out[name] = None
+            if name != "actuator":
+                out[name] = None
             continue
         left = cur.expires - time.time()
         out[name] = ({"active": cur.holder, "term": cur.term, "expires_in_s": round(left, 3)}
@@ -386,6 +389,10 @@ def _render_status(st: dict[str, Any]) -> str:
             state += (f"; active: {ls['active']} (term {ls['term']})" if ls
                       else "; no active instance (lease expired)")
         lines.append(f"service {name}: {state}")
+    if "actuator" in leases:  # the Ray drivers' lease (`up --bus`)
+        ls = leases["actuator"]
+        lines.append(f"actuator: active: {ls['active']} (term {ls['term']})" if ls
+                     else "actuator: no driver acts (lease expired)")
     sc = st["services"].get("scaler", {})
     if sc.get("policy"):
         pol = sc["policy"]

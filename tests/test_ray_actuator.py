@@ -461,6 +461,7 @@ async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
 
     from harness import REPO, Cluster
     from ops.cluster import ServiceSupervisor, UpOptions, service_flags
+    from schemas.subjects import lease_key
     from services.common.lease import ttl_for
 
     job, steps, fault_timeout = f"ha{os.getpid() % 100000}", 40, 3.0
@@ -476,12 +477,12 @@ async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
     sup = ServiceSupervisor(["--nats", url, "--job", job, "--run-dir", str(run)], run / "logs",
                             flags, lease_ttl=ttl_for(fault_timeout), node="n0")
 
-    def driver(node: str) -> list[str]:
+    def driver(node: str, services: str = "external") -> list[str]:
         return [sys.executable, "-m", "ops.cli", "up", "--run-dir", str(run), "--job", job,
                 "--workers", "2", "--spares", "1", "--steps", str(steps), "--quiet",
                 "--timeout", "240", "--start-timeout", "120", "--fault-timeout",
                 str(fault_timeout), "--bus", url, "--bus-creds", creds, "--services",
-                "external", "--node", node, "--actuator", "ray", "--ray-address",
+                services, "--node", node, "--actuator", "ray", "--ray-address",
                 cluster.address, "--ray-cpus-per-pod", "0.3", "--", sys.executable, "-m",
                 "examples.train_gpt", "--steps", str(steps), "--sleep", "0.1",
                 "--sleep-while", str(slow)]
@@ -507,7 +508,9 @@ async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
                 holder = await _lease_holder(watch, "actuator_lease")
                 await asyncio.sleep(0.1)
             c = Cluster(run, 2, 1, steps, replace=True)
-            c.argv = driver("n2")  # its up.out in the run dir; n1's beside it
+            # n2 also runs an instance of each service (`--services here`): standbys, as
+            # the leases are n0's
+            c.argv = driver("n2", "here")  # its up.out in the run dir; n1's beside it
             async with c:
                 await c.wait_spares(1)
                 await c.wait_rank_step(1, 5)
@@ -523,6 +526,8 @@ async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
                 await c.wait_for(lambda: "pod adopted" in c.output() and "actuator acting"
                                  in c.output(), 30, "n2 adopting the pods")
                 TIMES["driver lost -> standby acting"] = time.monotonic() - t1
+                for n in ("health_monitor", "scaler", "state_broker"):  # n2's: standbys
+                    assert await _lease_holder(watch, lease_key(n)) == f"{n}-n0", n
                 victim = c.member(1)
                 os.kill(victim.pid, signal.SIGKILL)
                 await c.wait_for(lambda: c.plans and c.plans[-1].pod_of(1) not in
@@ -551,6 +556,9 @@ async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
     started = [ln for ln in out.splitlines() if "pod started" in ln]
     assert len(started) == 1 and "role=spare" in started[0], started
     assert "action=adopt" in out
+    # n2's own service instances ran as standbys: the leases stayed with n0's
+    assert all((run / "logs" / f"{n}-n2.log").exists() for n in
+               ("health_monitor", "scaler", "state_broker")), sorted((run / "logs").iterdir())
 
 
 def _kill_named_actors(namespace: str) -> None:

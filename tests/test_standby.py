@@ -408,6 +408,15 @@ async def test_status_says_which_instance_is_active(bus):
     text = _render_status(st)
     assert "service scaler: up 1s, dropped 0; active: scaler-s1 (term 1)" in text
     assert "service health_monitor: up 1s, dropped 0; no active instance" in text
+    assert "actuator" not in leases and "actuator" not in text  # no Ray driver: no lease
+    driver = Lease(bus, "actuator", "actuator-n2", TTL, log)  # `up --actuator ray --bus`
+    await driver.start()
+    try:
+        leases = await _leases(bus)
+    finally:
+        await driver.stop()
+    assert leases["actuator"]["active"] == "actuator-n2"
+    assert "actuator: active: actuator-n2 (term 1)" in _render_status({**st, "leases": leases})
 
 
 async def test_two_brokers_one_publishes_and_the_standby_publishes_what_it_decided(
