@@ -23,7 +23,8 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
-from schemas.messages import MAX_PODS, MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat, Seen, new_id
+from schemas.messages import (MAX_PODS, MAX_VIEW_LIVE, MAX_VIEW_PODS, HealthView, Heartbeat,
+                              HeartbeatBatch, Seen, new_id)
 from schemas.timeouts import VIEW_INTERVAL
 
 from plumbing.aio import cancel_all, wait_event
@@ -37,10 +38,6 @@ OnBeats = Callable[[list[str], list[int], list[int], list[str], list[float]], No
 Heard = Callable[[Iterable[str] | None], list[tuple[Heartbeat, float]]]
 COMPLETE_EVERY = 8  # a complete listing (full heartbeats) every 8 intervals
 _MAX_TRACKED = MAX_PODS
-
-
-def _key(hb: Heartbeat) -> tuple[Any, ...]:
-    return (hb.generation, hb.state, hb.role, hb.rank)
 
 
 class ViewPublisher:
@@ -60,7 +57,10 @@ class ViewPublisher:
         self.published = 0
 
     def note(self, prev: Heartbeat | None, hb: Heartbeat) -> None:
-        if prev is None or _key(prev) != _key(hb):
+        # (``_key``'s fields compared in place: this runs for every heartbeat, 65,536 a
+        # second at 16,384 pods, and two tuples a call were a fifth of the monitor's time)
+        if (prev is None or prev.generation != hb.generation or prev.state != hb.state
+                or prev.role != hb.role or prev.rank != hb.rank):
             self.urgent.add(hb.pod)
             self._wake.set()
 
@@ -173,7 +173,7 @@ class HeartbeatFeed:
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_all([self._task])
-        for sub in (self._direct, self._view_sub):
+        for sub in [*(self._direct or ()), self._view_sub]:
             if sub is not None:
                 try:
                     await sub.unsubscribe()
@@ -182,9 +182,16 @@ class HeartbeatFeed:
         self._direct = self._view_sub = None
 
     async def _go_direct(self) -> None:
-        if self._direct is None:
-            self._direct = await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat,
-                                                    self._on_direct)
+        if self._direct is None:  # the heartbeats and the hosts' batches of them (issue 45)
+            s = self.bus.subjects
+            one = await self.bus.subscribe(s.heartbeat(), Heartbeat, self._on_direct)
+            try:
+                batches = await self.bus.subscribe(s.heartbeats(), HeartbeatBatch,
+                                                   self._on_batch)
+            except BaseException:
+                await one.unsubscribe()
+                raise
+            self._direct = (one, batches)
 
     async def _watch(self) -> None:
         while True:
@@ -204,6 +211,10 @@ class HeartbeatFeed:
     async def _on_direct(self, hb: Heartbeat, env: Envelope) -> None:
         await self._give(hb, env.subject, 0.0)
 
+    async def _on_batch(self, batch: HeartbeatBatch, env: Envelope) -> None:
+        for hb in batch.beats:
+            await self._give(hb, env.subject, 0.0)
+
     async def _on_view(self, view: HealthView, env: Envelope) -> None:
         self._last_view = time.monotonic()
         self._stale_after = 2 * view.interval + 0.5
@@ -212,13 +223,14 @@ class HeartbeatFeed:
         if view.live:
             self.on_beats(view.live, view.gens, view.steps, view.digests, view.ages)
         if self._direct is not None and view.full:
-            sub, self._direct = self._direct, None
+            subs, self._direct = self._direct, None
             self.switches += 1
             self.log.info("reading heartbeats from the monitor's health view")
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            for sub in subs:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
 
     async def _give(self, hb: Heartbeat, subject: str, age: float) -> None:
         prev = self._given.get(hb.pod)
