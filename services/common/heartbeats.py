@@ -40,6 +40,12 @@ COMPLETE_EVERY = 8  # a complete listing (full heartbeats) every 8 intervals
 _MAX_TRACKED = MAX_PODS
 
 
+def _parts(heard: list[tuple[Heartbeat, float]],
+           size: int = MAX_VIEW_PODS) -> list[list[tuple[Heartbeat, float]]]:
+    """One listing's chunks (one, empty, for nothing heard)."""
+    return [heard[i:i + size] for i in range(0, len(heard), size)] or [[]]
+
+
 class ViewPublisher:
     """The health monitor's side. ``heard(pods)`` gives (last heartbeat, monotonic time it was
     received) of the given watched pods, or of every watched pod for None: the monitor's own
@@ -100,34 +106,51 @@ class ViewPublisher:
     def full_views(self, heard: list[tuple[Heartbeat, float]], complete: bool,
                    now: float) -> list[HealthView]:
         """The messages of one listing of full heartbeats (none: nothing to send)."""
-        seen = [Seen(hb=hb, age=min(3600.0, max(0.0, now - t))) for hb, t in heard]
-        if not seen and not complete:
+        if not heard and not complete:
             return []
-        chunks = [seen[i:i + MAX_VIEW_PODS] for i in range(0, len(seen), MAX_VIEW_PODS)] or [[]]
-        return [self._view(full=complete, chunk=i, chunks=len(chunks), pods=part)
-                for i, part in enumerate(chunks)]
+        parts = _parts(heard)
+        return [self._full(part, complete, i, len(parts), now) for i, part in enumerate(parts)]
+
+    def _full(self, part: list[tuple[Heartbeat, float]], complete: bool, i: int, n: int,
+              now: float) -> HealthView:
+        return self._view(full=complete, chunk=i, chunks=n,
+                          pods=[Seen(hb=hb, age=min(3600.0, max(0.0, now - t)))
+                                for hb, t in part])
 
     def compact_views(self, items: list[tuple[Heartbeat, float]],
                       now: float) -> list[HealthView]:
         """The messages of one compact listing of ``items``."""
-        chunks = [items[i:i + MAX_VIEW_LIVE] for i in range(0, len(items), MAX_VIEW_LIVE)] or [[]]
-        return [self._view(chunk=i, chunks=len(chunks), live=[hb.pod for hb, _ in part],
-                           gens=[hb.generation for hb, _ in part],
-                           steps=[hb.step for hb, _ in part],
-                           digests=[hb.step_digest for hb, _ in part],
-                           ages=[min(3600.0, max(0.0, now - t)) for _, t in part])
-                for i, part in enumerate(chunks)]
+        parts = _parts(items, MAX_VIEW_LIVE)
+        return [self._compact(part, i, len(parts), now) for i, part in enumerate(parts)]
+
+    def _compact(self, part: list[tuple[Heartbeat, float]], i: int, n: int,
+                 now: float) -> HealthView:
+        return self._view(chunk=i, chunks=n, live=[hb.pod for hb, _ in part],
+                          gens=[hb.generation for hb, _ in part],
+                          steps=[hb.step for hb, _ in part],
+                          digests=[hb.step_digest for hb, _ in part],
+                          ages=[min(3600.0, max(0.0, now - t)) for _, t in part])
 
     async def _publish_full(self, heard: list[tuple[Heartbeat, float]], complete: bool) -> None:
-        views = self.full_views(heard, complete, time.monotonic())
-        for v in views:
-            await self.bus.publish(self.bus.subjects.health, v)
-        if views:
-            self.published += 1
+        if not heard and not complete:
+            return
+        parts = _parts(heard)
+        for i, part in enumerate(parts):
+            if i:  # built and sent a chunk at a time, the loop free between them: a listing
+                # of 16,384 pods took 0.1-0.3 s, so long the monitor read no heartbeat and
+                # its link check (a PING) timed out (issue 45)
+                await asyncio.sleep(0)
+            await self.bus.publish(self.bus.subjects.health,
+                                   self._full(part, complete, i, len(parts), time.monotonic()))
+        self.published += 1
 
     async def _publish_compact(self) -> None:
-        for v in self.compact_views(self.heard(None), time.monotonic()):
-            await self.bus.publish(self.bus.subjects.health, v)
+        parts = _parts(self.heard(None), MAX_VIEW_LIVE)
+        for i, part in enumerate(parts):
+            if i:  # as _publish_full: the loop free between chunks
+                await asyncio.sleep(0)
+            await self.bus.publish(self.bus.subjects.health,
+                                   self._compact(part, i, len(parts), time.monotonic()))
         self.published += 1
 
 
