@@ -2,7 +2,8 @@
 state broker on a real nats-server.
 
     python -m bench.control_plane [--agents 256,1024,4096] [--procs 4] [--rounds 4]
-                                  [--silences 5] [--fault-timeout 1.5] [--json PATH]
+                                  [--silences 5] [--fault-timeout 1.5] [--pods-per-host 8]
+                                  [--json PATH]
                                   [--svg PATH] [--write-doc]
     ceaseless bench control-plane ...        (same options)
 
@@ -16,7 +17,11 @@ and generation from the plan it received, state ``training``, a step that advanc
 time), and stops when it is fenced (each pod's heartbeat is built with the real model once
 per generation and rank, then only its step and time are filled in: the agents stand for
 machines of their own, not for load on this one). The agents of one process share one NATS
-connection and one plan subscription (one decode of a plan serves all of them).
+connection and one plan subscription (one decode of a plan serves all of them). With
+``--pods-per-host K`` (default 8) every K agents are a host whose relay sends their latest
+heartbeats as one ``HeartbeatBatch`` each interval (agent/hostbeat.py; the relay is simulated
+in the agents' process: the pods' messages to it stay on their machine); 0: each heartbeat is
+its own message, as before issue 45's batches.
 
 Then ``--rounds`` rounds: in each, ``--silences`` random members stop heartbeating (as a
 SIGSTOPped or vanished process does). Reported:
