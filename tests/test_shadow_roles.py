@@ -22,9 +22,10 @@ from schemas.messages import Member, Plan
 pytestmark = pytest.mark.timeout(120)
 
 
-def _state(seed: int) -> TrainState:
+def _state(seed: int, width: int = 8) -> TrainState:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width),
+                                torch.nn.Linear(width, width), torch.nn.Linear(width, 2))
     st = TrainState()
     st.register(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     return st
@@ -76,7 +77,7 @@ def test_a_spare_follows_rank_0_bit_for_bit_and_stops_on_divergence(nats_server)
         follower.follow(plan)         # the spare asks (its KV request) ...
         assert follower.following
         lead_state.last_committed = 0
-        leader.lead(plan, lead_state.snapshot())   # ... rank 0 answers it with the state
+        leader.lead(plan)   # ... rank 0 answers it with the state
         assert leader.streaming
 
         def caught_up(step: int) -> bool:
@@ -157,7 +158,7 @@ def test_a_spare_drops_the_steps_a_rollback_discarded_and_follows_again(nats_ser
     try:
         follower.follow(plan)
         lead_state.last_committed = 0
-        leader.lead(plan, lead_state.snapshot())
+        leader.lead(plan)
         leader.generation = plan.generation
         seen: list[int] = []
         verifier = Verifier(every=2)
@@ -207,7 +208,7 @@ def test_a_spare_whose_first_ask_failed_asks_again_and_becomes_current(nats_serv
         follower.follow(plan)
         first = rt1.stores.get(_request_key(1, "p1"))
         lead_state.last_committed = 0
-        leader.lead(plan, lead_state.snapshot())  # answers the ask ...
+        leader.lead(plan)  # answers the ask ...
         leader._out["p1"].close()                  # ... and that answer fails
         seen: list[int] = []
         s = _train_until_current(leader, follower, lead_state, spare_state, 0, seen)
@@ -272,4 +273,58 @@ def test_a_spare_promoted_while_an_ask_is_due_asks_no_more(nats_server, monkeypa
         assert rt1.stores.get(roles._request_key(1, "p1")) == asked and not follower.following
     finally:
         follower.stop(quiet=True)
+        rt1.stop()
+
+
+def _allocated_bytes(fn) -> int:
+    """Bytes the calling thread allocates in ``fn()`` (torch's CPU allocator, as the profiler
+    records it; other threads are not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
+
+
+def test_rank_0_serves_a_spare_from_its_live_state_and_the_spare_receives_in_place(nats_server):
+    """Issue 43: a spare that asks while rank 0 trains gets its first state from rank 0's
+    live tensors (before, a host snapshot of the whole state: rank 0 peaked at 1.5x), and
+    receives it into its own parameters, not a staging copy. Rank 0's next update waits for
+    it to be out, so the spare still ends bit for bit current."""
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
+    lead_state, spare_state = _state(0, width=512), _state(1, width=512)
+    spare_ptrs = [p.data_ptr() for p in spare_state.params()]
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
+    try:
+        leader.lead(plan)  # the generation began; no spare has asked yet
+        s = 0
+        for s in (1, 2):   # the optimizer holds its state: the whole state is 3x the model
+            _train_step(lead_state, s)
+            leader.confirm(s)
+        state_bytes = lead_state.describe().nbytes
+        follower.follow(plan)  # the spare asks now: rank 0 answers at its step boundary
+        _until(lambda: leader._requests.get("p1") is not None, "the spare's ask")
+        served = _allocated_bytes(lambda: leader.confirm(s))
+        assert leader.streaming
+        assert served < state_bytes / 20, (served, state_bytes)  # the buffers' copies only
+        _until(follower.ready, "the first state to arrive")
+        kind, first = follower._in._items[0]
+        assert kind == "state"
+        param_bytes = sum(p.numel() * p.element_size() for p in spare_state.params())
+        assert first.stats["in_place_bytes"] >= param_bytes
+        for s in (3, 4, 5):
+            grads, hypers = _train_step(lead_state, s)  # its update waits for the state
+            leader.offer(s, grads, 1.0, hypers=hypers)
+            leader.confirm(s)
+            _until(lambda: (follower.apply(), spare_state.last_committed == s)[1],
+                   f"the spare to hold step {s}")
+            assert spare_state.param_sha256() == lead_state.param_sha256(), s
+            assert spare_state.digest() == lead_state.digest(), s
+        assert [p.data_ptr() for p in spare_state.params()] == spare_ptrs
+    finally:
+        follower.stop(quiet=True)
+        leader.end()
+        rt0.stop()
         rt1.stop()
