@@ -114,11 +114,11 @@ class ShadowLeader:
         """A spare's first state (the live one: ``TrainState.shared``) and, CUDA, the side
         stream it is read on, waiting for what the training stream queued so far (a
         device-side wait, no host sync)."""
-        side, dev = None, self._state.device
-        if dev.type == "cuda":
+        state, side, dev = self._state.shared(), None, self._state.device
+        if dev.type == "cuda":  # after the buffers' copies, queued by shared()
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
-        return self._state.shared(), side
+        return state, side
 
     def _renew(self, step: int) -> None:
         """Streams whose first state went stale before they connected: take it again."""
