@@ -380,6 +380,7 @@ class ShadowReceiver:
         self._items: collections.deque[tuple[str, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._abort = threading.Event()
+        self._room = threading.Event()  # set by take(): the receive may go on at once
         self.ended: str | None = None
         self.connected = False  # the pair with rank 0 is built (rank 0 answered)
         self.got_state = False  # the state arrived (an ask that ended without it failed)
@@ -393,12 +394,15 @@ class ShadowReceiver:
         """The first ``n`` items that arrived (all: None)."""
         with self._lock:
             k = len(self._items) if n is None else min(n, len(self._items))
-            return [self._items.popleft() for _ in range(k)]
+            out = [self._items.popleft() for _ in range(k)]
+        self._room.set()
+        return out
 
     def close(self) -> None:
         if self.ended is None:
             self.ended = "closed"
         self._abort.set()
+        self._room.set()
         if self._into is not None and not self.got_state \
                 and threading.current_thread() is not self._thread:
             # a piece may be on its way into the spare's own tensors: done before anything
@@ -411,6 +415,14 @@ class ShadowReceiver:
         its interpreter's teardown (module docstring). True if it ended."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _wait_room(self) -> None:
+        """Until fewer than ``AHEAD_STEPS`` wait to be applied (woken by ``take``)."""
+        while not self._abort.is_set():
+            self._room.clear()
+            if self._ahead() < AHEAD_STEPS:
+                return
+            self._room.wait(self._slice_s)
 
     def _ahead(self) -> int:
         """The states and steps that arrived and wait to be applied."""
@@ -430,8 +442,7 @@ class ShadowReceiver:
             self._push(("state", recv_state(group, 1, [0], self._abort,
                                             timeout_s=self._timeout_s, into=self._into)))
             self.got_state = True
-            while self._ahead() >= AHEAD_STEPS and not self._abort.wait(self._slice_s):
-                pass  # the state is applied before a step's gradients arrive
+            self._wait_room()  # the state is applied before a step's gradients arrive
             while not self._abort.is_set():
                 item = self._recv(group)
                 if item is None:  # rank 0 ended the stream: the job is done
@@ -443,8 +454,7 @@ class ShadowReceiver:
                     self.ended = self.ended or "rolled back"
                     break
                 self._push(item)
-                while self._ahead() >= AHEAD_STEPS and not self._abort.wait(self._slice_s):
-                    pass  # the training thread applies them; rank 0 drops us if we lag more
+                self._wait_room()  # the training thread applies it; rank 0 drops us if we lag
         except Aborted:
             pass
         except Exception as e:
