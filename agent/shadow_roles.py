@@ -237,7 +237,8 @@ class ShadowLeader:
         step start here, from that state (live: ``_serve``)."""
         from .shadow import Confirm, state_word_begin
 
-        if self._out:  # the word is read on each stream's thread: no host sync here
+        if not all(out.stale for out in self._out.values()):
+            # the word is read on each stream's thread: no host sync here
             c = Confirm(step=s, check=state_word_begin(self._state.modules()))
             for out in self._out.values():
                 out.offer(c)
