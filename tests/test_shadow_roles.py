@@ -334,3 +334,47 @@ def test_rank_0_serves_a_spare_from_its_live_state_and_the_spare_receives_in_pla
         leader.end()
         rt0.stop()
         rt1.stop()
+
+
+def test_a_stream_whose_pair_comes_up_late_starts_from_the_state_of_then(nats_server):
+    """Rank 0 answers an ask, but the spare's end of the pair comes up only after rank 0 has
+    trained on: the first state it was served went stale at the next update (it is the live
+    state, not a copy), so the stream takes it again at each step boundary and the spare gets
+    the state of the step rank 0 holds when the pair is up, then the steps after it."""
+    from agent.shadow import IDLE_TIMEOUT_S, ShadowReceiver
+    from agent.shadow_roles import _request_key, _store
+
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
+    lead_state, spare_state = _state(0), _state(1)
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    rx = None
+    try:
+        rid = "late"
+        assert rt1.stores.put(_request_key(1, "p1"), rid.encode())  # the ask, no receiver yet
+        lead_state.last_committed = 0
+        leader.lead(plan)
+        for s in (1, 2, 3):
+            grads, hypers = _train_step(lead_state, s)  # nobody to wait for: it goes stale
+            leader.offer(s, grads, 1.0, hypers=hypers)
+            leader.confirm(s)                            # ... and is taken again here
+        assert leader._out["p1"].stale is False
+        rx = ShadowReceiver(_store(rt1, 1, "p1", rid, IDLE_TIMEOUT_S),
+                            spare_state.params() + spare_state.buffers(), lambda: None,
+                            timeout_s=10.0, slice_s=0.05, hypers=len(spare_state.hypers()))
+        _until(rx.ready, "the first state")
+        kind, first = rx.take(1)[0]
+        assert kind == "state" and spare_state.restore(first) == 3
+        spare_state.zero_grad()
+        assert spare_state.param_sha256() == lead_state.param_sha256()
+        grads, hypers = _train_step(lead_state, 4)
+        leader.offer(4, grads, 1.0, hypers=hypers)
+        _until(rx.ready, "step 4")
+        kind, u = rx.take(1)[0]
+        assert kind == "step" and u.step == 4
+    finally:
+        if rx is not None:
+            rx.close()
+        leader.end()
+        rt0.stop()
+        rt1.stop()
