@@ -89,10 +89,10 @@ class Timeline:
 
     def record_metrics(self, now: float) -> None:
         # gauges, read by the exporter every few seconds: set at most once a second, not at
-        # every commit (issue 44: a fixed cost of a small step)
+        # every commit (issue 44: a fixed cost of a small step), and at once after an
+        # incident (``close``)
         if self.metrics_at is not None and now - self.metrics_at < METRICS_EVERY_S:
             return
-        self.metrics_at = now
         try:
             from plumbing import telemetry
 
@@ -100,6 +100,7 @@ class Timeline:
             med = self.median_step()
             if med:
                 inst.record_steps_per_second(1.0 / max(1e-9, med))
+                self.metrics_at = now
             wall = now - (self.first_commit_time or now)
             if wall > 0:
                 inst.record_goodput(min(1.0, self.useful_s / wall))
@@ -110,6 +111,7 @@ class Timeline:
               first_step_end: float) -> None:
         """The first commit after the incident: publish its report, spans and metric."""
         inc, self.incident = self.incident, None
+        self.metrics_at = None  # the gauges are set at this commit (goodput fell)
         if inc is None or rt is None or not inc.t_plan:
             return
         phases = {
