@@ -43,11 +43,9 @@ class TrainState:
         self.new_skip = False  # the last commit's step was skipped for the first time
         # fp16: (scaler, scale, growth tracker) as last set on it (``_scale_state``)
         self._scale_seen: tuple[Any, float, int] | None = None
-        from .digests import DigestSlot, Sampler
+        from .digests import DigestSlot
 
-        # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py),
-        # from views of the state kept between commits
-        self._sampler = Sampler()
+        # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py)
         self.digests = DigestSlot(self.digest_begin)
         # called before the update or a restore changes the registered state: rank 0 holds
         # them back while a spare's first state is sent from the live tensors
@@ -250,10 +248,10 @@ class TrainState:
     def digest_begin(self) -> Any:
         """``digest()`` begun on the device, read later (``digests.PendingDigest``); None
         where ``digest()`` is "". Must cover what ``digest()`` covers (tests/test_digests)."""
-        from .digests import covered
+        from .digests import covered, digest_begin
 
         tensors = covered(self.objs)
-        return self._sampler.begin(tensors) if tensors else None
+        return digest_begin(tensors) if tensors else None
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""
@@ -311,7 +309,6 @@ class TrainState:
         """Load a FlatState or TensorState (a snapshot, a transfer); returns its step."""
         if self.before_change is not None:
             self.before_change()
-        self._sampler.forget()  # its views would keep the replaced tensors' storage alive
         extra = st.restore(self.objs) or {}
         self._scale_seen = None  # the scaler's state was loaded: read it again
         self.last_committed = int(extra.get("step", default_step))
