@@ -78,10 +78,7 @@ class HostRun:
         self.pods[pod] = h
         self.write()
         host = self.hosts[h]
-        # CEASELESS_HOST: the pods of a host send their heartbeats in one message through
-        # one of them (agent/hostbeat.py, issue 45)
-        return PodHost(host.argv([]), {"CEASELESS_GLOO_HOSTNAME": host.addr,
-                                       "CEASELESS_HOST": h}, host.netns)
+        return PodHost(host.argv([]), {"CEASELESS_GLOO_HOSTNAME": host.addr}, host.netns)
 
     def exited(self, pod: str, code: int) -> None:
         if self.pods.pop(pod, None) is not None:
