@@ -34,6 +34,9 @@ class AgentConfig:
     creds_path: str | None = None
     run_dir: str | None = None
     allow_inject: bool = False
+    # the machine this pod runs on (CEASELESS_HOST): its heartbeats go through the host's
+    # relay, one message per host and interval (agent/hostbeat.py, issue 45); None: each its own
+    host: str | None = None
     heartbeat_interval: float = TIMEOUTS["heartbeat_interval"]
     collective_slice: float = 0.05     # abort flag checked between slices of a wait
     # A collective that takes longer is a peer error.
@@ -99,6 +102,8 @@ class AgentConfig:
                 object.__setattr__(self, off, False)
         check_id(self.job, "job name")
         check_id(self.pod, "pod id")
+        if self.host is not None:
+            check_id(self.host, "host (CEASELESS_HOST)")
         fault = TIMEOUTS["fault_timeout"]
         if not (0 < self.heartbeat_interval < fault):
             raise ValueError(f"heartbeat_interval must be in (0, {fault:g}) s: below the fault "
@@ -148,6 +153,7 @@ class AgentConfig:
             creds_path=env("CEASELESS_CREDS"),
             run_dir=env("CEASELESS_RUN_DIR"),
             allow_inject=_flag("CEASELESS_ALLOW_INJECT"),
+            host=(env("CEASELESS_HOST") or "").replace(".", "-")[:64] or None,
             heartbeat_interval=float(env("CEASELESS_HEARTBEAT_INTERVAL", cls.heartbeat_interval)),
             collective_timeout=timeouts.get("collective_timeout", cls.collective_timeout),
             stuck_report_after=float(env("CEASELESS_STUCK_REPORT_AFTER", cls.stuck_report_after)),

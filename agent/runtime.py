@@ -37,6 +37,7 @@ from .buckets import Bucket
 from .catchup import CatchUp
 from .config import AgentConfig
 from .groups import reap
+from .hostbeat import Beats
 from .inject import Inbox, answer
 from .vocab import Arrival, StepLife, StepPhase, StepView, Verdict, plan_arrival
 from .watchdog import Watchdog
@@ -87,6 +88,7 @@ class Runtime:
         self._world_size = 0  # of the joined generation
         # the training thread's signs of progress (a step boundary, a collective, a join)
         self._watchdog = Watchdog(cfg)
+        self._beats: Beats | None = None  # how heartbeats go out (set once connected)
         self._checkpoint_request: str | None = None  # the last one `up` made (KV)
         # what we tell the control plane: replaced whole (frozen), sent by the heartbeat loop
         self._hb = Heartbeat(pod=cfg.pod, pid=os.getpid(), role=cfg.role, generation=0, rank=None,
@@ -165,9 +167,10 @@ class Runtime:
         await bus.subscribe(s.state_lost, StateLost, self._on_lost)
         await bus.subscribe(s.inject, Inject, self._on_inject)
         await c.read_plan()
+        self._beats = b = await Beats.start(bus, self.cfg)  # each alone, or by its host's relay
         tasks = [asyncio.create_task(t) for t in (self._heartbeats(c), self._watch_done(),
                                                   self._watch_checkpoint_request(),
-                                                  c.follow_plan())]
+                                                  c.follow_plan(), b.run())]
         self._ready.set()
         await self._stopping.wait()
         await cancel_all(tasks)
@@ -393,7 +396,7 @@ class Runtime:
         with self._cond:  # a wait says so in each heartbeat (watchdog.py)
             since = self._watchdog.waiting_since(self._life.since)
         hb = self._hb.model_copy(update={"ts": now(), "waiting_since": since})
-        await self.bus.publish(self.bus.subjects.heartbeat(self.cfg.pod), hb)
+        await self._beats.send(hb, final=self._stopping.is_set())  # type: ignore[union-attr]
 
     def update(self, now: bool = False, **fields: Any) -> None:
         """Set heartbeat fields (any thread); ``now`` sends one at once."""

@@ -2,7 +2,8 @@
 state broker on a real nats-server.
 
     python -m bench.control_plane [--agents 256,1024,4096] [--procs 4] [--rounds 4]
-                                  [--silences 5] [--fault-timeout 1.5] [--json PATH]
+                                  [--silences 5] [--fault-timeout 1.5] [--pods-per-host 8]
+                                  [--json PATH]
                                   [--svg PATH] [--write-doc]
     ceaseless bench control-plane ...        (same options)
 
@@ -16,7 +17,11 @@ and generation from the plan it received, state ``training``, a step that advanc
 time), and stops when it is fenced (each pod's heartbeat is built with the real model once
 per generation and rank, then only its step and time are filled in: the agents stand for
 machines of their own, not for load on this one). The agents of one process share one NATS
-connection and one plan subscription (one decode of a plan serves all of them).
+connection and one plan subscription (one decode of a plan serves all of them). With
+``--pods-per-host K`` (default 8) every K agents are a host whose relay sends their latest
+heartbeats as one ``HeartbeatBatch`` each interval (agent/hostbeat.py; the relay is simulated
+in the agents' process: the pods' messages to it stay on their machine); 0: each heartbeat is
+its own message, as before issue 45's batches.
 
 Then ``--rounds`` rounds: in each, ``--silences`` random members stop heartbeating (as a
 SIGSTOPped or vanished process does). Reported:
@@ -70,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--view-interval", type=float, default=VIEW_INTERVAL,
                    help="the monitor's health-view interval (0: no view; the scaler and the "
                         "broker read every heartbeat themselves, as before the fan-in)")
+    p.add_argument("--pods-per-host", type=int, default=8,
+                   help="simulated pods per host: each host's relay sends its pods' heartbeats "
+                        "in one HeartbeatBatch an interval (plumbing/hostbeat.py); 0: every pod "
+                        "sends its own heartbeat message (before issue 45's batches)")
     p.add_argument("--profile", action="store_true",
                    help="run the three services under cProfile: <run dir>/<service>.prof "
                         "(where their time goes; slower)")
@@ -83,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------- agents
 async def agents_main(a: argparse.Namespace) -> None:
-    from schemas.messages import AgentState, Heartbeat, Plan, PlanRef, Role
+    from schemas.messages import AgentState, Heartbeat, HeartbeatBatch, Plan, PlanRef, Role
     from plumbing.bus import Bus, Credentials
     from plumbing.plan_wire import PLAN_MODELS, resolve
 
@@ -127,6 +136,16 @@ async def agents_main(a: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     subj = {p: bus.subjects.heartbeat(p) for p in pods}
+    # --pods-per-host k: pods w<k*h>..w<k*h+k-1> are host h<h>; its relay (the host's lowest
+    # pod, as agent/hostbeat.py elects) sends the latest heartbeat of each every interval
+    k = a.pods_per_host
+    host_of = {p: f"h{int(p[1:]) // k}" for p in pods} if k > 0 else {}
+    hosts = sorted(set(host_of.values()), key=lambda h: int(h[1:]))
+    pending: dict[str, dict[str, str]] = {h: {} for h in hosts}
+    relay_due = {h: time.monotonic() + rng.random() * HB_INTERVAL for h in hosts}
+    relay_of = {h: min((p for p in pods if host_of[p] == h), key=lambda p: int(p[1:]))
+                for h in hosts}
+    hsubj = {h: bus.subjects.heartbeats(h) for h in hosts}
     # A pod's heartbeat is built with the real model once per (generation, rank) and then
     # filled in (step, ts) as text: the simulated agents stand for machines of their own, and
     # building each heartbeat (~20 µs) took more of this machine's 2 cores at 16,384 agents
@@ -144,6 +163,7 @@ async def agents_main(a: argparse.Namespace) -> None:
             t = made[p] = (key, fill_template(hb.model_dump_json(by_alias=True)))
         return (t[1] % (step if rank is not None else -1, time.time())).encode()
 
+    checked = False
     while not stop.is_set():
         now = time.monotonic()
         step = int((time.time() - t0) / STEP_PERIOD)
@@ -151,8 +171,24 @@ async def agents_main(a: argparse.Namespace) -> None:
             if due[p] > now or p in silenced or p in state["fenced"]:
                 continue
             due[p] = now + HB_INTERVAL
-            await bus.nc.publish(subj[p], beat(p, state["ranks"].get(p), step))
+            raw = beat(p, state["ranks"].get(p), step)
+            if k > 0:  # to its host's relay (on the same machine: no message here)
+                pending[host_of[p]][p] = raw.decode()
+            else:
+                await bus.nc.publish(subj[p], raw)
             last_sent[p] = time.time()
+        for h in hosts:
+            if relay_due[h] > now:
+                continue
+            relay_due[h] = now + HB_INTERVAL
+            if pending[h]:
+                data = batch_text(h, relay_of[h], list(pending[h].values()), time.time())
+                if not checked:
+                    from plumbing.bus import decode
+                    decode(HeartbeatBatch, data, hsubj[h])  # raises on a malformed batch
+                    checked = True
+                pending[h] = {}
+                await bus.nc.publish(hsubj[h], data)
         try:
             await asyncio.wait_for(stop.wait(), 0.01)
         except asyncio.TimeoutError:
@@ -162,6 +198,15 @@ async def agents_main(a: argparse.Namespace) -> None:
 
 
 _STEP_MARK, _TS_MARK = 987654321, 1234.5678  # stand-ins, replaced by fill_template
+
+
+def batch_text(host: str, relay: str, beats: list[str], ts: float) -> bytes:
+    """A ``HeartbeatBatch`` of heartbeats given as JSON text, as a relay's ``Batcher`` would
+    send them (plumbing/hostbeat.py; tests/test_hostbeat.py decodes it with the model, and the
+    agents check their first one): text, so that the simulated relays cost this machine
+    nothing the real ones would not."""
+    return (f'{{"schema_version":1,"host":"{host}","relay":"{relay}","beats":['
+            + ",".join(beats) + f'],"ts":{ts!r}}}').encode()
 
 
 def fill_template(raw: str) -> str:
@@ -279,7 +324,8 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
             outs.append((first, o))
             start(f"agents{i}", [*base, "bench.control_plane", "agents", "--nats", srv.url,
                                  "--creds", str(creds_path), "--job", job, "--first", str(first),
-                                 "--count", str(count), "--out", str(o), "--t0", str(t0)])
+                                 "--count", str(count), "--out", str(o), "--t0", str(t0),
+                                 "--pods-per-host", str(a.pods_per_host)])
         start_to = a.start_timeout or 60 + n / 50
 
         async def wait(pred, timeout: float, what: str) -> None:
@@ -368,7 +414,8 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                 "fault_to_plan_everywhere": summary(x["fault_to_all_s"] for x in deliveries
                                                     if x["fault_to_all_s"] is not None),
                 "heartbeats_per_s": n / HB_INTERVAL, "error": error,
-                "faults_seen": sum(1 for x in silenced if x.get("detect_s") is not None)}
+                "faults_seen": sum(1 for x in silenced if x.get("detect_s") is not None),
+                "pods_per_host": a.pods_per_host, "read_directly": read_directly(d)}
     finally:
         if bus is not None:
             try:
@@ -385,6 +432,21 @@ async def one_size(d: Path, n: int, a: argparse.Namespace, rng: random.Random) -
                 p.kill()
                 p.wait(5)
         srv.stop()
+
+
+DIRECT_EVENT = "no health view from the monitor: reading heartbeats directly"
+
+
+def read_directly(d: Path) -> dict[str, int]:
+    """How often the scaler and the broker fell back to reading every heartbeat themselves
+    (services/common/heartbeats.py): the cascade when the monitor's view comes late."""
+    out = {}
+    for name in ("scaler", "state_broker"):
+        try:
+            out[name] = (d / f"{name}.log").read_text().count(DIRECT_EVENT)
+        except OSError:
+            out[name] = -1
+    return out
 
 
 async def rounds(silenced, plans, faults, outs, wait, delivered, bus, job, a, rng) -> None:
@@ -476,7 +538,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
               f"{c.get('health_monitor') or 0:.2f} scaler {c.get('scaler') or 0:.2f} broker "
               f"{c.get('state_broker') or 0:.2f} nats {c.get('nats-server') or 0:.2f}; RSS KiB per "
               f"agent monitor {kb.get('health_monitor')} scaler {kb.get('scaler')} broker "
-              f"{kb.get('state_broker')} nats {kb.get('nats-server')}", flush=True)
+              f"{kb.get('state_broker')} nats {kb.get('nats-server')}; read heartbeats "
+              f"directly {res['read_directly']}", flush=True)
     return {"benchmark": "control-plane", "machine": machine(),
             "config": config(a) | {"command": "python -m bench.control_plane "
                                    + " ".join(sys.argv[1:])}, "runs": runs}
@@ -488,7 +551,9 @@ def markdown(res: dict[str, Any]) -> str:
            f"Command: `{c['command']}`. One nats-server, one health monitor, one scaler, one "
            f"state broker (each its own process, as `ceaseless up` runs them), simulated agents "
            f"in {c['procs']} processes heartbeating every {HB_INTERVAL} s with the real schemas "
-           f"and bus; fault timeout {c['fault_timeout']} s; {c['rounds']} rounds of "
+           f"and bus, " + (f"{c['pods_per_host']} pods a host, each host's heartbeats in one "
+                           "`HeartbeatBatch` an interval" if c.get("pods_per_host") else
+                           "each heartbeat its own message") + f"; fault timeout {c['fault_timeout']} s; {c['rounds']} rounds of "
            f"{c['silences']} silenced members per size. Detection = last heartbeat of the "
            "silenced agent → its `fault` received by a subscriber; plan delivery = the plan's "
            "`ts` → the last agent process has it decoded; CPU = fraction of one core over the "
@@ -516,6 +581,11 @@ def markdown(res: dict[str, Any]) -> str:
             out += ["", f"{r['agents']} agents: the run stopped early: {r['error']} "
                     f"({r['faults_seen']} of {len(r['silences'])} silences were detected; "
                     "the figures above are from what completed)."]
+    for r in res["runs"]:
+        if any((r.get("read_directly") or {}).values()):
+            out += ["", f"{r['agents']} agents: the scaler / the broker fell back to reading "
+                    f"every heartbeat themselves {r['read_directly']} times (the monitor's "
+                    "view came late)."]
     out += ["", "![control plane](img/bench-control-plane.svg)"]
     return "\n".join(out) + "\n"
 
@@ -571,6 +641,7 @@ def _agents(argv: list[str]) -> None:
     p.add_argument("--first", type=int, required=True)
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--t0", type=float, required=True)
+    p.add_argument("--pods-per-host", type=int, default=0)
     asyncio.run(agents_main(p.parse_args(argv)))
 
 

@@ -78,7 +78,10 @@ class HostRun:
         self.pods[pod] = h
         self.write()
         host = self.hosts[h]
-        return PodHost(host.argv([]), {"CEASELESS_GLOO_HOSTNAME": host.addr}, host.netns)
+        # CEASELESS_HOST: the pods of a host send their heartbeats in one message through
+        # one of them (agent/hostbeat.py, issue 45)
+        return PodHost(host.argv([]), {"CEASELESS_GLOO_HOSTNAME": host.addr,
+                                       "CEASELESS_HOST": h}, host.netns)
 
     def exited(self, pod: str, code: int) -> None:
         if self.pods.pop(pod, None) is not None:

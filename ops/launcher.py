@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from schemas.messages import Heartbeat, Plan, PlanRef
+from schemas.messages import Heartbeat, HeartbeatBatch, Plan, PlanRef
 from plumbing.bus import Bus, Credentials, Envelope
 from plumbing.plan_wire import PLAN_MODELS, resolve
 from services.actuator.local import proc_start
@@ -84,6 +84,8 @@ class Cluster:
                                      **client_options(info.get("tls_ca")))
         self.attached_dir = job_dir
         await self.bus.subscribe(self.bus.subjects.heartbeat(), Heartbeat, self._on_hb)
+        # pods with CEASELESS_HOST: their host's relay sends them in one message (issue 45)
+        await self.bus.subscribe(self.bus.subjects.heartbeats(), HeartbeatBatch, self._on_batch)
         await self.bus.subscribe(self.bus.subjects.plan, PLAN_MODELS, self._on_plan)
         for cb in self.on_attach:
             await cb(self.bus)
@@ -169,6 +171,10 @@ class Cluster:
     # ------------------------------------------------------------------ observation
     async def _on_hb(self, h: Heartbeat, env: Envelope) -> None:
         self.hb[h.pod] = h
+
+    async def _on_batch(self, batch: HeartbeatBatch, env: Envelope) -> None:
+        for h in batch.beats:
+            self.hb[h.pod] = h
 
     async def _on_plan(self, msg: Plan | PlanRef, env: Envelope) -> None:
         p = msg if isinstance(msg, Plan) else await resolve(

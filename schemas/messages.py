@@ -206,6 +206,32 @@ class Heartbeat(Message):
         return self.digest if self.digest_step in (None, self.step) else ""
 
 
+MAX_HOST_PODS = 64  # heartbeats in one HeartbeatBatch: a host's pods (8 GPUs a node, typically)
+
+
+class HeartbeatBatch(Message):
+    """A host's relay -> health monitor: the latest heartbeat of each of its host's pods that
+    it received since its previous batch, one message per heartbeat interval (issue 45). At
+    16,384 pods one process cannot read 65,536 messages a second (nats-py's per-message cost);
+    a host's pods' heartbeats in one message amortise it. The relay is a pod of the host
+    (agent/hostbeat.py: the lowest-named pod that hears no batch from a lower one); its pods
+    send their ``Heartbeat`` on ``hostbeat.<host>.<pod>`` and, while no batch of the host
+    carried them within two intervals (the relay lost), on ``heartbeat.<pod>`` as before, so
+    a lost relay loses no other pod's heartbeats. Each heartbeat means exactly what it means
+    on its own subject. Added 2026-12-07 (issue 45)."""
+    subject_kind: ClassVar[str] = "heartbeats"
+    host: Annotated[str, Field(pattern=ID_PATTERN)]
+    relay: PodId  # the pod that relayed it
+    beats: Annotated[list[Heartbeat], Field(max_length=MAX_HOST_PODS)]
+    ts: Timestamp = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _one_per_pod(self) -> "HeartbeatBatch":
+        if len({hb.pod for hb in self.beats}) != len(self.beats):
+            raise ValueError("a pod appears twice in beats")
+        return self
+
+
 class Seen(BaseModel):
     """One pod in a ``HealthView``: its last heartbeat and how long ago the monitor got it."""
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -645,7 +671,7 @@ class ServiceStatus(BaseModel):
 # Message kinds by subject kind (``Subjects.kind_of``).
 BY_KIND: dict[str, type[Message]] = {
     m.subject_kind: m
-    for m in (Heartbeat, Report, Recovery, Fault, Plan, Transfer, StateLost, Decision,
+    for m in (Heartbeat, HeartbeatBatch, Report, Recovery, Fault, Plan, Transfer, StateLost, Decision,
               Capacity, Priority, Inject, Lifecycle, ActuatorCommand, HealthView, JobFailed)
 }
 

@@ -44,6 +44,14 @@ class Subjects:
     def heartbeat(self, pod: str = "*") -> str:
         return f"{self.base}.heartbeat.{pod}"
 
+    def heartbeats(self, host: str = "*") -> str:
+        """A host's relay -> health monitor: its pods' heartbeats in one ``HeartbeatBatch``."""
+        return f"{self.base}.heartbeats.{host}"
+
+    def hostbeat(self, host: str = "*", pod: str = "*") -> str:
+        """A pod -> its host's relay: its ``Heartbeat`` (read by the relay only)."""
+        return f"{self.base}.hostbeat.{host}.{pod}"
+
     def report(self, pod: str = "*") -> str:
         """Agent-reported errors (exception, peer reset, digest mismatch). Added to the contract."""
         return f"{self.base}.report.{pod}"
@@ -140,7 +148,7 @@ class Subjects:
         if not subject.startswith(self.base + "."):
             return None
         rest = subject[len(self.base) + 1:].split(".")
-        if rest[0] in ("heartbeat", "report", "lifecycle") and len(rest) == 2:
+        if rest[0] in ("heartbeat", "heartbeats", "report", "lifecycle") and len(rest) == 2:
             return rest[0]
         if rest[0] == "svc":
             return "svc"

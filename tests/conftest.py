@@ -26,6 +26,7 @@ UNIT_FILES = {
     "test_inject.py", "test_actuator.py", "test_schemas_export.py",
     "test_graveyard.py", "test_standby.py", "test_placement.py", "test_hosts.py",
     "test_quorum.py", "test_plan_wire.py", "test_hearing.py", "test_ray_adopt.py",
+    "test_hostbeat.py",
 }
 
 

@@ -11,7 +11,7 @@ import time
 
 from schemas import PLAN_KEY, Plan
 from schemas.messages import (BY_KIND, ActuatorCommand, AgentState, Capacity, Decision, Fault,
-                              HealthView, Heartbeat, Inject, Lifecycle, Member, Priority,
+                              HealthView, Heartbeat, HeartbeatBatch, Inject, Lifecycle, Member, Priority,
                               Recovery, Report, Role, Seen, StateLost, Transfer)
 from plumbing.bus import Bus, DropError, decode
 from services.health_monitor import HealthMonitor
@@ -38,6 +38,9 @@ def _valid_samples(pod: str) -> dict[str, object]:
     now = time.time()
     return {
         "heartbeat": Heartbeat(pod=pod, role=Role.worker, generation=1, rank=0, step=3),
+        # (on heartbeats.<host>: the pod id stands for its host's here)
+        "heartbeats": HeartbeatBatch(host=pod, relay=pod, beats=[
+            Heartbeat(pod=pod, role=Role.worker, generation=1, rank=0, step=3)]),
         "report": Report(pod=pod, report="exception", generation=1),
         "lifecycle": Lifecycle(pod=pod, event="exited", exit_code=1),
         "recovery": Recovery(incident="i", generation=1, pod=pod, rank=0, phases={"a": 1.0},
@@ -61,7 +64,7 @@ def _valid_samples(pod: str) -> dict[str, object]:
 def bad_messages(bus: Bus, rng: random.Random) -> list[tuple[str, bytes]]:
     s = bus.subjects
     pods = ["w0", "w1", "s0", "ghost", "x" * 64]
-    per_pod = ["heartbeat", "report", "lifecycle"]
+    per_pod = ["heartbeat", "heartbeats", "report", "lifecycle"]
     single = ["recovery", "fault", "plan", "transfer", "state_lost", "decision", "capacity",
               "priority", "inject", "actuator", "health"]
     out: list[tuple[str, bytes]] = []
@@ -121,9 +124,12 @@ def bad_messages(bus: Bus, rng: random.Random) -> list[tuple[str, bytes]]:
     def stale(kind: str, pod: str) -> tuple[str, bytes]:
         now = time.time()
         member = rng.choice(["w0", "w1"])
-        if kind in ("heartbeat", "health"):
+        if kind in ("heartbeat", "heartbeats", "health"):
             m = Heartbeat(pod=member, role=Role.worker, generation=0, rank=0, step=99,
                           state=AgentState.training)
+            if kind == "heartbeats":  # a host's relay repeating that stale heartbeat
+                return subject(kind, "h0"), HeartbeatBatch(
+                    host="h0", relay=member, beats=[m]).model_dump_json().encode()
             if kind == "health":  # the monitor's view repeating that stale heartbeat
                 return subject(kind), HealthView(monitor="m", seq=1, full=False, interval=0.5,
                                                  pods=[Seen(hb=m, age=0.0)]).model_dump_json().encode()
@@ -192,7 +198,7 @@ async def test_bad_input_on_every_subject(nats_server, bus):
     br = StateBroker(buses[2], member_wait=2.0)
     # With the monitor running, the scaler and the broker read its health view instead of
     # the heartbeats (services/common/heartbeats.py).
-    subs = {mon: ["heartbeat.*", "report.*", "lifecycle.*", "plan"],
+    subs = {mon: ["heartbeat.*", "heartbeats.*", "report.*", "lifecycle.*", "plan"],
             sc: ["health", "lifecycle.*", "report.*", "fault", "capacity", "priority", "plan"],
             br: ["health", "plan"]}
     # the scaler decodes only the reports that name a preemption (Bus.subscribe(only=))

@@ -222,7 +222,8 @@ async def test_a_hosts_loss_kills_its_processes_and_nothing_goes_there_again(tmp
                                          "scaler-s1": procs["scaler-s1"]})
         run.act = SimpleNamespace(running=lambda: {p: procs[p].pid for p in ("w0", "w1")
                                                    if procs[p].poll() is None})
-        assert run.where("w0") == ([], {"CEASELESS_GLOO_HOSTNAME": "127.0.1.1"}, None)
+        assert run.where("w0") == ([], {"CEASELESS_GLOO_HOSTNAME": "127.0.1.1",
+                                        "CEASELESS_HOST": "h1"}, None)
         assert run.where("w1")[1]["CEASELESS_GLOO_HOSTNAME"] == "127.0.1.2"
         assert await run.on_inject(Inject(action=InjectAction.partition, host="h1",
                                           for_s=1)) == \

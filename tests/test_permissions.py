@@ -47,13 +47,14 @@ async def test_agent_cannot_publish_plan_or_inject(role_server):
     await op.store_kv()
     skv = await scaler.kv()
     rev = await skv.put("plan", b'{"generation": 1}')
-    seen: dict[str, list[bytes]] = {"plan": [], "inject": [], "heartbeat": []}
+    seen: dict[str, list[bytes]] = {"plan": [], "inject": [], "heartbeat": [], "hostbeat": [],
+                                    "heartbeats": []}
 
     async def on(msg):
         kind = msg.subject.split(".")[2]
         seen.setdefault(kind, []).append(msg.data)
 
-    for subj in (s.plan, s.inject, s.heartbeat("*")):
+    for subj in (s.plan, s.inject, s.heartbeat("*"), s.hostbeat("*", "*"), s.heartbeats("*")):
         await op.nc.subscribe(subj, cb=on)
     await op.nc.flush()
 
@@ -69,6 +70,9 @@ async def test_agent_cannot_publish_plan_or_inject(role_server):
         await nc.publish(s.plan, b'{"generation": 99}')
         await nc.publish(s.inject, b'{"action": "kill"}')
         await nc.publish(s.heartbeat("w0"), b"{}")  # allowed: proves the identity works
+        # a pod to its host's relay, the relay (a pod) its host's batch (issue 45)
+        await nc.publish(s.hostbeat("h0", "w0"), b"{}")
+        await nc.publish(s.heartbeats("h0"), b"{}")
         await nc.flush()
         kv = await nc.jetstream().key_value(s.kv_bucket)
         with pytest.raises(Exception):
@@ -80,7 +84,7 @@ async def test_agent_cannot_publish_plan_or_inject(role_server):
     finally:
         await nc.close()
 
-    assert seen["heartbeat"] == [b"{}"]
+    assert seen["heartbeat"] == seen["hostbeat"] == seen["heartbeats"] == [b"{}"]
     assert seen["plan"] == [] and seen["inject"] == []  # nothing reached a subscriber
     entry = await skv.get("plan")
     assert entry.revision == rev and entry.value == b'{"generation": 1}'  # unchanged

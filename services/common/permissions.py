@@ -56,6 +56,7 @@ def role_permissions(role: str, job: str) -> dict[str, Any] | None:
     if role == "agent":
         pub = _COMMON_PUB + [
             s.heartbeat("*"), s.report("*"), s.recovery,
+            s.hostbeat("*", "*"), s.heartbeats("*"),  # a host's pods, its relay (issue 45)
             s.decision,  # its answer to an injection it runs (agent/inject.py)
             f"$KV.{store}.>", f"$KV.{kv}.done", f"$KV.{kv}.solo.>", f"$KV.{kv}.script",  # agent
             # read and watch the two buckets (ordered consumers), nothing else of JetStream
