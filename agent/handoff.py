@@ -277,7 +277,7 @@ def receive(state: Any, group: Any, rank: int, sources: list[int], abort: Any,
 
 
 def _start_streaming(m: Entrant, plan: Plan, rank: int) -> None:
-    """Rank 0 streams to the plan's spares (``shadow_roles.ShadowLeader``); the copy of the
-    state a spare starts from is taken only if one asks."""
+    """Rank 0 streams to the plan's spares (``shadow_roles.ShadowLeader``), each's first
+    state from the live tensors."""
     if rank == 0 and why_not(m.cfg, m.state) is None:
-        m.leader.lead(plan, m.state.snapshot)
+        m.leader.lead(plan)

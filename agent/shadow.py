@@ -3,8 +3,11 @@
 Rank 0 of a generation opens a two-rank gloo group with each spare of the plan (rendezvous on
 the NATS store under ``sh<G>.<pod>.<request>.``, once the spare asked under
 ``shreq<G>.<pod>``; in a background thread, never on the training
-thread's path), sends it the committed state once (``send_state``: verified chunk by chunk),
-then, after each committed step, that step's all-reduced gradients, the module buffers, the
+thread's path), sends it the committed state once (``send_state``: verified chunk by chunk)
+from the live tensors, no copy of them (``TrainState.shared``; the training thread's next
+update waits until they are sent, ``first_sent``: usually they are, during the forward and
+backward; CUDA: read on a side stream of the stream's thread), and the spare receives it into
+its own tensors, then, after each committed step, that step's all-reduced gradients, the module buffers, the
 loss and the learning-rate factor. The spare applies the same optimizer and scheduler step,
 so it holds the job's committed state bit for bit. When the script comes back to rank 0 for
 the next step, rank 0 sends an exact checksum of its modules (``state_word``): the spare
@@ -16,12 +19,13 @@ transfer leaves the recovery's critical path.
 Whatever goes wrong (a slow, hung or dead spare, a dead rank 0, a gap in the stream, a
 checksum that differs, a new generation) ends the stream; the spare then reports the step it
 holds (-1 after a divergence) and takes the ordinary state transfer when it is promoted; it
-asks for a new stream a few times (``ShadowFollower``), rank 0 serving it from a snapshot
-at its next step boundary. When the
+asks for a new stream a few times (``ShadowFollower``), rank 0 serving it from its live
+state at its next step boundary. When the
 job rolls back to its last verified copy (``agent/verify.py``), rank 0 ends each stream with a
 ``ROLLBACK`` header naming the copy's step: a spare holding a later step drops it (those steps
 were discarded) and asks to follow again.
-Rank 0 never waits for a spare: it puts references on a bounded queue, and a spare that
+Rank 0 never waits for a spare's steps (once for its first state, see above): it puts
+references on a bounded queue, and a spare that
 falls ``QUEUE_STEPS`` behind is dropped (it may ask again, a bounded number of times).
 
 When the job finishes, rank 0 ends each stream with an ``END`` header and both ends close
@@ -50,7 +54,7 @@ from plumbing import logs
 
 from .collectives import AbortableGroup, Aborted, make_group_abortable
 from .hostcopy import HostCopy
-from .state import FlatState, checksum_of, checksum_words
+from .state import FlatState, TensorState, checksum_of, checksum_words
 from .transfer import recv_state, send_state
 
 log = logs.get("agent")
@@ -59,6 +63,9 @@ MAGIC = 0x5AD0_5AD0
 TAG_HEAD, TAG_SCALARS, TAG_TENSORS = 0x3EB0_0001, 0x3EB0_0002, 0x3EB0_0003
 KIND_STEP, KIND_CONFIRM, KIND_END, KIND_ROLLBACK = 1, 2, 3, 4
 QUEUE_STEPS = 4          # steps a spare may lag before rank 0 drops it
+# steps a spare receives ahead of the one it applies: each is a gradient's worth of memory
+# (more would make a spare that lags a moment bigger than a member: issue 43)
+AHEAD_STEPS = 1
 IDLE_TIMEOUT_S = 86400.0  # a spare waits this long for the next step (a step may be slow)
 
 
@@ -171,16 +178,28 @@ class Rollback:
 
 
 _END = object()  # queued by ShadowSender.finish
+WAITING, STALE, SENDING, STREAMING = "waiting", "stale", "sending", "streaming"  # a sender's
 
 
 class ShadowSender:
     """Rank 0's stream to one spare (its own thread and two-rank group)."""
 
-    def __init__(self, pod: str, store_factory: Callable[[], Any], state: FlatState, step: int,
-                 *, timeout_s: float, slice_s: float) -> None:
+    def __init__(self, pod: str, store_factory: Callable[[], Any],
+                 state: TensorState | FlatState, step: int, *, timeout_s: float,
+                 slice_s: float, stream: Any = None) -> None:
         self.pod = pod
         self._store_factory = store_factory
-        self._state: FlatState | None = state
+        # the first state: live tensors (``TrainState.shared``) or a frozen copy; CUDA:
+        # ``stream``, a side stream that waits for the training stream's work that made it.
+        # ``_phase`` (under ``_lock``): WAITING (for the pair), STALE (the state changed
+        # before the pair was up: ``renew`` at the next step boundary), SENDING, STREAMING.
+        self._lock = threading.Lock()
+        self._phase = WAITING
+        self._state: TensorState | FlatState | None = state
+        self._stream = stream
+        # set once the first state is out (or the stream ended): until then rank 0's update
+        # waits (``ShadowLeader.hold``), the state being sent from the tensors it changes
+        self.first_sent = threading.Event()
         self._expect = step + 1
         self._timeout_s, self._slice_s = timeout_s, slice_s
         # + 1: room for the END (or ROLLBACK) of a stream that is full when it is queued
@@ -190,9 +209,30 @@ class ShadowSender:
         self._thread = threading.Thread(target=self._run, name=f"shadow-to-{pod}", daemon=True)
         self._thread.start()
 
+    def before_change(self) -> bool:
+        """Rank 0 is about to change its state: True if the first state is being sent now
+        (the caller waits for ``first_sent``); a stream still connecting gets its first state
+        anew at the next step boundary (``renew``), the one it holds going stale."""
+        with self._lock:
+            if self._phase == WAITING and isinstance(self._state, TensorState):  # live
+                self._phase, self._state, self._stream = STALE, None, None
+            return self._phase == SENDING
+
+    @property
+    def stale(self) -> bool:
+        return self._phase == STALE
+
+    def renew(self, state: TensorState | FlatState, step: int, stream: Any = None) -> None:
+        """The first state of a stream still connecting, taken again (``step``'s)."""
+        with self._lock:
+            if self._phase in (WAITING, STALE):
+                self._phase, self._state, self._stream = WAITING, state, stream
+                self._expect = step + 1
+
     def offer(self, u: Update | Confirm) -> None:
-        """Queue a committed step or its confirmation (never blocks)."""
-        if self.ended is not None:
+        """Queue a committed step or its confirmation (never blocks); none while the first
+        state is stale (the one renewed is after them)."""
+        if self.ended is not None or self._phase == STALE:
             return
         try:
             self._q.put_nowait(u)
@@ -236,9 +276,14 @@ class ShadowSender:
         group = None
         try:
             group = _pair(self._store_factory, 0, self._abort, self._slice_s, self._timeout_s)
-            state, self._state = self._state, None
-            send_state(group, state, 0, {1: [0]}, self._abort, timeout_s=self._timeout_s)
+            state = self._take_first()
+            if state is None:
+                return
+            self._send_first(group, state)
             del state
+            with self._lock:
+                self._phase = STREAMING
+            self.first_sent.set()
             while not self._abort.is_set():
                 try:
                     u = self._q.get(timeout=self._slice_s * 4)
@@ -269,8 +314,34 @@ class ShadowSender:
             self._end(f"{type(e).__name__}: {str(e)[:200]}")
         finally:
             self._state = None
+            self.first_sent.set()
             if group is not None:
                 group.close()
+
+    def _take_first(self) -> TensorState | FlatState | None:
+        """The first state, once the pair is up: as served, or renewed at a step boundary
+        when it went stale meanwhile (None: the stream ended first)."""
+        while not self._abort.is_set():
+            with self._lock:
+                if self._phase == WAITING:
+                    state, self._state, self._phase = self._state, None, SENDING
+                    return state
+            self._abort.wait(self._slice_s)
+        return None
+
+    def _send_first(self, group: AbortableGroup, state: TensorState | FlatState) -> None:
+        """The first state, from rank 0's live tensors. CUDA: read (digest, checksums, the
+        piece-by-piece copies to pinned host memory, at most two windows) on ``stream``,
+        never on the training stream; done once every read has completed on the host, so
+        the update may then change the tensors."""
+        if self._stream is None:
+            send_state(group, state, 0, {1: [0]}, self._abort, timeout_s=self._timeout_s)
+            return
+        try:
+            with torch.cuda.stream(self._stream):
+                send_state(group, state, 0, {1: [0]}, self._abort, timeout_s=self._timeout_s)
+        finally:  # aborted too: nothing reads the tensors once the update may change them
+            self._stream.synchronize()
 
     def _send(self, group: AbortableGroup, u: Update) -> None:
         head = torch.tensor([MAGIC, KIND_STEP, u.step, layout_hash(u.tensors)],
@@ -290,12 +361,17 @@ class ShadowReceiver:
     """A spare's end: receives in a background thread; the training thread ``take()``s the
     items (``("state", TensorState)`` first, then ``("step", Update)`` and ``("confirm",
     Confirm)`` in order, the stream's last maybe ``("rollback", Rollback)``) and applies
-    them. ``notify`` is called (from the background thread) whenever an item arrives."""
+    them. ``notify`` is called (from the background thread) whenever an item arrives.
+    ``into(skeleton) -> (tensors, in place)``: where the first state goes (``state.destinations``:
+    the spare's own tensors; only when it holds no step, since a failed receive leaves them
+    garbage); None: new tensors. A step is received only while fewer than ``AHEAD_STEPS``
+    wait to be applied (the first state counts as one)."""
 
     def __init__(self, store_factory: Callable[[], Any], templates: Sequence[Tensor],
                  notify: Callable[[], None], *, timeout_s: float, slice_s: float,
-                 hypers: int = 0) -> None:
+                 hypers: int = 0, into: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self._store_factory = store_factory
+        self._into = into
         self._hypers = hypers  # how many hyper-parameters each Update carries
         self._templates = [(t.shape, t.dtype) for t in templates]
         self._lh = layout_hash(templates)
@@ -304,6 +380,7 @@ class ShadowReceiver:
         self._items: collections.deque[tuple[str, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._abort = threading.Event()
+        self._room = threading.Event()  # set by take(): the receive may go on at once
         self.ended: str | None = None
         self.connected = False  # the pair with rank 0 is built (rank 0 answered)
         self.got_state = False  # the state arrived (an ask that ended without it failed)
@@ -317,12 +394,20 @@ class ShadowReceiver:
         """The first ``n`` items that arrived (all: None)."""
         with self._lock:
             k = len(self._items) if n is None else min(n, len(self._items))
-            return [self._items.popleft() for _ in range(k)]
+            out = [self._items.popleft() for _ in range(k)]
+        self._room.set()
+        return out
 
     def close(self) -> None:
         if self.ended is None:
             self.ended = "closed"
         self._abort.set()
+        self._room.set()
+        if self._into is not None and not self.got_state \
+                and threading.current_thread() is not self._thread:
+            # a piece may be on its way into the spare's own tensors: done before anything
+            # else (a promoted spare's state transfer) writes them
+            self._thread.join(self._timeout_s)
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the stream to end by itself (rank 0's END, or rank 0
@@ -330,6 +415,19 @@ class ShadowReceiver:
         its interpreter's teardown (module docstring). True if it ended."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _wait_room(self) -> None:
+        """Until fewer than ``AHEAD_STEPS`` wait to be applied (woken by ``take``)."""
+        while not self._abort.is_set():
+            self._room.clear()
+            if self._ahead() < AHEAD_STEPS:
+                return
+            self._room.wait(self._slice_s)
+
+    def _ahead(self) -> int:
+        """The states and steps that arrived and wait to be applied."""
+        with self._lock:
+            return sum(1 for kind, _ in self._items if kind in ("state", "step"))
 
     def _push(self, item: tuple[str, Any]) -> None:
         with self._lock:
@@ -342,8 +440,9 @@ class ShadowReceiver:
             group = _pair(self._store_factory, 1, self._abort, self._slice_s, self._timeout_s)
             self.connected = True
             self._push(("state", recv_state(group, 1, [0], self._abort,
-                                            timeout_s=self._timeout_s)))
+                                            timeout_s=self._timeout_s, into=self._into)))
             self.got_state = True
+            self._wait_room()  # the state is applied before a step's gradients arrive
             while not self._abort.is_set():
                 item = self._recv(group)
                 if item is None:  # rank 0 ended the stream: the job is done
@@ -355,8 +454,7 @@ class ShadowReceiver:
                     self.ended = self.ended or "rolled back"
                     break
                 self._push(item)
-                while len(self._items) >= QUEUE_STEPS and not self._abort.wait(self._slice_s):
-                    pass  # the training thread applies them; rank 0 drops us if we lag more
+                self._wait_room()  # the training thread applies it; rank 0 drops us if we lag
         except Aborted:
             pass
         except Exception as e:

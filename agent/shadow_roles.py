@@ -1,7 +1,8 @@
 """The two ends of shadow spares, as the Session uses them (``agent/shadow.py`` has the wire).
 
 ``ShadowLeader`` (rank 0 of a generation): answers the spares that ask to follow (their KV
-requests), streams the committed state once, then every committed step, and a checksum of
+requests), streams the committed state once (from the live tensors: no copy of the state; the
+next update waits until they are out, ``hold``), then every committed step, and a checksum of
 the state the script came back with. ``ShadowFollower`` (a spare): asks rank 0 to stream,
 applies what arrives to the ``TrainState`` with the members' own update, and holds a step
 once rank 0 confirmed it; when the state stops matching it holds nothing and takes the
@@ -76,23 +77,55 @@ class ShadowLeader:
         self._watching: int | None = None
         self._unwatch: Callable[[], None] | None = None
         self._stream: Any = None            # CUDA: the side stream of the copies to spares
+        state.before_change = self.hold     # the update waits for a first state in flight
 
     @property
     def streaming(self) -> bool:
         return bool(self._out)
 
-    def lead(self, plan: Plan, held: Any) -> None:
+    def lead(self, plan: Plan) -> None:
         """Stream the committed state, then every committed step, to each spare that asks
-        (the plan's spares at once, from ``held``: a snapshot, or a function taking one,
-        called only if a spare asked; later ones at a step boundary)."""
+        (the plan's spares at once, later ones at a step boundary)."""
         g = self.generation = plan.generation
         self._watch(g)
         for pod in plan.spares:
             rid = self._rt.stores.get(_request_key(g, pod))
             if rid is not None:
-                if callable(held):
-                    held = held()
-                self._serve(pod, rid.decode(), held)
+                self._serve(pod, rid.decode())
+
+    def hold(self) -> None:
+        """Before the update (or a restore) changes the state: wait until every first state
+        in flight is sent (it is sent from the live tensors). Usually done already: it went
+        out during the forward and backward. A stream that takes longer than the collective
+        timeout is ended (the spare asks again): a spare never holds the job up for long."""
+        for out in list(self._out.values()) + self._ending:
+            if not out.before_change() or out.first_sent.is_set():
+                continue  # sent, or not begun (then renewed at the next step boundary)
+            t0 = time.monotonic()
+            if not out.first_sent.wait(self._cfg.collective_timeout):
+                log.warning("a spare's first state is not out by the next update: its "
+                            "stream ends", spare=out.pod)
+                out.close()  # what it still sends is torn: the spare's checks refuse it
+            else:
+                log.info("the update waited for a spare's first state", spare=out.pod,
+                         waited_s=round(time.monotonic() - t0, 3))
+
+    def _first(self) -> tuple[Any, Any]:
+        """A spare's first state (the live one: ``TrainState.shared``) and, CUDA, the side
+        stream it is read on, waiting for what the training stream queued so far (a
+        device-side wait, no host sync)."""
+        state, side, dev = self._state.shared(), None, self._state.device
+        if dev.type == "cuda":  # after the buffers' copies, queued by shared()
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+        return state, side
+
+    def _renew(self, step: int) -> None:
+        """Streams whose first state went stale before they connected: take it again."""
+        for out in list(self._out.values()) + self._ending:
+            if out.stale:
+                state, side = self._first()
+                out.renew(state, step, side)
 
     def _watch(self, generation: int | None) -> None:
         """Collect the spares asking to follow ``generation`` (None: stop)."""
@@ -111,22 +144,25 @@ class ShadowLeader:
 
         self._unwatch = self._rt.stores.watch(_request_key(generation), on_put)
 
-    def _serve(self, pod: str, rid: str, held: Any) -> None:
+    def _serve(self, pod: str, rid: str) -> None:
+        """Start a stream to ``pod``, its first state the live one (``_first``)."""
         from .shadow import ShadowSender
 
         old = self._out.pop(pod, None)
         if old is not None:
             old.close()
         self._served[pod] = rid
+        state, side = self._first()
         self._out[pod] = ShadowSender(
-            pod, _store(self._rt, self.generation, pod, rid), held,
+            pod, _store(self._rt, self.generation, pod, rid), state,
             self._state.last_committed, timeout_s=self._cfg.collective_timeout,
-            slice_s=self._cfg.collective_slice)
+            slice_s=self._cfg.collective_slice, stream=side)
 
     def rollback(self, step: int) -> None:
         """The job went back to the verified copy of ``step`` (``agent/verify.py``): each
         stream ends with ROLLBACK, so no spare holds or reports a discarded step; each then
         asks anew and is served from a step computed again (``confirm``)."""
+        self._renew(step)  # a stream still connecting starts from the restored state
         for out in self._out.values():
             out.rollback(step)
         self._ending = [o for o in self._ending if o.ended is None] + list(self._out.values())
@@ -140,6 +176,8 @@ class ShadowLeader:
         waited for up to ``wait_s`` in all, so no receive is left pending when both ends exit
         (``agent/shadow.py``)."""
         outs = list(self._out.values())
+        if final:
+            self._renew(self._state.last_committed)  # the final state: it changes no more
         for out in outs:
             out.finish() if final else out.close()
         if final:
@@ -160,8 +198,8 @@ class ShadowLeader:
         optimizer hyper-parameters (``skip``: the fp16 scaler skipped its update)."""
         from .shadow import Update
 
-        if not self._out:
-            return
+        if all(out.stale for out in self._out.values()):
+            return  # none streams yet (each is renewed at the next step boundary)
         bufs = [b.detach().clone() for b in self._state.buffers()]  # the next forward changes them
         tensors, ready = list(grads) + bufs, None
         if any(t.is_cuda for t in tensors):
@@ -196,20 +234,20 @@ class ShadowLeader:
     def confirm(self, s: int) -> None:
         """Back from the script after committing ``s``: the state the spares must hold
         (anything the script did between steps included); spares that asked since the last
-        step start here, from a snapshot of that state."""
+        step start here, from that state (live: ``_serve``)."""
         from .shadow import Confirm, state_word_begin
 
-        if self._out:  # the word is read on each stream's thread: no host sync here
+        if not all(out.stale for out in self._out.values()):
+            # the word is read on each stream's thread: no host sync here
             c = Confirm(step=s, check=state_word_begin(self._state.modules()))
             for out in self._out.values():
                 out.offer(c)
+        self._renew(s)
         with self._lock:
             reqs = self._requests
         new = sorted(p for p, rid in reqs.items() if self._served.get(p) != rid)
-        if new:
-            held = self._state.snapshot()
-            for pod in new:
-                self._serve(pod, reqs[pod], held)
+        for pod in new:
+            self._serve(pod, reqs[pod])
 
 
 class ShadowFollower:
@@ -256,11 +294,14 @@ class ShadowFollower:
         rid = f"{os.getpid()}-{time.time_ns()}"  # unique per ask: a restarted spare asks anew
         if not rt.stores.put(_request_key(plan.generation, self._cfg.pod), rid.encode()):
             return self._failed("could not write the request")
+        # holding no step, the state goes into the spare's own tensors (no second copy);
+        # holding one, into new ones: a stream that fails half-way must not spoil it
+        into = self._state.destinations if self._at < 0 else None
         self._in = ShadowReceiver(
             _store(rt, plan.generation, self._cfg.pod, rid, IDLE_TIMEOUT_S),
             self._state.params() + self._state.buffers(), rt.notify,
             timeout_s=self._cfg.collective_timeout, slice_s=self._cfg.collective_slice,
-            hypers=len(self._state.hypers()))
+            hypers=len(self._state.hypers()), into=into)
 
     def _failed(self, why: str) -> None:
         """The last ask got no state: the next one after a pause, or none (tries used up)."""

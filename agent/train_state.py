@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -47,6 +47,10 @@ class TrainState:
 
         # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py)
         self.digests = DigestSlot(self.digest_begin)
+        # called before the update or a restore changes the registered state: rank 0 holds
+        # them back while a spare's first state is sent from the live tensors
+        # (``ShadowLeader.hold``, ``shared``)
+        self.before_change: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ what is registered
     def register(self, **objs: Any) -> None:
@@ -187,6 +191,8 @@ class TrainState:
         """Optimizer and scheduler step with the learning rate scaled by ``f`` (the plan's
         ramp); ``skip`` (fp16: a gradient was not finite): no optimizer step, the loss scale
         backs off. Spares that follow the job run exactly this on rank 0's gradients."""
+        if self.before_change is not None:
+            self.before_change()
         for opt in ([] if skip else self.optimizers()):
             if f != 1.0:  # scale around the update only: schedulers keep their own lr
                 saved = [g["lr"] for g in opt.param_groups]
@@ -280,6 +286,18 @@ class TrainState:
 
         return describe(self.objs, self._extra())
 
+    def shared(self) -> Any:
+        """The committed state as a stream sends it while training goes on (a spare's first
+        state): ``describe()``'s live tensors, which only the update and a restore change
+        (``before_change`` holds them back until the stream sent them), except the module
+        buffers, copied (the next forward changes them; small). No copy of the parameters
+        or the optimizer state (issue 43: a snapshot made rank 0 1.5x)."""
+        st = self.describe()
+        bufs = {b.data_ptr() for b in self.buffers() if b.numel()}
+        st.tensors = [t.clone() if t.numel() and t.data_ptr() in bufs else t
+                      for t in st.tensors]
+        return st
+
     def destinations(self, skeleton: dict[str, Any]) -> Any:
         """Where a received state's tensors go: the registered objects' own tensors where
         they fit (``state.destinations``)."""
@@ -289,6 +307,8 @@ class TrainState:
 
     def restore(self, st: Any, default_step: int = -1) -> int:
         """Load a FlatState or TensorState (a snapshot, a transfer); returns its step."""
+        if self.before_change is not None:
+            self.before_change()
         extra = st.restore(self.objs) or {}
         self._scale_seen = None  # the scaler's state was loaded: read it again
         self.last_committed = int(extra.get("step", default_step))

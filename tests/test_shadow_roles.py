@@ -22,9 +22,10 @@ from schemas.messages import Member, Plan
 pytestmark = pytest.mark.timeout(120)
 
 
-def _state(seed: int) -> TrainState:
+def _state(seed: int, width: int = 8, device: str = "cpu") -> TrainState:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width),
+                                torch.nn.Linear(width, width), torch.nn.Linear(width, 2)).to(device)
     st = TrainState()
     st.register(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     return st
@@ -52,7 +53,8 @@ def _train_step(st: TrainState, s: int) -> tuple[list[torch.Tensor], list[float]
     and the optimizer's hyper-parameters the update used."""
     model = st.objs["model"]
     g = torch.Generator().manual_seed(s)
-    loss = model(torch.randn(16, 4, generator=g)).pow(2).mean()
+    x = torch.randn(16, 4, generator=g).to(st.device)
+    loss = model(x).pow(2).mean()
     loss.backward()
     grads = [p.grad.clone() for p in st.params()]
     for group in st.objs["optimizer"].param_groups:
@@ -76,7 +78,7 @@ def test_a_spare_follows_rank_0_bit_for_bit_and_stops_on_divergence(nats_server)
         follower.follow(plan)         # the spare asks (its KV request) ...
         assert follower.following
         lead_state.last_committed = 0
-        leader.lead(plan, lead_state.snapshot())   # ... rank 0 answers it with the state
+        leader.lead(plan)   # ... rank 0 answers it with the state
         assert leader.streaming
 
         def caught_up(step: int) -> bool:
@@ -157,7 +159,7 @@ def test_a_spare_drops_the_steps_a_rollback_discarded_and_follows_again(nats_ser
     try:
         follower.follow(plan)
         lead_state.last_committed = 0
-        leader.lead(plan, lead_state.snapshot())
+        leader.lead(plan)
         leader.generation = plan.generation
         seen: list[int] = []
         verifier = Verifier(every=2)
@@ -207,7 +209,7 @@ def test_a_spare_whose_first_ask_failed_asks_again_and_becomes_current(nats_serv
         follower.follow(plan)
         first = rt1.stores.get(_request_key(1, "p1"))
         lead_state.last_committed = 0
-        leader.lead(plan, lead_state.snapshot())  # answers the ask ...
+        leader.lead(plan)  # answers the ask ...
         leader._out["p1"].close()                  # ... and that answer fails
         seen: list[int] = []
         s = _train_until_current(leader, follower, lead_state, spare_state, 0, seen)
@@ -272,4 +274,107 @@ def test_a_spare_promoted_while_an_ask_is_due_asks_no_more(nats_server, monkeypa
         assert rt1.stores.get(roles._request_key(1, "p1")) == asked and not follower.following
     finally:
         follower.stop(quiet=True)
+        rt1.stop()
+
+
+def _allocated_bytes(fn) -> int:
+    """Bytes the calling thread allocates in ``fn()`` (torch's CPU allocator, as the profiler
+    records it; other threads are not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_rank_0_serves_a_spare_from_its_live_state_and_the_spare_receives_in_place(nats_server,
+                                                                                   device):
+    """Issue 43: a spare that asks while rank 0 trains gets its first state from rank 0's
+    live tensors (before, a host snapshot of the whole state: rank 0 peaked at 1.5x), and
+    receives it into its own parameters, not a staging copy. Rank 0's next update waits for
+    it to be out, so the spare still ends bit for bit current. CUDA: read on a side stream
+    (the allocation count is the CPU's: there the old copy went to pinned host memory)."""
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
+    lead_state, spare_state = _state(0, 512, device), _state(1, 512, device)
+    spare_ptrs = [p.data_ptr() for p in spare_state.params()]
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
+    try:
+        leader.lead(plan)  # the generation began; no spare has asked yet
+        s = 0
+        for s in (1, 2):   # the optimizer holds its state: the whole state is 3x the model
+            _train_step(lead_state, s)
+            leader.confirm(s)
+        state_bytes = lead_state.describe().nbytes
+        follower.follow(plan)  # the spare asks now: rank 0 answers at its step boundary
+        _until(lambda: leader._requests.get("p1") is not None, "the spare's ask")
+        served = _allocated_bytes(lambda: leader.confirm(s))
+        assert leader.streaming
+        if device == "cpu":  # the buffers' copies only
+            assert served < state_bytes / 20, (served, state_bytes)
+        _until(follower.ready, "the first state to arrive")
+        kind, first = follower._in._items[0]
+        assert kind == "state"
+        param_bytes = sum(p.numel() * p.element_size() for p in spare_state.params())
+        assert first.stats["in_place_bytes"] >= param_bytes
+        for s in (3, 4, 5):
+            grads, hypers = _train_step(lead_state, s)  # its update waits for the state
+            leader.offer(s, grads, 1.0, hypers=hypers)
+            leader.confirm(s)
+            _until(lambda: (follower.apply(), spare_state.last_committed == s)[1],
+                   f"the spare to hold step {s}")
+            assert spare_state.param_sha256() == lead_state.param_sha256(), s
+            assert spare_state.digest() == lead_state.digest(), s
+        assert [p.data_ptr() for p in spare_state.params()] == spare_ptrs
+    finally:
+        follower.stop(quiet=True)
+        leader.end()
+        rt0.stop()
+        rt1.stop()
+
+
+def test_a_stream_whose_pair_comes_up_late_starts_from_the_state_of_then(nats_server):
+    """Rank 0 answers an ask, but the spare's end of the pair comes up only after rank 0 has
+    trained on: the first state it was served went stale at the next update (it is the live
+    state, not a copy), so the stream takes it again at each step boundary and the spare gets
+    the state of the step rank 0 holds when the pair is up, then the steps after it."""
+    from agent.shadow import IDLE_TIMEOUT_S, ShadowReceiver
+    from agent.shadow_roles import _request_key, _store
+
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
+    lead_state, spare_state = _state(0), _state(1)
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    rx = None
+    try:
+        rid = "late"
+        assert rt1.stores.put(_request_key(1, "p1"), rid.encode())  # the ask, no receiver yet
+        lead_state.last_committed = 0
+        leader.lead(plan)
+        for s in (1, 2, 3):
+            grads, hypers = _train_step(lead_state, s)  # nobody to wait for: it goes stale
+            leader.offer(s, grads, 1.0, hypers=hypers)
+            leader.confirm(s)                            # ... and is taken again here
+        assert leader._out["p1"].stale is False
+        rx = ShadowReceiver(_store(rt1, 1, "p1", rid, IDLE_TIMEOUT_S),
+                            spare_state.params() + spare_state.buffers(), lambda: None,
+                            timeout_s=10.0, slice_s=0.05, hypers=len(spare_state.hypers()))
+        _until(rx.ready, "the first state")
+        kind, first = rx.take(1)[0]
+        assert kind == "state" and spare_state.restore(first) == 3
+        spare_state.zero_grad()
+        assert spare_state.param_sha256() == lead_state.param_sha256()
+        grads, hypers = _train_step(lead_state, 4)
+        leader.offer(4, grads, 1.0, hypers=hypers)
+        _until(rx.ready, "step 4")
+        kind, u = rx.take(1)[0]
+        assert kind == "step" and u.step == 4
+    finally:
+        if rx is not None:
+            rx.close()
+        leader.end()
+        rt0.stop()
         rt1.stop()
