@@ -78,31 +78,83 @@ def digest_begin(model: torch.nn.Module | Sequence[Tensor], samples: int = 4096
     ``torch.cat`` per (dtype, device) into one small byte tensor per device, no per-tensor
     host copy."""
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
-    params = [local(p) for p in params]
-    sizes = [p.numel() for p in params]
-    total = sum(sizes)
-    if not total:
-        return PendingDigest([], 0)
-    pieces: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    with torch.no_grad():
-        # one Python pass, one view per tensor (every commit, hundreds of tensors: issue 43)
-        for p, n in zip(params, sizes):
-            if not n:
-                continue
-            k = max(1, min(n, samples * n // total))
-            step = max(1, n // k)
-            # flat[::step][:k] of the tensor's elements in order; a contiguous tensor's
-            # are a strided view of its storage (no reshape, no slicing)
-            view = (p.as_strided((k,), (step,), p.storage_offset()) if p.is_contiguous()
-                    else p.detach().reshape(-1)[::step][:k])
-            pieces.setdefault((p.dtype, p.device), []).append(view)
-        # cat makes a fresh contiguous tensor per group; a device's groups are then one tensor
-        by_dev: dict[torch.device, list[tuple[torch.dtype, Tensor]]] = {}
-        for (dtype, dev), ps in pieces.items():
-            by_dev.setdefault(dev, []).append((dtype, torch.cat(ps).view(torch.uint8)))
-        chunks = [(torch.cat([b for _, b in per]) if len(per) > 1 else per[0][1],
-                   [(dt, b.numel()) for dt, b in per]) for per in by_dev.values()]
-    return PendingDigest(chunks, total)
+    return _Views([local(p) for p in params], samples).begin()
+
+
+class _Views:
+    """The strided sample of a list of tensors as views (the sample's elements in place), in
+    groups of one (dtype, device): beginning a digest is then one ``torch.cat`` per group."""
+
+    def __init__(self, tensors: list[Tensor], samples: int) -> None:
+        sizes = [t.numel() for t in tensors]
+        self.total = total = sum(sizes)
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        with torch.no_grad():
+            for p, n in zip(tensors, sizes):
+                if not n or not total:
+                    continue
+                k = max(1, min(n, samples * n // total))
+                step = max(1, n // k)
+                # flat[::step][:k] of the tensor's elements in order; a contiguous tensor's
+                # are a strided view of its storage (no reshape, no slicing). A non-contiguous
+                # one's reshape may be a copy: sampled afresh at every begin (``fresh``)
+                view = (p.as_strided((k,), (step,), p.storage_offset()) if p.is_contiguous()
+                        else _Strided(p, k, step))
+                groups.setdefault((p.dtype, p.device), []).append(view)
+        self.groups = groups
+
+    def begin(self) -> PendingDigest:
+        if not self.total:
+            return PendingDigest([], 0)
+        with torch.no_grad():
+            # cat makes a fresh contiguous tensor per group; a device's groups, one tensor
+            by_dev: dict[torch.device, list[tuple[torch.dtype, Tensor]]] = {}
+            for (dtype, dev), vs in self.groups.items():
+                vs = [v() if isinstance(v, _Strided) else v for v in vs]
+                by_dev.setdefault(dev, []).append((dtype, torch.cat(vs).view(torch.uint8)))
+            chunks = [(torch.cat([b for _, b in per]) if len(per) > 1 else per[0][1],
+                       [(dt, b.numel()) for dt, b in per]) for per in by_dev.values()]
+        return PendingDigest(chunks, self.total)
+
+
+class _Strided:
+    """A non-contiguous tensor's sample, taken at each begin."""
+
+    def __init__(self, t: Tensor, k: int, step: int) -> None:
+        self.t, self.k, self.step = t, k, step
+
+    def __call__(self) -> Tensor:
+        return self.t.detach().reshape(-1)[::self.step][:self.k]
+
+
+class Sampler:
+    """``digest_begin`` of the covered tensors at every commit, its views kept between
+    commits (issue 44: building a view of each of hundreds of tensors was the largest fixed
+    cost of a small step). The state is updated in place, so the views see each step's values;
+    they are built again when the tensors are not the same objects at the same storage
+    (an optimizer's state created or loaded, a parameter's ``.data`` replaced). ``forget``
+    drops them, and the storages they keep alive, once the state was loaded anew (a
+    restore): never a second copy of the state held."""
+
+    def __init__(self, samples: int = 4096) -> None:
+        self.samples = samples
+        self._lock = threading.Lock()  # the training thread begins; a restore forgets
+        self._key: list[tuple[int, int]] | None = None
+        self._views: _Views | None = None
+
+    def begin(self, tensors: Sequence[Tensor]) -> PendingDigest:
+        ts = [local(t) for t in tensors]
+        # a view keeps its tensor alive (``_base``): an id in the key is never another's
+        key = [(id(t), t.data_ptr()) for t in ts]
+        with self._lock:
+            if self._views is None or key != self._key:
+                self._views, self._key = _Views(ts, self.samples), key
+            views = self._views
+        return views.begin()
+
+    def forget(self) -> None:
+        with self._lock:
+            self._views = self._key = None
 
 
 class DigestSlot:

@@ -76,6 +76,7 @@ class DropIn:
         s.register(model=module, **found, **self.extra)
         self._opts = s.state.optimizers()
         self._params = {id(p) for p in module.parameters()}
+        s._stepper.param_list = s.state.params()  # fixed at the wrap, as DDP's
         log.info("drop-in: training state registered",
                  objects={n: type(o).__name__ for n, o in s.state.objs.items()})
         if self._hook is None:
@@ -246,7 +247,7 @@ class DropIn:
             self.synced = False
             return
         s = self.s
-        params = s.state.params()
+        params = s._stepper.params()
         dev = params[0].device if params else torch.device("cpu")
         loss_t = self.loss_t if self.loss_t is not None else torch.zeros(1, dtype=torch.float64,
                                                                          device=dev)

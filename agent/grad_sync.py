@@ -36,6 +36,7 @@ class GradSync:
     def __init__(self, params: Sequence[torch.nn.Parameter],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.params = list(params)
+        self.params_of: Any = None  # the list it was built from (Stepper: not built again)
         order = list(reversed(range(len(self.params))))
         rev = [self.params[i] for i in order]
         self.buckets: list[list[int]] = [[order[j] for j in b] for b in buckets(rev, bucket_bytes)]

@@ -103,6 +103,11 @@ class _Progress:
         snap["current_flos"] = float(self.trainer.current_flos)
         self.snap = snap
 
+    def digest_tensors(self) -> list:
+        """None of this state is a tensor (``digests.covered``): its ``state_dict`` copies the
+        log history, which grows with the run; walked at every commit (issue 44)."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         if self.snap is None:
             return {"progress": None, "log_history": []}

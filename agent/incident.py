@@ -19,6 +19,8 @@ from opentelemetry import trace
 from schemas.messages import Recovery
 from plumbing import logs
 
+METRICS_EVERY_S = 1.0  # the step-rate and goodput gauges are set at most this often
+
 log = logs.get("agent")
 tracer = trace.get_tracer("ceaseless.agent")
 
@@ -59,6 +61,7 @@ class Timeline:
     last_commit_time: float | None = None
     first_commit_time: float | None = None
     useful_s: float = 0.0                  # wall time in steps no incident interrupted
+    metrics_at: float | None = None        # when the gauges were last set
 
     def open(self, reason: str, notice: float | None = None, **kw: Any) -> Incident:
         """The open incident, or a new one noticed at ``notice`` (default: now)."""
@@ -85,6 +88,11 @@ class Timeline:
         return sorted(st)[len(st) // 2] if st else None
 
     def record_metrics(self, now: float) -> None:
+        # gauges, read by the exporter every few seconds: set at most once a second, not at
+        # every commit (issue 44: a fixed cost of a small step), and at once after an
+        # incident (``close``)
+        if self.metrics_at is not None and now - self.metrics_at < METRICS_EVERY_S:
+            return
         try:
             from plumbing import telemetry
 
@@ -92,6 +100,7 @@ class Timeline:
             med = self.median_step()
             if med:
                 inst.record_steps_per_second(1.0 / max(1e-9, med))
+                self.metrics_at = now
             wall = now - (self.first_commit_time or now)
             if wall > 0:
                 inst.record_goodput(min(1.0, self.useful_s / wall))
@@ -102,6 +111,7 @@ class Timeline:
               first_step_end: float) -> None:
         """The first commit after the incident: publish its report, spans and metric."""
         inc, self.incident = self.incident, None
+        self.metrics_at = None  # the gauges are set at this commit (goodput fell)
         if inc is None or rt is None or not inc.t_plan:
             return
         phases = {

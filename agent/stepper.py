@@ -59,6 +59,9 @@ class Stepper:
         # the DDP drop-in: a discarded step keeps the script's gradients (its own
         # GradScaler.step needs them; the update is skipped by the drop-in's hook instead)
         self.zero_on_discard = True
+        # the DDP drop-in: the parameters as of the wrap, fixed as DDP fixes them (issue 44:
+        # walking the modules for them three times a step); None: the state's, every step
+        self.param_list: list[torch.nn.Parameter] | None = None
 
     # ------------------------------------------------------------------ micro-batches
     def micro_batches(self, m: int, ks: range, gradient_loop: bool) -> None:
@@ -103,7 +106,7 @@ class Stepper:
         """Sync, unscale, clip, hook, update, zero-grad: (the step's global loss, what spares
         replay when ``stream``: the gradients and the optimizers' hyper-parameters), or None
         when the step was discarded."""
-        params = self.state.params()
+        params = self.params()
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
         red = self._sync_gradients(s, params, loss_t) if self.m is not None else loss_t
         if red is None:
@@ -364,17 +367,24 @@ class Stepper:
             self._reduce_for = key
         return self._reduce
 
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.param_list if self.param_list is not None else self.state.params()
+
     def _grad_sync(self) -> Any:
         """The overlapped gradient sync of this member (None: off, one process, or no
         group); rebuilt when the registered parameters change."""
         m = self.m
         if m is None or not self.cfg.overlap or m.group is None or not m.is_member:
             return None
-        params = self.state.params()
+        params = self.params()
+        if self._sync is not None and params is self.param_list and \
+                self._sync.params_of is params:
+            return self._sync  # the drop-in's fixed list, the sync built for it
         if self._sync is None or [id(p) for p in self._sync.params] != [id(p) for p in params]:
             from .grad_sync import GradSync
 
             if self._sync is not None:
                 self._sync.close()
             self._sync = GradSync(params, m.group.bucket_bytes)
+        self._sync.params_of = params
         return self._sync

@@ -43,9 +43,11 @@ class TrainState:
         self.new_skip = False  # the last commit's step was skipped for the first time
         # fp16: (scaler, scale, growth tracker) as last set on it (``_scale_state``)
         self._scale_seen: tuple[Any, float, int] | None = None
-        from .digests import DigestSlot
+        from .digests import DigestSlot, Sampler
 
-        # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py)
+        # the heartbeat's digest: begun at each commit, read a step later (agent/digests.py),
+        # from views of the state kept between commits
+        self._sampler = Sampler()
         self.digests = DigestSlot(self.digest_begin)
         # called before the update or a restore changes the registered state: rank 0 holds
         # them back while a spare's first state is sent from the live tensors
@@ -248,10 +250,10 @@ class TrainState:
     def digest_begin(self) -> Any:
         """``digest()`` begun on the device, read later (``digests.PendingDigest``); None
         where ``digest()`` is "". Must cover what ``digest()`` covers (tests/test_digests)."""
-        from .digests import covered, digest_begin
+        from .digests import covered
 
         tensors = covered(self.objs)
-        return digest_begin(tensors) if tensors else None
+        return self._sampler.begin(tensors) if tensors else None
 
     def param_sha256(self) -> str:
         """sha256 over every registered module's state_dict tensors (exact)."""
@@ -309,6 +311,7 @@ class TrainState:
         """Load a FlatState or TensorState (a snapshot, a transfer); returns its step."""
         if self.before_change is not None:
             self.before_change()
+        self._sampler.forget()  # its views would keep the replaced tensors' storage alive
         extra = st.restore(self.objs) or {}
         self._scale_seen = None  # the scaler's state was loaded: read it again
         self.last_committed = int(extra.get("step", default_step))

@@ -110,19 +110,21 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ceaseless-lt-"))
     got: dict[str, list[float]] = {"ceaseless": [], "ddp": []}
     ratios = []
+    load = [os.getloadavg()[0]]  # the 1-minute load average at the start and after each run
     for r in range(a.repeats):
         now = {}
         for which in (("ceaseless", "ddp") if r % 2 == 0 else ("ddp", "ceaseless")):
             d = work / f"{which}-{r}"
             now[which] = await ceaseless_run(d, a) if which == "ceaseless" else ddp_run(d, a)
             got[which].append(now[which])
+            load.append(os.getloadavg()[0])
         ratios.append(now["ceaseless"] / now["ddp"])
         print(f"[{r + 1}/{a.repeats}] Ceaseless {now['ceaseless']:.4f} s/step, DDP "
               f"{now['ddp']:.4f} s/step, ratio {ratios[-1]:.3f}", flush=True)
     return {"benchmark": a.framework, "machine": machine(),
             "config": config(a) | {"command": cmdline("lightning_bench")},
             "ceaseless_step_s": summary(got["ceaseless"]), "ddp_step_s": summary(got["ddp"]),
-            "ratio": summary(ratios)}
+            "ratio": summary(ratios), "pairs": ratios, "load_1min": load}
 
 
 def markdown(res: dict[str, Any]) -> str:

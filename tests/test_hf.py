@@ -260,3 +260,22 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def test_the_commit_digest_does_not_copy_the_trainers_progress(tmp_path):
+    """Issue 44: the heartbeat digest (every commit) covers no tensor of the Trainer's
+    progress, and does not build its ``state_dict`` to find out (a copy of the log history,
+    which grows with the run)."""
+    from agent.digests import covered
+    from agent.hf import Trainer, _Progress
+
+    job = Trainer(model=_model(), args=_args(tmp_path, max_steps=1), train_dataset=_Rows(4))
+    progress = _Progress(job)
+    job.state.log_history = [{"step": i, "loss": 1.0} for i in range(1000)]
+    progress.take()
+
+    def copied() -> dict:
+        raise AssertionError("state_dict built at a commit")
+
+    progress.state_dict = copied
+    assert covered({"hf_progress": progress}) == []

@@ -211,3 +211,44 @@ def test_heartbeat_digest_of_another_step_is_not_that_steps():
     assert hb.step_digest == ""
     assert hb.model_copy(update={"digest_step": None}).step_digest == "ab"
     assert Heartbeat.model_validate_json(hb.model_dump_json()).digest_step == 4
+
+
+def test_the_digest_views_kept_between_commits_follow_the_state():
+    """Issue 44: the heartbeat digest's views of the state are built once and kept while the
+    state is updated in place; built again when its tensors change (the optimizer's state
+    created or loaded, a parameter's ``.data`` replaced), and dropped by a restore (they would
+    keep the replaced tensors alive). Every begun digest equals ``digest()`` of that moment."""
+    import copy
+    import gc
+    import weakref
+
+    st = TrainState()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    st.register(model=model, optimizer=opt)
+
+    def step() -> None:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def check() -> object:
+        assert st.digest_begin().result() == st.digest()
+        return st._sampler._views
+
+    first = check()
+    step()  # the optimizer's state is created: other tensors
+    second = check()
+    assert second is not first
+    step()  # in place: the same views, the new values
+    assert check() is second
+    model[0].weight.data = torch.randn(64, 8)  # the same Parameter, another storage
+    third = check()
+    assert third is not second
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its state tensors replaced
+    assert check() is not third
+    old = weakref.ref(opt.state[model[0].weight]["exp_avg"])
+    st.restore(st.snapshot())  # loads the copy's tensors; the views must not keep the old
+    gc.collect()
+    assert old() is None
+    check()

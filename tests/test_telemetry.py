@@ -343,3 +343,30 @@ def test_agent_metrics_and_log_trace_ids(tmp_path):
     assert len(rec) == 1
     assert rec[0]["trace_id"] == spans[T.SPAN_RECOVER].trace_id
     assert rec[0]["span_id"] == spans[T.SPAN_RECOVER].span_id
+
+
+def test_step_gauges_are_set_at_most_once_a_second_and_at_once_after_an_incident(monkeypatch):
+    """Issue 44: the step-rate and goodput gauges are read by the exporter every few seconds;
+    setting them at every commit was a fixed cost of a small step. The commit that closes an
+    incident sets them at once (goodput fell)."""
+    from agent.incident import Timeline
+    from plumbing import telemetry
+
+    from types import SimpleNamespace
+
+    got: list[float] = []  # the step-rate values set (the instruments are frozen: counted)
+    counting = SimpleNamespace(record_steps_per_second=lambda v, **a: got.append(v),
+                               record_goodput=lambda v, **a: None)
+    monkeypatch.setattr(telemetry, "instruments", lambda m=None: counting)
+    tl = Timeline()
+    t0 = 1000.0
+    for i in range(200):  # 200 commits 10 ms apart: 2 s
+        now = t0 + 0.01 * i
+        tl.commit(i, 1.0, now)
+        tl.record_metrics(now)
+    assert 2 <= len(got) <= 3, len(got)  # 2 s of commits: about once a second
+    n = len(got)
+    tl.close(None, None, 0, 1, t0 + 1.995)  # an incident closed: set at this commit
+    tl.commit(200, 1.0, t0 + 1.995)
+    tl.record_metrics(t0 + 1.995)
+    assert len(got) == n + 1
