@@ -618,6 +618,17 @@ async def _raise(bus, pod, generation, step, error=TRACE, exit_code=1):
                                                              exit_code=exit_code))
 
 
+async def _exit_then_raise(bus, pod, generation, step, error=TRACE, exit_code=1):
+    """The same, read in the other order: the exit comes from the pod's actuator, the report
+    from the pod, on another subject (CI: the exit read first was declared a crash)."""
+    await bus.publish(bus.subjects.lifecycle(pod), Lifecycle(pod=pod, event="exited",
+                                                             exit_code=exit_code))
+    await bus.nc.flush()
+    await asyncio.sleep(0.02)
+    await bus.publish(bus.subjects.report(pod), Report(
+        pod=pod, report="exception", generation=generation, step=step, error=error))
+
+
 async def _at_step(env, m, pods, step, generation=1):
     for i, p in enumerate(pods):
         env.beat(p, rank=i, generation=generation, advance=False).step = step
@@ -692,6 +703,48 @@ async def test_a_lone_exception_is_declared_once_nobody_can_repeat_it(env, bus):
     assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "exception")]
     assert "ValueError: the batch of step 12" in env.faults[0].reason
     assert not verdicts and not m.held
+
+
+async def test_an_exit_read_before_its_exception_report_waits_for_it(env, bus):
+    """The exit (code 1) is read first: it waits a message's time for the report, and the
+    report decides: an exception, not a crash."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await _at_step(env, m, ["w0", "w1"], 11)
+    await _exit_then_raise(bus, "w1", 1, 11)
+    await until(lambda: env.faults, what="w1 declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "exception")]
+    assert not verdicts and not m.held and not m.exits
+
+
+async def test_both_members_exits_read_before_their_reports_fail_the_job(env, bus):
+    """Both members raise the same error in set-up, each exit read before its report: the
+    job fails with it, nobody is declared (a spare would be promoted into the same bug)."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await _at_step(env, m, ["w0", "w1"], 11)
+    await _exit_then_raise(bus, "w0", 1, 11)
+    await _exit_then_raise(bus, "w1", 1, 11)
+    await until(lambda: verdicts, what="job_failed")
+    assert verdicts[0].pods == ["w0", "w1"]
+    await asyncio.sleep(0.3)
+    assert not env.faults and not m.incidents
+
+
+async def test_an_exit_without_a_report_is_a_crash_and_a_kill_at_once(env, bus):
+    """No report follows: the exit is a crash after the wait; a kill by signal at once."""
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await _at_step(env, m, ["w0", "w1"], 11)
+    t = time.monotonic()
+    await bus.publish(bus.subjects.lifecycle("w1"), Lifecycle(pod="w1", event="exited",
+                                                              exit_code=1))
+    await until(lambda: env.faults, what="w1 declared")
+    assert time.monotonic() - t >= m.suspect_timeout
+    await bus.publish(bus.subjects.lifecycle("w0"), Lifecycle(pod="w0", event="exited",
+                                                              exit_code=-9))
+    await until(lambda: len(env.faults) == 2, what="w0 declared")
+    assert [(f.pod, f.kind.value) for f in env.faults] == [("w1", "crash"), ("w0", "crash")]
+    assert not m.exits
 
 
 @pytest.mark.parametrize("pass_members", [4096, 1])

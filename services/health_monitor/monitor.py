@@ -4,7 +4,10 @@ incident.
 Rules (docs/architecture.md, recovery step 1):
 
 * lifecycle ``exited`` with a non-zero code -> ``crash`` (exit 0, or any code after the pod's
-  last heartbeat said ``done``: the pod is done, forgotten);
+  last heartbeat said ``done``: the pod is done, forgotten); an exit code a process ends
+  with on its own (1-127: an uncaught exception is 1) waits ``suspect_timeout`` for the pod's
+  exception report, which travels on another subject and may be read after it (then the
+  report decides); a kill by signal is a crash at once;
 * no heartbeat for ``fault_timeout`` -> ``lost`` (not for pods whose last state is done/leaving;
   a pod whose heartbeat still says ``starting``, not a member, has ``stall_timeout``: its
   imports and set-up hold the interpreter, on a loaded machine for seconds; a member never
@@ -114,6 +117,19 @@ class Held:
 
 
 @dataclass
+class Exit:
+    """A non-zero exit that may come with the script's exception report: the report is on
+    another subject, sent by the pod (the exit by its actuator), and may be read after it."""
+    ev: Lifecycle
+    until: float                  # monotonic: a crash then, if no report came
+
+
+# Exit codes a Python process ends with on its own (an uncaught exception: 1), which may
+# follow an exception report; a kill by signal (negative, or 128 + N from a shell) does not.
+REPORTED_EXITS = range(1, 128)
+
+
+@dataclass
 class Waiting:
     """A member's run of peer_error reports in one generation: it waits in a collective."""
     generation: int
@@ -176,6 +192,10 @@ class HealthMonitor(Service):
         self.repeats = RepeatDetector()
         self.job_failed: JobFailed | None = None
         self.held: dict[str, Held] = {}  # exception reports not declared yet (watched pods)
+        # non-zero exits whose crash waits a message's time for the pod's exception report
+        # (CI: the exit read first made w1 a crash; both members' so, spares promoted into
+        # the script's set-up error)
+        self.exits: dict[str, Exit] = {}
         # cleared while the lease was just taken and the declared faults are read back
         self._inherited = asyncio.Event()
         self._inherited.set()
@@ -426,9 +446,24 @@ class HealthMonitor(Service):
             self.log.warning("pod exited with a non-zero code after it was done; not a fault",
                              pod=ev.pod, exit_code=ev.exit_code)
             return
+        if ev.exit_code in REPORTED_EXITS and ev.pod not in self.exits:
+            self.exits[ev.pod] = Exit(ev, time.monotonic() + self.suspect_timeout)
+            return
+        await self._declare_exit(ev)
+
+    async def _declare_exit(self, ev: Lifecycle) -> None:
+        v = self.pods.get(ev.pod)
         await self._declare(ev.pod, FaultKind.crash, last_seen=v.last_seen if v else ev.ts,
                             since=ev.ts, reason=f"process exited with code {ev.exit_code}",
                             role=ev.role if v is None else None)
+
+    async def _release_exits(self, now: float) -> None:
+        """The exits whose report did not come in a message's time: crashes."""
+        for pod, x in list(self.exits.items()):
+            if now >= x.until:
+                del self.exits[pod]
+                if pod not in self.faulted and pod not in self.held:
+                    await self._declare_exit(x.ev)
 
     async def _on_report(self, r: Report, env: Envelope) -> None:
         self._hear(time.monotonic())  # before a peer_error looks for silent members
@@ -501,6 +536,7 @@ class HealthMonitor(Service):
         pod never entered the first generation: set-up after ``init_process_group``). A
         repeat of another pod's stops the job; otherwise its fault is held while another
         member may still raise the same (``_release_held``)."""
+        self.exits.pop(r.pod, None)  # its report decides, not its exit code
         known = r.pod in self.faulted or r.pod in self.pods or self._is_member(r.pod)
         if not known:
             self._ignore(env.subject, "report from a pod that is not watched", pod=r.pod,
@@ -655,9 +691,11 @@ class HealthMonitor(Service):
         return True
 
     async def check(self) -> None:
+        now = time.monotonic()
+        if self.exits:  # (a standby keeps the crashes: _declare)
+            await self._release_exits(now)
         if not self.acting:  # a standby: it watches (heartbeats, plans) but declares nothing
             return
-        now = time.monotonic()
         if self.held:
             await self._release_held(now)
         plan = self.plan
