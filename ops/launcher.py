@@ -195,6 +195,41 @@ class Cluster:
                 raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
             await asyncio.sleep(0.02)
 
+    async def inject_ahead(self, action: Any, rank: int, ahead: int = 4, tries: int = 5,
+                           timeout: float = 30.0) -> int:
+        """Inject ``action`` into rank ``rank`` at a step ``ahead`` of the one its last
+        heartbeat said, and wait for the pod's answer: the step it accepted. A step that
+        passed before the injection arrived (a loaded machine: the heartbeat lags the
+        steps) is refused by the pod; then again, further ahead. A bare publish vanished so
+        in CI (the job ran fault-free)."""
+        from schemas.messages import Decision, Inject
+
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def on(d: Decision, _e: Envelope) -> None:
+            answers.put_nowait(d)
+        sub = await self.bus.subscribe(self.bus.subjects.decision, Decision, on)
+        try:
+            for k in range(tries):
+                h = self.member(rank)
+                at = (h.step if h is not None else 0) + ahead * (k + 1)
+                inj = Inject(action=action, rank=rank, at_step=at)
+                await self.bus.publish(self.bus.subjects.inject, inj)
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        d = await asyncio.wait_for(answers.get(),
+                                                   max(0.01, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        raise AssertionError(f"no answer to the injection {inj}") from None
+                    if d.request_id == inj.request_id:
+                        break
+                if d.accepted:
+                    return at
+            raise AssertionError(f"injection refused {tries} times, last: {d.reason}")
+        finally:
+            await sub.unsubscribe()
+
     def member(self, rank: int) -> Heartbeat | None:
         for h in self.hb.values():
             if h.rank == rank and h.role.value == "worker" and h.state.value == "training":

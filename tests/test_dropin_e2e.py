@@ -106,7 +106,7 @@ async def test_a_step_computed_again_gets_its_own_first_batch_and_scaler_state(t
     run its GradScaler's step and update (fp16): the drop-in skips that update, puts the
     scale back and gives the step its own first micro-batch. Bitwise equal to the fault-free
     run (resuming in place is off: rank 0, if slower, could still be computing)."""
-    from schemas.messages import Inject, InjectAction
+    from schemas.messages import InjectAction
 
     monkeypatch.setenv("CEASELESS_RESUME_IN_PLACE", "0")  # the pods inherit it
 
@@ -115,8 +115,7 @@ async def test_a_step_computed_again_gets_its_own_first_batch_and_scaler_state(t
 
     async def fault(c):
         await c.wait_rank_step(1, 8)
-        await c.bus.publish(c.bus.subjects.inject,
-                            Inject(action=InjectAction.exception, rank=1, at_step=12))
+        await c.inject_ahead(InjectAction.exception, rank=1)  # answered: it will happen
 
     s, run = await _run(tmp_path, "faults", 1, fault, extra=fp16)
     assert s["final_step"] == ITERS - 1 and s["lost_steps"] == 0, s
