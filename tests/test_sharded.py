@@ -4,27 +4,31 @@ gloo; no Ceaseless control plane."""
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness import REPO
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store() -> dist.TCPStore:
+    """The ranks' store, hosted here on a port the OS picked and held from now on: a free
+    port picked, closed and bound again by rank 0 after its imports was taken meanwhile
+    (EADDRINUSE in CI). The ranks connect as clients."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
 
 
 def _job(tmp_path, name: str, arg: int | str, helper: str = "fsdp_swap") -> list[dict]:
-    port = _port()
+    store = _store()
+    port = store.port
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     outs = [tmp_path / f"{name}-{r}.pt" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", f"tests.helpers.{helper}", str(r), str(port),
@@ -68,7 +72,8 @@ def test_a_peer_failing_mid_step_does_not_raise_into_the_script(tmp_path, mode):
     """FSDP2's collectives run inside the script's forward and backward: a peer that dies
     (or hangs until a newer plan sets the abort flag) must not raise there. The shard group
     records the failure (``Session.step`` then discards the step) and returns at once."""
-    port = _port()
+    store = _store()
+    port = store.port
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = tmp_path / f"{mode}.json"
     procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.fsdp_fault", str(r),
