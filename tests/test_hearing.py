@@ -78,3 +78,10 @@ def test_a_watched_outage_is_the_longest_stretch_no_pod_was_heard():
     h.watch("link")
     assert h.heard(3.45 + FT + 1) == pytest.approx(FT + 1)  # deafness ends: forgiven there
     assert h.unwatch("link", 3.45 + FT + 1.1) == pytest.approx(0.1)  # not twice
+    t = 3.45 + FT + 1.1
+    h.watch("link")               # the PING and the lease renewals fail together
+    h.watch("lease")
+    assert h.unwatch("link", t + 2.0) == pytest.approx(2.1)  # from the last pod heard
+    h.forgave(t + 2.0)            # (the monitor's grace) ...
+    h.heard(t + 2.1)
+    assert h.unwatch("lease", t + 2.2) == pytest.approx(0.1)  # ... not forgiven again

@@ -56,6 +56,7 @@ class Hearing:
         self.state = Ear.HEARING
         # outages being watched (``watch``): name -> the longest stretch no pod was heard
         self._watches: dict[str, float] = {}
+        self._forgiven = now  # stretches up to here were forgiven (``forgave``): not twice
 
     def _quiet_from(self) -> float:
         return self.since if self.last is None else max(self.last, self.since)
@@ -65,7 +66,8 @@ class Hearing:
         fault timeout before it: silence now counts from ``at``), else None. The first pod
         ever heard ends a gap only where an outage was found (``deaf``) before it: a new
         job's pods start seconds after its services, which is no outage."""
-        gap, first = at - self._quiet_from(), self.last is None
+        start, first = self._quiet_from(), self.last is None
+        gap = at - start
         if first or at > self.last:
             self.last = at
         if gap > self.fault_timeout and (not first or self.state is Ear.DEAF):
@@ -73,9 +75,11 @@ class Hearing:
             for name in self._watches:  # the caller forgives this gap: not twice
                 self._watches[name] = 0.0
             return gap
-        for name, longest in self._watches.items():
-            if gap > longest:
-                self._watches[name] = gap
+        if self._watches:
+            stretch = at - max(start, self._forgiven)
+            for name, longest in self._watches.items():
+                if stretch > longest:
+                    self._watches[name] = stretch
         return None
 
     def watch(self, name: str) -> None:
@@ -89,7 +93,15 @@ class Hearing:
     def unwatch(self, name: str, now: float) -> float:
         """The outage ``name`` ended at ``now``: the longest stretch no pod was heard in it
         (its last, up to ``now``, included: the only one if it was not watched)."""
-        return max(self._watches.pop(name, 0.0), now - self._quiet_from())
+        return max(self._watches.pop(name, 0.0),
+                   now - max(self._quiet_from(), self._forgiven))
+
+    def forgave(self, now: float) -> None:
+        """The caller forgave the silence up to ``now`` (an outage's ``unwatch``): another
+        outage watched meanwhile does not count those stretches again."""
+        self._forgiven = max(self._forgiven, now)
+        for name in self._watches:
+            self._watches[name] = 0.0
 
     def listening_from(self, at: float) -> None:
         """This instance could not hear anything until ``at`` (its feed was cut: a view that

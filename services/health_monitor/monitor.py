@@ -668,6 +668,7 @@ class HealthMonitor(Service):
         for every pod added up to a fault timeout to every detection of the round in which
         the reader fell behind). Each ``last_hb`` moves by the outage, never past ``now``, so
         ``pods`` keeps its order."""
+        self.hearing.forgave(now)
         if outage <= 0:
             return
         self.log.warning("silence is the monitor's own: not counted", why=why,
