@@ -376,6 +376,73 @@ async def test_no_silence_counts_while_nats_server_is_paused(env, nats_server):
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
 
 
+async def test_a_short_outage_forgives_only_its_own_length(env, nats_server):
+    """Issue 45: a pod already silent for most of its fault timeout when the server stops
+    answering for a moment is declared about a fault timeout plus the outage after it fell
+    silent, not a full fault timeout after the outage (every pod's fresh fault timeout added
+    up to 1.5 s to every detection of a round at 16,384 pods). (Fails before: declared
+    about 0.6 ft + outage + ft after.) w1 falls overdue during the outage, so the link check
+    (a PING of ft/3) fails; the outage is shorter than ft, so no pod heard is not deafness."""
+    import os
+    import signal
+
+    ft, outage = 2.0, 1.7
+    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    w1.alive = False
+    t0 = time.monotonic()
+    await asyncio.sleep(0.6 * ft)
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)  # w1 overdue during it: the PING fails
+    try:
+        await asyncio.sleep(outage)
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    await until(lambda: m.faults, timeout=10, what="w1 declared")
+    took = time.monotonic() - t0
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
+    # ft + outage = 3.7 s (+ the checks' and the PONG's delay); before: 1.2 + 1.7 + 2 = 4.9 s
+    assert took < ft + outage + 0.5, took
+    assert took > ft + outage - 0.2, took  # the outage was not counted as w1's silence
+    await asyncio.sleep(ft)
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)  # w0 not lost
+
+
+async def test_a_late_pong_while_pods_were_heard_forgives_nothing(env, nats_server):
+    """Issue 45, the burst: the monitor's reading falls behind, its PING's PONG comes after
+    everything queued before it, later than the link check waits, while the pods' heartbeats
+    are read all along. That is no outage: a silent pod is declared as soon as the PONG is
+    in, not a fresh fault timeout later. (Fails before: declared about 2 ft after it fell
+    silent.) The late PONG is simulated: the first round trip answers after its timeout."""
+    ft = 1.0
+    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
+    real, late = m.bus.round_trip, []
+
+    async def round_trip(timeout):
+        if not late:
+            late.append(time.monotonic())
+            await asyncio.sleep(timeout)  # no PONG in time (the reader is behind)
+            return False
+        return await real(timeout)
+    m.bus.round_trip = round_trip
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    w1.alive = False
+    t0 = time.monotonic()
+    await until(lambda: m.faults, timeout=10, what="w1 declared")
+    took = time.monotonic() - t0
+    assert late, "the link check ran"
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
+    # ft + the late PONG's wait (ft/3) + checks; before: ft + ft/3 + ft
+    assert took < ft + ft / 3 + 0.4 * ft, took
+    await asyncio.sleep(ft)
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
+
+
 class ThreadBeater:
     """Heartbeats from another thread with its own loop and connection: pods that go on
     beating while the test's loop (the monitor's) is blocked, as separate processes do."""

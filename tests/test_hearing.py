@@ -56,3 +56,32 @@ def test_a_new_jobs_first_pod_is_no_outage_unless_one_was_found():
 def test_a_fault_timeout_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         Hearing(0.0, now=0.0)
+
+
+def test_a_watched_outage_is_the_longest_stretch_no_pod_was_heard():
+    """Issue 45: an outage found by a PING that was not answered in time is, once it is
+    answered, the longest stretch in which no pod was heard, from the last one heard before
+    it: a reader that fell behind heard pods all along (a few ms); a paused server's stretch
+    is its pause; a gap already forgiven as deafness is not forgiven twice."""
+    h = Hearing(FT, now=0.0)
+    h.heard(1.0)
+    h.watch("link")               # at 1.2: the PING was not answered
+    for t in (1.3, 1.35, 1.4):    # pods heard all along (the backlog being read)
+        h.heard(t)
+    assert h.unwatch("link", 1.45) == pytest.approx(0.3)  # 1.0 -> 1.3, the longest
+    h.watch("link")
+    h.watch("link")               # a second failure changes nothing
+    h.heard(3.4)                  # paused 1.4 -> 3.4 (under FT: no deafness)
+    h.heard(3.45)
+    assert h.unwatch("link", 3.5) == pytest.approx(2.0)
+    assert h.unwatch("lease", 3.9) == pytest.approx(0.45)  # not watched: the last stretch
+    h.watch("link")
+    assert h.heard(3.45 + FT + 1) == pytest.approx(FT + 1)  # deafness ends: forgiven there
+    assert h.unwatch("link", 3.45 + FT + 1.1) == pytest.approx(0.1)  # not twice
+    t = 3.45 + FT + 1.1
+    h.watch("link")               # the PING and the lease renewals fail together
+    h.watch("lease")
+    assert h.unwatch("link", t + 2.0) == pytest.approx(2.1)  # from the last pod heard
+    h.forgave(t + 2.0)            # (the monitor's grace) ...
+    h.heard(t + 2.1)
+    assert h.unwatch("lease", t + 2.2) == pytest.approx(0.1)  # ... not forgiven again

@@ -15,6 +15,12 @@ the monitor declared the rest lost, and the training state was lost.
 * the first pod heard after such a gap ends it (``heard`` returns the gap) and ``since``
   moves there: every pod gets a full fault timeout from it, so the pods heard a heartbeat
   interval later are not silent either (``quiet``: how long a pod counts as silent).
+* an outage found another way (the server did not answer a PING, a lease renewal failed)
+  is ``watch``-ed: ``unwatch`` returns the longest stretch in which no pod was heard from
+  the last pod heard before it to its end, the silence that was the bus's. A stretch in
+  which pods were heard is one in which the bus carried their heartbeats (a reader that
+  merely fell behind: issue 45), so a pod silent then is silent; silence before and after
+  the outage counts too.
 
 Every pod silent at once means, at worst, that every pod died: then no live pod holds the
 training state and no plan can bring it back, so reading that as deafness costs nothing;
@@ -48,6 +54,9 @@ class Hearing:
         self.since = now                # silence is counted from here at the earliest
         self.last: float | None = None  # when a pod was last heard (any pod)
         self.state = Ear.HEARING
+        # outages being watched (``watch``): name -> the longest stretch no pod was heard
+        self._watches: dict[str, float] = {}
+        self._forgiven = now  # stretches up to here were forgiven (``forgave``): not twice
 
     def _quiet_from(self) -> float:
         return self.since if self.last is None else max(self.last, self.since)
@@ -57,13 +66,42 @@ class Hearing:
         fault timeout before it: silence now counts from ``at``), else None. The first pod
         ever heard ends a gap only where an outage was found (``deaf``) before it: a new
         job's pods start seconds after its services, which is no outage."""
-        gap, first = at - self._quiet_from(), self.last is None
+        start, first = self._quiet_from(), self.last is None
+        gap = at - start
         if first or at > self.last:
             self.last = at
         if gap > self.fault_timeout and (not first or self.state is Ear.DEAF):
             self.since, self.state = at, Ear.HEARING
+            for name in self._watches:  # the caller forgives this gap: not twice
+                self._watches[name] = 0.0
             return gap
+        if self._watches:
+            stretch = at - max(start, self._forgiven)
+            for name, longest in self._watches.items():
+                if stretch > longest:
+                    self._watches[name] = stretch
         return None
+
+    def watch(self, name: str) -> None:
+        """An outage (``name``) was found: from now on, and from the last pod heard before
+        it, the longest stretch with no pod heard is kept (a second call changes nothing)."""
+        self._watches.setdefault(name, 0.0)
+
+    def watching(self, name: str) -> bool:
+        return name in self._watches
+
+    def unwatch(self, name: str, now: float) -> float:
+        """The outage ``name`` ended at ``now``: the longest stretch no pod was heard in it
+        (its last, up to ``now``, included: the only one if it was not watched)."""
+        return max(self._watches.pop(name, 0.0),
+                   now - max(self._quiet_from(), self._forgiven))
+
+    def forgave(self, now: float) -> None:
+        """The caller forgave the silence up to ``now`` (an outage's ``unwatch``): another
+        outage watched meanwhile does not count those stretches again."""
+        self._forgiven = max(self._forgiven, now)
+        for name in self._watches:
+            self._watches[name] = 0.0
 
     def listening_from(self, at: float) -> None:
         """This instance could not hear anything until ``at`` (its feed was cut: a view that

@@ -14,8 +14,10 @@ Rules (docs/architecture.md, recovery step 1):
   heard from has a grace from the plan or from its lifecycle ``started``, whichever is
   later; a pod that dies before it heartbeats is the actuator's ``exited``); while no pod
   at all is heard for ``fault_timeout`` the silence is the monitor's own (a stuck route
-  between servers, ``services/common/hearing.py``): nothing is lost, and the first pod heard
-  gives every pod a fresh fault timeout;
+  between servers, ``services/common/hearing.py``): nothing is lost, and once a pod is heard
+  every pod's silence is counted without that gap; so after the server did not answer a
+  PING, or the lease renewals, only without the longest stretch in which no pod was heard
+  (a reader that fell behind in a burst heard pods all along: its silence counts in full);
 * a member in state ``training`` whose step did not advance for ``stall_timeout`` while
   another member's did -> ``hang``;
 * a report of kind exception / digest_mismatch / recovery_failed -> ``exception``; an
@@ -229,15 +231,23 @@ class HealthMonitor(Service):
                       suspect_timeout=self.suspect_timeout)
 
     def on_lease_acquired(self, term: int) -> None:
-        """After an outage of the bus (its renewals failed, so its checks stopped) every
-        pod's silence was the monitor's own, as when the link check fails. The pods the
+        """After an outage of the bus (its renewals failed, so its checks stopped) the pods'
+        silence was the monitor's own, as when the link check fails: the longest stretch no
+        pod was heard since the renewal failed is not counted (``_grace``). The pods the
         previous holder declared are read back before this one declares anything: a pod is
         declared once (a standby declared nothing, so it did not note them)."""
+        now = time.monotonic()
+        outage = self.hearing.unwatch("lease", now)
         if self.lease.outage:
-            self._grace(time.monotonic(), "the bus did not answer the lease renewals")
+            self._grace(now, outage, "the bus did not answer the lease renewals")
         self._inherited.clear()
         self.spawn(self._inherit(term))
         self.spawn(self._declare_kept(term))
+
+    def on_lease_lost(self, holder: str | None) -> None:
+        super().on_lease_lost(holder)
+        if self.lease.outage:  # a renewal failed: how long no pod is heard is kept
+            self.hearing.watch("lease")
 
     async def _declare_kept(self, term: int) -> None:
         """The exits this instance heard as a standby, of pods still members of the plan
@@ -396,11 +406,11 @@ class HealthMonitor(Service):
 
     def _hear(self, now: float) -> None:
         """A pod's message arrived. The first after no pod was heard for a fault timeout ends
-        the monitor's own outage: every pod gets a fresh fault timeout from now (one heard a
-        moment later is not lost; the route that carries their messages just came back)."""
+        the monitor's own outage: that gap is no pod's silence (one heard a moment later is
+        not lost; the route that carries their messages just came back)."""
         gap = self.hearing.heard(now)
         if gap is not None and self.pods:
-            self._grace(now, f"no pod was heard for {gap:.3f}s")
+            self._grace(now, gap, f"no pod was heard for {gap:.3f}s")
 
     def _heard_at(self, v: PodView, now: float) -> None:
         """``v`` was heard from at ``now`` (monotonic, never earlier than any before): the
@@ -652,12 +662,19 @@ class HealthMonitor(Service):
             except Exception as e:
                 self.log.exception("check failed", error=str(e)[:200])
 
-    def _grace(self, now: float, why: str) -> None:
-        """Every watched pod gets a fresh ``fault_timeout`` from ``now``."""
-        self.log.warning("silence is the monitor's own: every pod gets a fresh fault timeout",
-                         why=why, pods=len(self.pods))
+    def _grace(self, now: float, outage: float, why: str) -> None:
+        """The monitor's own outage of ``outage`` seconds just ended at ``now``: that long is
+        no pod's silence; the silence before and after it is (issue 45: a fresh fault timeout
+        for every pod added up to a fault timeout to every detection of the round in which
+        the reader fell behind). Each ``last_hb`` moves by the outage, never past ``now``, so
+        ``pods`` keeps its order."""
+        self.hearing.forgave(now)
+        if outage <= 0:
+            return
+        self.log.warning("silence is the monitor's own: not counted", why=why,
+                         outage_s=round(outage, 3), pods=len(self.pods))
         for v in self.pods.values():
-            v.last_hb = max(v.last_hb, now)
+            v.last_hb = min(now, v.last_hb + outage)
 
     def _deaf(self, now: float) -> bool:
         """No pod heard at all for a fault timeout: the monitor's own outage, not every pod
@@ -677,18 +694,24 @@ class HealthMonitor(Service):
         """Can this process reach nats-server now? A pod's silence counts only if so: while
         the server is paused or restarting, every heartbeat is missing and none is late. The
         PONG also comes after every message the server sent before it, so heartbeats that
-        waited unread (this process paused or starved) are taken in before the re-check."""
+        waited unread (this process paused or starved) are taken in before the re-check.
+        Once it answers again, the longest stretch in which no pod was heard (from the last
+        one heard before the PING) is not counted: a paused server's; a reader that merely
+        fell behind heard pods all along, and the silence of one that was silent before
+        counts in full (it was a fresh fault timeout for every pod: up to +1.5 s on every
+        detection of a burst at 16,384 pods, issue 45)."""
         if not await self.bus.round_trip(max(0.2, min(1.0, self.fault_timeout / 3))):
             if self._link_down_since is None:
                 self._link_down_since = time.monotonic()
+                self.hearing.watch("link")
                 self.log.warning("nats-server does not answer: no silence counts until it does")
             return False
         if self._link_down_since is not None:
-            down = time.monotonic() - self._link_down_since
-            self._link_down_since = None
-            self._grace(time.monotonic(), f"nats-server did not answer for {down:.3f}s")
-            return False  # the grace just reset every deadline
-        return True
+            now = time.monotonic()
+            down, self._link_down_since = now - self._link_down_since, None
+            self._grace(now, self.hearing.unwatch("link", now),
+                        f"nats-server did not answer for {down:.3f}s")
+        return True  # (the caller measures each overdue pod's silence again)
 
     async def check(self) -> None:
         now = time.monotonic()
