@@ -190,6 +190,25 @@ def test_breaking_out_keeps_position(corpus):
         assert ks == [3, 4, 5] and ld.step == 3
 
 
+def test_micro_seed_in_python_integers_is_the_numpy_hash():
+    """``micro_seed`` (Python integers, issue 44) gives the seeds the numpy ``hash64`` gave,
+    so a job keeps its randomness across the change."""
+    import numpy as np
+
+    from agent.data.order import hash64
+
+    rng = np.random.default_rng(3)
+    cases = [(0, 0, 0), (0, 123, (1 << 63) + 1), (-5, 7, (1 << 62) | (3 << 32) | 2),
+             ((1 << 64) + 9, 2 ** 40, (1 << 64) - 1), (2 ** 70, -3, 1)]
+    cases += [(int(a), int(b), int(c)) for a, b, c in zip(
+        rng.integers(-2 ** 40, 2 ** 62, 200), rng.integers(0, 2 ** 40, 200),
+        rng.integers(0, 2 ** 63, 200, dtype=np.uint64))]
+    for seed, step, k in cases:
+        want = int(hash64(seed, 0x5EED ^ (step << 20), np.array([k], dtype=np.uint64))[0]
+                   >> np.uint64(1))
+        assert micro_seed(seed, step, k) == want, (seed, step, k)
+
+
 def test_get_and_micro_seed(corpus):
     ds = TokenDataset(corpus, 32)
     order = ds.global_order(B, 9)

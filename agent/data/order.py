@@ -52,10 +52,22 @@ def hash64(seed: int, stream: int, i: np.ndarray) -> np.ndarray:
     return _mix(np.asarray(i, dtype=np.uint64) ^ np.uint64(key))
 
 
+def _mix_int(x: int) -> int:
+    """``_mix`` of one value in Python integers (no numpy array: ~20x cheaper for one)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 def micro_seed(seed: int, step: int, micro_index: int) -> int:
-    """The seed of micro-batch ``k`` of step ``s`` (dropout, augmentation): same on any rank."""
-    h = hash64(seed, 0x5EED ^ (step << 20), np.array([micro_index], dtype=np.uint64))[0]
-    return int(h >> np.uint64(1))  # fits torch.Generator.manual_seed
+    """The seed of micro-batch ``k`` of step ``s`` (dropout, augmentation): same on any rank.
+    ``hash64(seed, 0x5EED ^ (step << 20), [micro_index]) >> 1`` (fits
+    torch.Generator.manual_seed), in Python integers: it is called three times a step."""
+    if not 0 <= micro_index <= _M64:
+        raise OverflowError(f"micro_index {micro_index} is not a uint64")
+    key = _mix_int(_mix_int(seed & _M64) ^ ((0x5EED ^ (step << 20)) & _M64))
+    return _mix_int(micro_index ^ key) >> 1
 
 
 def epoch_permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
