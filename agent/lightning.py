@@ -44,6 +44,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from plumbing import logs
 
 from . import ddp, lightning_fabric
+from .lightning_loops import loop_state
 from .lightning_window import Window
 
 log = logs.get("agent")
@@ -108,10 +109,11 @@ class _LoopState:
         self.saved: dict[str, tuple[int, str]] = {}
 
     def take(self, last: bool = False, batch_end: bool = True) -> None:
-        # every batch end: a fresh dict of counters (the progress objects' ``asdict``), not
-        # deep-copied again (a third of the integration's own time per step) unless the
-        # train DataLoader keeps a state of its own (a stateful loader's, by reference)
-        snap = self.trainer.fit_loop.state_dict()
+        # every batch end: a fresh dict of counters (``fit_loop.state_dict()``, made for
+        # less: lightning_loops.py), not deep-copied again (a third of the integration's own
+        # time per step) unless the train DataLoader keeps a state of its own (a stateful
+        # loader's, by reference)
+        snap = loop_state(self.trainer.fit_loop)
         if any("combined_loader" in v for k, v in snap.items()
                if k.endswith("state_dict") and isinstance(v, dict)):
             snap = copy.deepcopy(snap)
