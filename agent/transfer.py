@@ -269,6 +269,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     group.wait_all([group.irecv(c, s, TAG_BASE + _TAG_CTRL) for c, s in zip(ctrls, sources)],
                    abort, "state header", timeout_s=timeout_s)
     heads = [c.cpu().tolist() for c in ctrls]
+    t_head = time.perf_counter()
     for s, h in zip(sources, heads):
         if h[0] != MAGIC:
             raise StateMismatch(f"source {s} sent a bad header {h} (another wire version?)")
@@ -294,7 +295,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     per_source[sources[0]] += blob.numel()
     owned = [[n for n, p in enumerate(pieces) if p.source == i] for i in range(k)]
     mine: dict[int, tuple[int, int]] = {}
-    verify = [0.0]
+    verify, copy = [0.0], [0.0]
 
     def check(n: int, p: Piece) -> None:
         v0 = time.perf_counter()
@@ -331,7 +332,9 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
             untouched[0] = False
             if on_write is not None:
                 on_write()
+        c0 = time.perf_counter()
         _bytes_of(tensors[p.tensor])[p.start:p.end].copy_(wire)
+        copy[0] += time.perf_counter() - c0
         per_source[sources[p.source]] += p.end - p.start
         if tamper is None:
             check(n, p)
@@ -357,7 +360,8 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     st = TensorState(skeleton=skeleton, tensors=tensors, in_place=in_place)
     st.stats = {"bytes": sum(per_source.values()), "state_bytes": st.nbytes,
                 "seconds": t1 - t0, "transfer_seconds": t_recv - t0,
-                "verify_seconds": verify[0], "per_source": per_source,
+                "verify_seconds": verify[0], "header_seconds": t_head - t0,
+                "copy_seconds": copy[0], "per_source": per_source,
                 "in_place_bytes": sum(specs[i].nbytes for i in in_place)}
     return st
 

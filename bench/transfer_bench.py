@@ -87,6 +87,8 @@ def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
             s = st.stats
             out.append({"seconds": s["seconds"], "transfer_seconds": s["transfer_seconds"],
                         "verify_seconds": s["verify_seconds"], "bytes": s["bytes"],
+                        "header_seconds": s.get("header_seconds"),
+                        "copy_seconds": s.get("copy_seconds"),
                         "gbs": s["bytes"] / s["seconds"] / 1e9,
                         "per_source": {str(a): b for a, b in s["per_source"].items()},
                         "fingerprint": fingerprint(objs)})
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
            "vs_tcp": med / link, "bitwise": all(r["fingerprint"] == src_fp for r in rows)}
     for r in rows:
         print(f"  {r['bytes'] / 1e9:.2f} GB in {r['seconds']:.2f} s ({r['gbs']:.2f} GB/s; "
+              f"header {r['header_seconds'] or 0:.2f} s, copy {r['copy_seconds'] or 0:.2f} s, "
               f"verify {r['verify_seconds']:.2f} s) per source {r['per_source']}")
     print(f"{args.shape} W={args.width} k={args.sources}: median {med:.2f} GB/s, "
           f"TCP {tcp:.2f}/{tcp2:.2f} GB/s -> {100 * res['vs_tcp']:.0f} % of TCP; "
