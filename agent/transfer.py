@@ -15,7 +15,8 @@ The first source sends the skeleton; each source checksums its pieces while they
 wire and sends the checksums after them; the recipient checksums each piece as its window
 completes and compares at the end: a mismatch raises ``StateMismatch``, never silently. At
 most two windows per peer are in flight (``WINDOW_BYTES`` shared by the peers). A recipient
-receives each piece into a buffer of its own and copies it into place once its window
+receives each piece into its source's staging (two slots per source, one per window in
+flight, allocated once per transfer and reused) and copies it into place once its window
 completed: an abandoned receive may still complete later (gloo's works are parked, not
 cancelled) and must land there, never in tensors a later transfer filled and verified. That
 staging, like the one a device mismatch needs (CUDA tensors over gloo), stays bounded by the
