@@ -15,7 +15,8 @@ The first source sends the skeleton; each source checksums its pieces while they
 wire and sends the checksums after them; the recipient checksums each piece as its window
 completes and compares at the end: a mismatch raises ``StateMismatch``, never silently. At
 most two windows per peer are in flight (``WINDOW_BYTES`` shared by the peers). A recipient
-receives each piece into a buffer of its own and copies it into place once its window
+receives each piece into its source's staging (two slots per source, one per window in
+flight, allocated once per transfer and reused) and copies it into place once its window
 completed: an abandoned receive may still complete later (gloo's works are parked, not
 cancelled) and must land there, never in tensors a later transfer filled and verified. That
 staging, like the one a device mismatch needs (CUDA tensors over gloo), stays bounded by the
@@ -29,7 +30,7 @@ device, one number read back): the recipient refuses sources that disagree befor
 else moves, since each stripe is checked against its own sender only and sources holding
 different states (optimizer state, a second module) would hand it a mix.
 
-Wire format per (source -> recipient), version 3 (``MAGIC``), in the order sent and received
+Wire format per (source -> recipient), version 4 (``MAGIC``), in the order sent and received
 (NCCL matches a peer's sends and receives in order and ignores tags; gloo uses them):
   tag +0   int64[5] control: MAGIC, layout hash, skeleton bytes (first source, else 0), state
            bytes, exact digest of the state
@@ -53,7 +54,7 @@ from .digests import exact
 from .state import (_ALIGN, FlatState, StateMismatch, TensorSpec, TensorState,
                     _checksum_u8, _layout_hash, chunk_bounds)
 
-MAGIC = 0x6365_6173_6533  # "ceas" "e3": per-tensor pieces, the state's digest in the header
+MAGIC = 0x6365_6173_6534  # "ceas" "e4": per-tensor pieces, the state's digest (digests.exact, v2)
 TAG_BASE = 0x3EA0_0000
 _TAG_CTRL, _TAG_SKEL, _TAG_SUMS, _TAG_PIECE = 0, 1, 2, 16
 _M64 = (1 << 64) - 1
@@ -108,6 +109,24 @@ def _windows(items: list[Any], lanes: int = 1) -> list[list[Any]]:
         size += n
     if cur:
         out.append(cur)
+    return out
+
+
+def _staging_slots(lanes: Sequence[list[list[Any]]]) -> dict[Any, Any]:
+    """Where each piece of ``lanes`` (``_windows`` of (piece index, piece)) is received:
+    ``{piece index: (lane, slot, byte offset)}``, window ``w`` of a lane in slot ``w % 2``
+    (``_pipeline`` posts window ``w + 2`` only once window ``w`` is done), and
+    ``{("size", lane): bytes of that lane's largest window}``."""
+    out: dict[Any, Any] = {}
+    for j, wins in enumerate(lanes):
+        size = 0
+        for w, win in enumerate(wins):
+            off = 0
+            for n, p in win:
+                out[n] = (j, w % 2, off)
+                off += -(-(p.end - p.start) // _ALIGN) * _ALIGN
+            size = max(size, off)
+        out["size", j] = size
     return out
 
 
@@ -251,6 +270,7 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     group.wait_all([group.irecv(c, s, TAG_BASE + _TAG_CTRL) for c, s in zip(ctrls, sources)],
                    abort, "state header", timeout_s=timeout_s)
     heads = [c.cpu().tolist() for c in ctrls]
+    t_head = time.perf_counter()
     for s, h in zip(sources, heads):
         if h[0] != MAGIC:
             raise StateMismatch(f"source {s} sent a bad header {h} (another wire version?)")
@@ -276,22 +296,33 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     per_source[sources[0]] += blob.numel()
     owned = [[n for n, p in enumerate(pieces) if p.source == i] for i in range(k)]
     mine: dict[int, tuple[int, int]] = {}
-    verify = [0.0]
+    verify, copy = [0.0], [0.0]
 
     def check(n: int, p: Piece) -> None:
         v0 = time.perf_counter()
         mine[n] = _piece_sum(tensors, p)
         verify[0] += time.perf_counter() - v0
 
+    lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i], k)
+             for i in range(k)]
+    slot_of = _staging_slots(lanes)
+    staging: dict[tuple[int, int], Tensor] = {}
+    pin = dev.type == "cpu" and any(t.device.type == "cuda" for t in tensors)
+
     def post(item: tuple[int, Piece]) -> tuple[Any, Tensor]:
         # Never straight into the destination: an abandoned receive (a newer plan, a peer
         # error) is parked, not cancelled, and gloo may still finish it later. It then lands
-        # in this piece's own buffer (kept by the parked work), never in the model's tensors
-        # a later transfer has filled and verified. Staging stays bounded by the windows.
+        # in this transfer's staging (kept alive by the parked work, never reused by another
+        # transfer), never in the model's tensors a later transfer has filled and verified.
+        # Two staging slots per source, allocated once and reused window after window (a
+        # fresh buffer per piece faulted its pages in again: 32 MiB pieces are mmapped).
         n, p = item
-        t = tensors[p.tensor]
-        wire = torch.empty(p.end - p.start, dtype=torch.uint8, device=dev,
-                           pin_memory=dev.type == "cpu" and t.device.type == "cuda")
+        lane, slot, off = slot_of[n]
+        buf = staging.get((lane, slot))
+        if buf is None:
+            buf = staging[(lane, slot)] = torch.empty(
+                slot_of["size", lane], dtype=torch.uint8, device=dev, pin_memory=pin)
+        wire = buf[off:off + p.end - p.start]
         return group.irecv(wire, sources[p.source], TAG_BASE + _TAG_PIECE + n), wire
 
     untouched = [True]  # no byte written into the objects' own tensors yet
@@ -302,13 +333,13 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
             untouched[0] = False
             if on_write is not None:
                 on_write()
+        c0 = time.perf_counter()
         _bytes_of(tensors[p.tensor])[p.start:p.end].copy_(wire)
+        copy[0] += time.perf_counter() - c0
         per_source[sources[p.source]] += p.end - p.start
         if tamper is None:
             check(n, p)
 
-    lanes = [_windows([(n, p) for n, p in enumerate(pieces) if p.source == i], k)
-             for i in range(k)]
     _pipeline(group, lanes, post, done, abort, "state chunks", timeout_s)
     # Each source's checksums come after its pieces, and are received after them: NCCL
     # matches a peer's messages in the order they were posted, whatever their tags.
@@ -330,7 +361,8 @@ def recv_state(group: Any, my_rank: int, sources: Sequence[int],
     st = TensorState(skeleton=skeleton, tensors=tensors, in_place=in_place)
     st.stats = {"bytes": sum(per_source.values()), "state_bytes": st.nbytes,
                 "seconds": t1 - t0, "transfer_seconds": t_recv - t0,
-                "verify_seconds": verify[0], "per_source": per_source,
+                "verify_seconds": verify[0], "header_seconds": t_head - t0,
+                "copy_seconds": copy[0], "per_source": per_source,
                 "in_place_bytes": sum(specs[i].nbytes for i in in_place)}
     return st
 

@@ -123,6 +123,79 @@ def test_received_in_place_bitwise_with_small_pieces(monkeypatch, stepped_recipi
     assert stats["in_place_bytes"] > 0
 
 
+
+class _Recording:
+    """A group that records the buffers its receives are posted into (kept alive here, so
+    that distinct storages are distinct buffers, not the allocator's reused addresses)."""
+
+    def __init__(self, g: AbortableGroup) -> None:
+        self.g, self.pieces = g, []
+
+    def __getattr__(self, name):
+        return getattr(self.g, name)
+
+    def irecv(self, t, src, tag=0):
+        if tag >= transfer.TAG_BASE + transfer._TAG_PIECE:
+            self.pieces.append(t)
+        return self.g.irecv(t, src, tag)
+
+
+def test_the_recipient_stages_pieces_in_two_slots_per_source(monkeypatch):
+    """Issue 43: a piece used to be received into a buffer of its own, allocated for it, so
+    every byte of the state faulted fresh pages in once more on the recipient (32 MiB pieces
+    are mmapped and unmapped each). Now each source's windows take turns in two staging
+    slots, reused window after window: many pieces, four buffers for two sources; bitwise."""
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 256)
+    monkeypatch.setattr(transfer, "WINDOW_BYTES", 1024)
+    src = _objs(0, stepped=True)
+    expect = _flat(src)
+
+    def fn(r: int, g: AbortableGroup):
+        if r < 2:
+            return send_state(g, describe(src), r, {2: [0, 1]}, None)
+        rec = _Recording(g)
+        objs = _objs(3, stepped=False)
+        recv_state(rec, 2, [0, 1], None, into=lambda sk: destinations(objs, sk)).restore(objs)
+        storages = {t.untyped_storage().data_ptr() for t in rec.pieces}
+        return _flat(objs), len(rec.pieces), len(storages)
+
+    flat, pieces, storages = run_ranks(fn, 3, in_order=True)[2]
+    assert flat == expect
+    assert pieces > 20 and storages <= 4, (pieces, storages)
+
+
+def test_the_exact_digest_makes_no_widened_copy():
+    """Issue 43: ``exact`` summed an int32 view of each float tensor into int64, which widens
+    the whole tensor into a temporary twice its size first (about 1 GB/s on a CPU: the
+    sources' largest cost in a transfer of a few 64 MiB tensors). It now reads the bytes as
+    int64 words: nothing it allocates is near the size of a tensor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from agent.digests import exact
+
+    ts = [torch.randn(1 << 20), torch.randn(1000, 3).half(), torch.arange(10)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        exact(ts)
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < ts[0].nbytes // 64, largest
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2), st.integers(0, 10_000), st.integers(0, 63))
+def test_the_exact_digest_sees_any_flipped_bit(which, pos, bit):
+    """Equal states, equal digests (a copy elsewhere in memory); any one flipped bit of any
+    tensor (any dtype, a sign bit, the tail of a tensor not a multiple of 8 bytes) changes it."""
+    from agent.digests import exact
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(2051, generator=g), torch.randn(37, generator=g).double(),
+          torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8)]
+    assert int(exact(ts)) == int(exact([t.clone() for t in ts]))
+    u8 = ts[which].view(-1).view(torch.uint8)
+    bad = [t.clone() for t in ts]
+    bad[which].view(-1).view(torch.uint8)[pos % u8.numel()] ^= 1 << (bit % 8)
+    assert int(exact(ts)) != int(exact(bad))
+
 def test_a_corrupted_piece_is_named_and_raises():
     src = _objs(0, stepped=True)
 
