@@ -230,7 +230,7 @@ class DropIn:
             return  # a newer plan: the sync will discard the step; a dry attempt: no sync
         sync = st._grad_sync()
         if sync is not None:
-            sync.arm(m.group, st.collective_args()["op_timeout_s"])
+            sync.arm(m.group, st.collective_args()["op_timeout_s"], ahead=True)
 
     def _queue_end(self, grad: torch.Tensor) -> None:
         if not self._queued:

@@ -54,6 +54,7 @@ class GradSync:
         self._posted: dict[int, tuple[PendingAllreduce, Tensor]] = {}
         self._seen: set[int] = set()
         self.spoiled = False
+        self._ahead = False  # armed at the forward (the drop-in): its backward not begun
         self._error: BaseException | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(self.params) if i in self._bucket_of]
@@ -74,10 +75,15 @@ class GradSync:
     def armed(self) -> bool:
         return self._group is not None
 
-    def arm(self, group: AbortableGroup, op_timeout_s: float | None = None) -> None:
-        """The next backward is this rank's last of the step: post buckets as they fill."""
+    def arm(self, group: AbortableGroup, op_timeout_s: float | None = None,
+            ahead: bool = False) -> None:
+        """The next backward is this rank's last of the step: post buckets as they fill.
+        ``ahead``: armed before that backward's forward (the drop-in), so the script may call
+        a collective in between (Lightning's ``self.log(..., sync_dist=True)`` in
+        ``training_step``): until the backward begins, ``flush`` posts nothing."""
         with self._lock:
             self._reset(group, op_timeout_s)
+            self._ahead = group is not None and ahead
 
     def disarm(self) -> None:
         """Forget what was posted (a discarded step; its group is aborted or closed)."""
@@ -89,7 +95,7 @@ class GradSync:
         self._group, self._op_timeout_s = group, op_timeout_s
         self._missing = [len(b) for b in self.buckets] if group is not None else []
         self._posted, self._next, self._error = {}, 0, None
-        self._seen, self.spoiled = set(), False
+        self._seen, self.spoiled, self._ahead = set(), False, False
         self._times = {"armed": time.time() if group is not None else None, "posted": {},
                        "during_backward": 0}
 
@@ -97,8 +103,12 @@ class GradSync:
         """Before a collective of the script's own (``s.all_reduce``) after this rank's last
         backward: post every bucket not posted yet (parameters that got no gradient; a rank
         with no micro-batch: all of them), in order. So every rank has posted all its buckets
-        before the script's collective, whatever its share: the order is the same everywhere."""
+        before the script's collective, whatever its share: the order is the same everywhere.
+        Armed ``ahead`` and the backward not begun: nothing (the gradients are not computed;
+        every rank is at the same point of its script, before any bucket is posted)."""
         with self._lock:
+            if self._ahead and self._group is group:
+                return
             if self._group is not group:
                 self._reset(group, op_timeout_s)
             while self._next < len(self.buckets):
@@ -115,6 +125,7 @@ class GradSync:
                     # checkpointing with shared weights, a second backward): finish() refuses
                     self.spoiled = True
                     return
+                self._ahead = False
                 self._seen.add(i)
                 b = self._bucket_of[i]
                 self._missing[b] -= 1

@@ -113,3 +113,63 @@ def test_a_metric_reduced_after_the_loop_stays_in_order_on_a_rank_without_micro_
     assert m0 == m1 == 30.0
     for a, b, e in zip(g0, g1, expect):
         assert torch.equal(a, b) and torch.allclose(a, e, rtol=0, atol=1e-6)
+
+
+def test_a_collective_between_the_drop_ins_forward_and_its_backward_leaves_the_gradients():
+    """The drop-in (and so the Lightning strategy) arms the sync at the synchronising
+    micro-batch's forward; Lightning's ``self.log(..., sync_dist=True)`` in ``training_step``
+    then all-reduces (``s.all_reduce``: ``flush`` first) before the backward. No bucket may go
+    before the backward filled it: three SGD steps, each with that metric all-reduce, end
+    with the parameters of the same training on the mean gradient (what torch's DDP gives)."""
+    from types import SimpleNamespace
+
+    from agent.dropin import DropIn
+
+    steps, lr = 3, 0.1
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for t in range(steps):
+        grads = [_grads_at(ref, r, t) for r in (0, 1)]
+        for p, a, b in zip(ref.parameters(), *grads):
+            p.grad = (a + b) / 2
+        opt.step()
+
+    def fn(r: int, g: AbortableGroup):
+        m = _model()
+        sync = GradSync(list(m.parameters()), bucket_bytes=2048)
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        st = SimpleNamespace(zero_on_discard=True, _grad_sync=lambda: sync,
+                             collective_args=lambda: {"op_timeout_s": None})
+        d = object.__new__(DropIn)  # only _arm: the session's parts it reads
+        d.s = SimpleNamespace(_stepper=st, m=SimpleNamespace(group=g),
+                              runtime=SimpleNamespace(abort=threading.Event()))
+        d.dry, metrics = False, []
+        for t in range(steps):
+            opt.zero_grad(set_to_none=True)
+            d._arm()  # the forward of the synchronising micro-batch
+            x, y = _batch(r, t)
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            metric = loss.detach().clone().reshape(1)  # self.log(..., sync_dist=True)
+            if sync.armed:  # as Stepper.all_reduce
+                sync.flush(g)
+            g.allreduce_([metric], None, timeout_s=20)
+            metrics.append(float(metric))
+            loss.backward()
+            sync.finish(g, [], None, timeout_s=20)
+            for p in m.parameters():
+                p.grad /= 2
+            opt.step()
+        return [p.detach() for p in m.parameters()], metrics
+
+    (p0, m0), (p1, m1) = run_ranks(fn)
+    assert m0 == m1
+    for a, b, e in zip(p0, p1, ref.parameters()):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, e.detach(), rtol=0, atol=1e-6)
+
+
+def _grads_at(m: torch.nn.Module, rank: int, k: int) -> list[torch.Tensor]:
+    m.zero_grad(set_to_none=True)
+    x, y = _batch(rank, k)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    return [p.grad.clone() for p in m.parameters()]
