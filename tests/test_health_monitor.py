@@ -403,8 +403,9 @@ async def test_a_short_outage_forgives_only_its_own_length(env, nats_server):
     await until(lambda: m.faults, timeout=10, what="w1 declared")
     took = time.monotonic() - t0
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
-    # ft + outage = 3.7 s (+ the checks' and the PONG's delay); before: 1.2 + 1.7 + 2 = 4.9 s
-    assert took < ft + outage + 0.5, took
+    # ft + outage = 3.7 s (+ the checks' and the PONG's delay, more on a loaded machine);
+    # before: 1.2 + 1.7 + 2 = 4.9 s
+    assert took < ft + outage + 0.9, took
     assert took > ft + outage - 0.2, took  # the outage was not counted as w1's silence
     await asyncio.sleep(ft)
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)  # w0 not lost
@@ -438,7 +439,7 @@ async def test_a_late_pong_while_pods_were_heard_forgives_nothing(env, nats_serv
     assert late, "the link check ran"
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
     # ft + the late PONG's wait (ft/3) + checks; before: ft + ft/3 + ft
-    assert took < ft + ft / 3 + 0.4 * ft, took
+    assert took < ft + ft / 3 + 0.6 * ft, took  # (before: 2.33 ft)
     await asyncio.sleep(ft)
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
 

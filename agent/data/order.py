@@ -45,19 +45,22 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def hash64(seed: int, stream: int, i: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of (seed, stream, i) for every element of the uint64 array ``i``."""
-    key = int(_mix(np.array([(seed & _M64)], dtype=np.uint64))[0])
-    key = int(_mix(np.array([(key ^ (stream & _M64))], dtype=np.uint64))[0])
-    return _mix(np.asarray(i, dtype=np.uint64) ^ np.uint64(key))
-
-
 def _mix_int(x: int) -> int:
     """``_mix`` of one value in Python integers (no numpy array: ~20x cheaper for one)."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x = (x + int(_C1)) & _M64
+    x = ((x ^ (x >> 30)) * int(_C2)) & _M64
+    x = ((x ^ (x >> 27)) * int(_C3)) & _M64
     return x ^ (x >> 31)
+
+
+def _key(seed: int, stream: int) -> int:
+    """The per-(seed, stream) key every element of ``hash64`` is mixed with."""
+    return _mix_int(_mix_int(seed & _M64) ^ (stream & _M64))
+
+
+def hash64(seed: int, stream: int, i: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of (seed, stream, i) for every element of the uint64 array ``i``."""
+    return _mix(np.asarray(i, dtype=np.uint64) ^ np.uint64(_key(seed, stream)))
 
 
 def micro_seed(seed: int, step: int, micro_index: int) -> int:
@@ -66,8 +69,7 @@ def micro_seed(seed: int, step: int, micro_index: int) -> int:
     torch.Generator.manual_seed), in Python integers: it is called three times a step."""
     if not 0 <= micro_index <= _M64:
         raise OverflowError(f"micro_index {micro_index} is not a uint64")
-    key = _mix_int(_mix_int(seed & _M64) ^ ((0x5EED ^ (step << 20)) & _M64))
-    return _mix_int(micro_index ^ key) >> 1
+    return _mix_int(micro_index ^ _key(seed, 0x5EED ^ (step << 20))) >> 1
 
 
 def epoch_permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
