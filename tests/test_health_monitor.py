@@ -773,6 +773,22 @@ async def test_a_lone_exception_is_declared_once_nobody_can_repeat_it(env, bus):
     assert not verdicts and not m.held
 
 
+async def test_a_set_up_error_waits_for_a_member_not_heard_from_yet(env, bus):
+    """w1 raises in set-up before w0 ever heartbeated (both still setting up): w1 is held
+    while w0 may raise the same, and w0's report fails the job; nobody is declared
+    (CI: w1 was declared at once and a spare promoted into the set-up error)."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]))
+    await until(lambda: "w0" in m.pods, what="w0 seeded from the plan")
+    err = TRACE.replace("ValueError: the batch of step 12 has the wrong shape",
+                        "FileNotFoundError: the data set's index is missing")
+    await _raise(bus, "w1", 0, -1, err)
+    await asyncio.sleep(0.05)
+    await _raise(bus, "w0", 0, -1, err)
+    await until(lambda: verdicts, what="job_failed")
+    assert not env.faults and not m.incidents, env.faults
+
+
 async def test_an_exit_read_before_its_exception_report_waits_for_it(env, bus):
     """The exit (code 1) is read first: it waits a message's time for the report, and the
     report decides: an exception, not a crash."""

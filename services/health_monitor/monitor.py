@@ -579,11 +579,13 @@ class HealthMonitor(Service):
         """Could another pod still raise what ``r`` reports: one that is alive, not done,
         and has not committed past the reported step? Any watched pod, not only the plan's
         members: the plan this monitor holds may be older than the pods' (a set-up error
-        right after the first plan), and a spare may run the same set-up."""
+        right after the first plan), and a spare may run the same set-up. A member not heard
+        from yet counts, within its grace: it may be in that same set-up (CI: w1's set-up
+        error was declared at once while w0, still silent, was about to raise it too)."""
         for v in self.pods.values():
-            if (v.pod == r.pod or not v.heartbeated or v.pod in self.faulted
+            if (v.pod == r.pod or v.pod in self.faulted
                     or v.pod in self.held or v.state in GONE_STATES
-                    or now - v.last_hb > self.fault_timeout):
+                    or now - v.last_hb > self._silence(v)):
                 continue
             if v.step <= r.step:
                 return True
