@@ -17,7 +17,8 @@ from plumbing.bus import Bus, Envelope
 from plumbing.terms import NewestTerm
 from schemas import PLAN_KEY
 from schemas.messages import (ActuatorAction, ActuatorCommand, ActuatorReply, Fault, JobFailed,
-                              FaultKind, Plan, StateLost, Transfer)
+                              FaultKind, Plan, Report, ReportKind, StateLost,
+                              Transfer)
 from services.common.lease import TICKS_PER_TTL, Lease, LeaseState, parse_lease, ttl_for
 from services.health_monitor import HealthMonitor
 from services.scaler.scaler import Scaler
@@ -501,3 +502,39 @@ async def test_read_back_without_a_meta_leader_gets_the_messages_one_by_one(bus,
     assert [f.pod for f, _ in await read_back(bus, s.fault, Fault, log, limit=2)] == ["p3", "p4"]
     assert await read_back(bus, s.job_failed, JobFailed, log, last_only=True) == []
     assert time.monotonic() - t0 < 60  # not the hour a consumer would have waited
+
+
+async def test_a_monitor_that_missed_plans_reads_the_plan_before_it_declares(monitors, bus):
+    """A partitioned host's monitor heard no plan while it was cut off; after the heal it may
+    take the lease (the standby's renewal failed while JetStream elected its leaders again)
+    with the plan of before, and its peers' stale reports of that generation then made it
+    declare healthy members (a clean-clone CI run: w1 and w2 declared `lost` in generation
+    1 after generation 2 was made, the job shrank to one member). Taking the lease, it reads
+    the plan first: its declarations are judged against the current generation."""
+    a, b = await monitors("mon-a"), await monitors("mon-b")
+    beaters = [Beater(bus, p, rank=i) for i, p in enumerate(["w0", "w1", "w2"])]
+    try:
+        await until(lambda: all(len(m.pods) == 3 for m in (a, b)), what="both watch")
+        active, stale = (a, b) if a.acting else (b, a)
+        # the stale one hears no plan from now on (its link was cut): no poll, no message
+        stale.plans._task.cancel()
+        await stale.plans._sub.unsubscribe()
+        stale.plans._sub = None
+        await (await bus.kv()).put(PLAN_KEY, make_plan(["s0", "w1", "w2"], generation=2,
+                                                       fenced=["w0"]).model_dump_json().encode())
+        await until(lambda: active.generation == 2, what="the active one follows")
+        assert stale.generation == 1
+        await crash(active)
+        await until(lambda: stale.acting and stale._inherited.is_set(), timeout=10,
+                    what="the stale one takes over")
+        assert stale.generation == 2  # read before anything is declared
+        # w1's report of the old generation, suspecting a silent w2: judged stale
+        beaters[2].alive = False
+        await bus.publish(bus.subjects.report("w1"), Report(
+            pod="w1", report=ReportKind.peer_error, generation=1, rank=1, step=3,
+            error="all-reduce waiting"))
+        await asyncio.sleep(2 * FT)
+        assert not [f for f in monitors.faults if f.generation < 2], monitors.faults
+    finally:
+        for bt in beaters:
+            await bt.stop()

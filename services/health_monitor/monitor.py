@@ -262,9 +262,19 @@ class HealthMonitor(Service):
                 self.log.info("declared an exit heard as a standby", pod=pod, term=term)
 
     async def _inherit(self, term: int) -> None:
+        """The plan and the previous holder's declarations, read before this one declares:
+        an instance that was cut off (a partitioned host's) heard no plan meanwhile, and
+        judged against the old generation its peers' stale reports and the members it no
+        longer watches would declare healthy pods."""
         faults: list = []
         failed: list = []
         try:
+            try:
+                await self.plans.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the poll tries again; the read-back below still runs
+                self.log.warning("plan not read on taking the lease", error=str(e)[:200])
             s = self.bus.subjects
             faults = await read_back(self.bus, s.fault, Fault, self.log)
             failed = await read_back(self.bus, s.job_failed, JobFailed, self.log,
