@@ -187,13 +187,15 @@ def _partition(c, host: str, for_s: float) -> None:
     """`inject partition`, asked again when no answer came (`up`'s client may be failing
     over from the host cut just before: the injection, a plain message, is then lost); a
     refusal because the host is already cut means an earlier one got through unanswered."""
-    for _ in range(3):
-        r = _cli("inject", "partition", "--host", host, "--for", str(for_s),
+    for _ in range(4):  # a short wait: the answer takes a fraction of a second; a lost
+        # injection waited out the default 10 s, and the second host was cut 11 s after the
+        # first (a loaded run: "the kill came too late")
+        r = _cli("inject", "partition", "--host", host, "--for", str(for_s), "--wait", "3",
                  "--run-dir", str(c.run_dir))
         if r.returncode == 0 and "accepted" in r.stdout or f"host {host} is cut" in r.stdout:
             return
         assert "no answer" in r.stderr, (r.stdout, r.stderr)
-    raise AssertionError(f"inject partition {host}: no answer three times")
+    raise AssertionError(f"inject partition {host}: no answer four times")
 
 
 async def test_two_of_three_bus_hosts_lost_no_quorum_then_back(tmp_path, reference,

@@ -353,6 +353,34 @@ async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
             await b.close()
 
 
+async def test_a_scaler_that_missed_plans_reads_the_plan_before_it_replays(nats_server, bus):
+    """As the monitor above: a scaler cut off while a plan was made replays the faults
+    since the plan it holds; taking the lease, it reads the current plan first (else it
+    replays a fault that plan already handled, against the plan before it)."""
+    await (await bus.kv()).put(PLAN_KEY, make_plan(["w0", "w1"]).model_dump_json().encode())
+    b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+    s1 = Scaler(b1, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="one")
+    s2 = Scaler(b2, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="two")
+    try:
+        await s1.start()
+        await s2.start()
+        assert s1.acting and not s2.acting and s2.plans.generation == 1
+        s2.plans._task.cancel()  # cut off: no poll, no plan message
+        await s2.plans._sub.unsubscribe()
+        s2.plans._sub = None
+        await (await bus.kv()).put(PLAN_KEY, make_plan(["s0", "w1"], generation=2,
+                                                       fenced=["w0"]).model_dump_json().encode())
+        await crash(s1)
+        await until(lambda: s2.acting and not s2._replaying, timeout=10,
+                    what="the standby scaler takes over")
+        assert s2.plans.generation == 2
+    finally:
+        for s, b in ((s1, b1), (s2, b2)):
+            await s.stop()
+            await b.close()
+
+
 async def test_the_agent_runtime_takes_the_newest_brokers_transfer(nats_server):
     rt = Runtime(AgentConfig(nats_url=nats_server.url, job="test", pod="w0",
                              creds_path=str(nats_server.creds_path)))

@@ -237,6 +237,13 @@ class Scaler(Service):
         if self.plans.plan is not None:
             await asyncio.sleep(max(0.0, self._listening_since
                                     + self.warm_up * self.fault_timeout - time.monotonic()))
+        try:  # a scaler cut off (a partitioned host's) heard no plan meanwhile: the faults
+            # since the plan it holds include those the current one handled
+            await self.plans.refresh()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.warning("plan not read on taking the lease", error=str(e)[:200])
         plan, got = self.plans.plan, Inherited()
         try:
             if plan is not None:
