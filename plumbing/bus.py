@@ -348,13 +348,19 @@ class Bus:
         ``is_connected`` stays True (nats-py 2.16; seen with a paused server). So the flush
         runs shielded with a long timeout: a late PONG finds its future still pending (a
         reconnect drops the pending ones)."""
-        inner = asyncio.ensure_future(self.nc.flush(timeout=_FLUSH_BACKSTOP_S))
-        inner.add_done_callback(_consume)
         try:
-            await asyncio.wait_for(asyncio.shield(inner), timeout)
+            await asyncio.wait_for(asyncio.shield(self.ping()), timeout)
             return True
         except Exception:
             return False
+
+    def ping(self) -> "asyncio.Future[None]":
+        """A PING now; the future completes with its PONG, which nats-server sends after
+        everything it sent this client before (a barrier), or fails on a reconnect. Wait on
+        it shielded (``round_trip``): it is never cancelled from outside."""
+        inner = asyncio.ensure_future(self.nc.flush(timeout=_FLUSH_BACKSTOP_S))
+        inner.add_done_callback(_consume)
+        return inner
 
     # ------------------------------------------------------------------ JetStream
     async def ensure_stream(self, storage: StorageType = StorageType.FILE,

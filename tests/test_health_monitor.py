@@ -411,37 +411,85 @@ async def test_a_short_outage_forgives_only_its_own_length(env, nats_server):
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)  # w0 not lost
 
 
+def _late_pongs(bus: Bus, late: float, until_t: list[float], pings: list[float]) -> None:
+    """Every PONG of a PING sent before ``until_t[0]`` comes ``late`` seconds late, as when
+    the reader is that far behind (everything queued before the PONG is read first)."""
+    real = bus.ping
+
+    def ping():
+        pings.append(time.monotonic())
+        fut = real()
+        if time.monotonic() >= until_t[0]:
+            return fut
+        delayed = asyncio.get_running_loop().create_future()
+
+        async def later():
+            await asyncio.sleep(late)
+            try:
+                await fut
+                delayed.set_result(None)
+            except Exception as e:
+                delayed.set_exception(e)
+        asyncio.ensure_future(later())
+        return delayed
+    bus.ping = ping
+
+
 async def test_a_late_pong_while_pods_were_heard_forgives_nothing(env, nats_server):
     """Issue 45, the burst: the monitor's reading falls behind, its PING's PONG comes after
-    everything queued before it, later than the link check waits, while the pods' heartbeats
-    are read all along. That is no outage: a silent pod is declared as soon as the PONG is
-    in, not a fresh fault timeout later. (Fails before: declared about 2 ft after it fell
-    silent.) The late PONG is simulated: the first round trip answers after its timeout."""
+    everything queued before it, later than the link check's slice, while the pods'
+    heartbeats are read all along. That is no outage: a silent pod is declared as soon as the
+    PONG is in, not a fresh fault timeout later. (Fails before the grace change: declared
+    about 2 ft after it fell silent.) The first PONG comes half a fault timeout late."""
     ft = 1.0
     m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
-    real, late = m.bus.round_trip, []
-
-    async def round_trip(timeout):
-        if not late:
-            late.append(time.monotonic())
-            await asyncio.sleep(timeout)  # no PONG in time (the reader is behind)
-            return False
-        return await real(timeout)
-    m.bus.round_trip = round_trip
+    pings: list[float] = []
+    until_t = [0.0]
+    _late_pongs(m.bus, 0.5 * ft, until_t, pings)
     env.beat("w0", rank=0)
     w1 = env.beat("w1", rank=1)
     await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
                 what="pods watched")
     w1.alive = False
     t0 = time.monotonic()
+    until_t[0] = t0 + ft  # the first PING (w1 overdue) is late; the next ones are not
     await until(lambda: m.faults, timeout=10, what="w1 declared")
     took = time.monotonic() - t0
-    assert late, "the link check ran"
+    assert pings, "the link check ran"
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
-    # ft + the late PONG's wait (ft/3) + checks; before: ft + ft/3 + ft
-    assert took < ft + ft / 3 + 0.6 * ft, took  # (before: 2.33 ft)
+    # ft + the late PONG (ft/2) + checks; before: ft + ft/3 + ft
+    assert took < ft + ft / 2 + 0.45 * ft, took  # (before: 2.33 ft)
     await asyncio.sleep(ft)
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
+
+
+async def test_a_reader_behind_for_long_judges_silence_at_its_ping(env, nats_server):
+    """Issue 45: the reader stays behind by more than the link check's slice for seconds
+    (16,384 pods, a new plan's burst of changed heartbeats): every PONG is that late. Its
+    PONG is waited for while pods are heard, and silence is judged as of the PING (by the
+    PONG every heartbeat sent before it has been read), so a pod that fell silent is
+    declared about a fault timeout plus the lag after, not once the reader has caught up.
+    (Fails before: every check's PING failed, and w1 was declared only after the lag ended,
+    3 ft.) A healthy pod is not declared: its heartbeats sent before the PING are read."""
+    ft = 1.0
+    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
+    pings: list[float] = []
+    until_t = [0.0]
+    _late_pongs(m.bus, 0.6 * ft, until_t, pings)  # past the slice (ft/3)
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    w1.alive = False
+    t0 = time.monotonic()
+    until_t[0] = t0 + 3 * ft  # every PONG late for 3 fault timeouts
+    await until(lambda: m.faults, timeout=10, what="w1 declared")
+    took = time.monotonic() - t0
+    assert len(pings) >= 1
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)
+    assert took < 2.5 * ft, took  # ft + the lag (0.6 ft) + checks; before: past 3 ft
+    await asyncio.sleep(ft)
+    assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)  # w0 not lost
 
 
 class ThreadBeater:

@@ -129,6 +129,9 @@ class Exit:
 # Exit codes a Python process ends with on its own (an uncaught exception: 1), which may
 # follow an exception report; a kill by signal (negative, or 128 + N from a shell) does not.
 REPORTED_EXITS = range(1, 128)
+# How long the link check waits for its PONG while pods are heard (the reader behind, not
+# the link down), in fault timeouts: past it the link counts as down (no silence counts)
+LINK_WAIT = 4
 
 
 @dataclass
@@ -702,28 +705,43 @@ class HealthMonitor(Service):
                              pods=len(self.pods))
         return True
 
-    async def _link_ok(self) -> bool:
-        """Can this process reach nats-server now? A pod's silence counts only if so: while
-        the server is paused or restarting, every heartbeat is missing and none is late. The
-        PONG also comes after every message the server sent before it, so heartbeats that
-        waited unread (this process paused or starved) are taken in before the re-check.
+    async def _barrier(self) -> float | None:
+        """When this process sent a PING that nats-server answered (None: not answered):
+        a pod's silence counts only if the server answers, since while it is paused or
+        restarting every heartbeat is missing and none is late. The PONG comes after every
+        message the server sent before it, so by then each heartbeat published before the
+        PING reached it has been read: silence is judged as of the PING's time, however far
+        behind the reader is. The PONG is waited for while pods are heard (this reader is
+        behind, the link is not down: issue 45, a reader more than the wait behind found the
+        link "down" at every check, and no silence counted for seconds at 16,384 pods), at
+        most ``LINK_WAIT`` fault timeouts; a slice with no pod heard is a link down.
         Once it answers again, the longest stretch in which no pod was heard (from the last
-        one heard before the PING) is not counted: a paused server's; a reader that merely
-        fell behind heard pods all along, and the silence of one that was silent before
-        counts in full (it was a fresh fault timeout for every pod: up to +1.5 s on every
-        detection of a burst at 16,384 pods, issue 45)."""
-        if not await self.bus.round_trip(max(0.2, min(1.0, self.fault_timeout / 3))):
+        one heard before the PING) is not counted: a paused server's; the silence of a pod
+        that was silent before counts in full."""
+        slice_s = max(0.2, min(1.0, self.fault_timeout / 3))
+        sent = time.monotonic()
+        pong, start, ok = self.bus.ping(), sent, False
+        while True:
+            done, _ = await asyncio.wait({pong}, timeout=slice_s)
+            if done:
+                ok = not pong.cancelled() and pong.exception() is None
+                break
+            now, last = time.monotonic(), self.hearing.last
+            if last is None or last < start or now - sent > LINK_WAIT * self.fault_timeout:
+                break
+            start = now  # pods heard in this slice: the reader is behind, wait on
+        if not ok:
             if self._link_down_since is None:
                 self._link_down_since = time.monotonic()
                 self.hearing.watch("link")
                 self.log.warning("nats-server does not answer: no silence counts until it does")
-            return False
+            return None
         if self._link_down_since is not None:
             now = time.monotonic()
             down, self._link_down_since = now - self._link_down_since, None
             self._grace(now, self.hearing.unwatch("link", now),
                         f"nats-server did not answer for {down:.3f}s")
-        return True  # (the caller measures each overdue pod's silence again)
+        return sent
 
     async def check(self) -> None:
         now = time.monotonic()
@@ -745,17 +763,18 @@ class HealthMonitor(Service):
             if (v.pod not in self.faulted and v.pod not in self.held
                     and v.state not in GONE_STATES and now - v.last_hb > self._silence(v)):
                 overdue.append(v)
-        if overdue and (self._deaf(now) or not await self._link_ok()):
-            overdue = []
-        now = time.monotonic()
-        for v in overdue:
+        barrier = None
+        if overdue and not self._deaf(now):
+            barrier = await self._barrier()
+        for v in overdue if barrier is not None else ():
             if v.pod in self.faulted:
                 continue
-            silent = now - v.last_hb
+            silent = barrier - v.last_hb  # (read since the PING: heard, negative)
             if silent > self._silence(v):
                 what = "no heartbeat" if v.heartbeated else "never heartbeated"
                 await self._declare(v.pod, FaultKind.lost, last_seen=v.last_seen,
                                     since=v.last_seen, reason=f"{what} for {silent:.3f}s")
+        now = time.monotonic()
         # hang: a training member stalled while another member advanced in the window. It
         # scans every member, and stalls are timed in seconds: a few times a second is enough.
         if now - self._last_stall_check < min(0.25, self.stall_timeout / 20):
