@@ -351,6 +351,22 @@ async def test_inconsistent_timeouts_are_refused(bus):
         HealthMonitor(bus, suspect_timeout=1.5, fault_timeout=1.5)
 
 
+async def two_pods(env, ft: float, late: float | None = None):
+    """A monitor of w0 and w1 (fault timeout ``ft``), both heartbeating and watched: (the
+    monitor, w1's beater, the PINGs' times, the time PONGs stop being late). With ``late``,
+    each PONG comes that late while the last is ahead (``_late_pongs``)."""
+    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
+    pings: list[float] = []
+    until_t = [0.0]
+    if late is not None:
+        _late_pongs(m.bus, late, until_t, pings)
+    env.beat("w0", rank=0)
+    w1 = env.beat("w1", rank=1)
+    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
+                what="pods watched")
+    return m, w1, pings, until_t
+
+
 async def test_no_silence_counts_while_nats_server_is_paused(env, nats_server):
     """A paused (or restarting) nats-server silences every pod at once: that is the bus, not
     the pods. Nothing is declared meanwhile; afterwards every pod gets a fresh fault timeout,
@@ -359,11 +375,7 @@ async def test_no_silence_counts_while_nats_server_is_paused(env, nats_server):
     import signal
 
     ft = 1.0  # clients take a few tenths of a second to reconnect after the server wakes
-    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
-    env.beat("w0", rank=0)
-    w1 = env.beat("w1", rank=1)
-    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
-                what="pods watched")
+    m, w1, _, _ = await two_pods(env, ft)
     os.kill(nats_server.proc.pid, signal.SIGSTOP)
     try:
         w1.alive = False  # dies during the outage
@@ -387,11 +399,7 @@ async def test_a_short_outage_forgives_only_its_own_length(env, nats_server):
     import signal
 
     ft, outage = 2.0, 1.7
-    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
-    env.beat("w0", rank=0)
-    w1 = env.beat("w1", rank=1)
-    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
-                what="pods watched")
+    m, w1, _, _ = await two_pods(env, ft)
     w1.alive = False
     t0 = time.monotonic()
     await asyncio.sleep(0.6 * ft)
@@ -442,14 +450,7 @@ async def test_a_late_pong_while_pods_were_heard_forgives_nothing(env, nats_serv
     PONG is in, not a fresh fault timeout later. (Fails before the grace change: declared
     about 2 ft after it fell silent.) The first PONG comes half a fault timeout late."""
     ft = 1.0
-    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
-    pings: list[float] = []
-    until_t = [0.0]
-    _late_pongs(m.bus, 0.5 * ft, until_t, pings)
-    env.beat("w0", rank=0)
-    w1 = env.beat("w1", rank=1)
-    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
-                what="pods watched")
+    m, w1, pings, until_t = await two_pods(env, ft, late=0.5 * ft)
     w1.alive = False
     t0 = time.monotonic()
     until_t[0] = t0 + ft  # the first PING (w1 overdue) is late; the next ones are not
@@ -472,14 +473,7 @@ async def test_a_reader_behind_for_long_judges_silence_at_its_ping(env, nats_ser
     (Fails before: every check's PING failed, and w1 was declared only after the lag ended,
     3 ft.) A healthy pod is not declared: its heartbeats sent before the PING are read."""
     ft = 1.0
-    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3)
-    pings: list[float] = []
-    until_t = [0.0]
-    _late_pongs(m.bus, 0.6 * ft, until_t, pings)  # past the slice (ft/3)
-    env.beat("w0", rank=0)
-    w1 = env.beat("w1", rank=1)
-    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
-                what="pods watched")
+    m, w1, pings, until_t = await two_pods(env, ft, late=0.6 * ft)  # past the slice (ft/3)
     w1.alive = False
     t0 = time.monotonic()
     until_t[0] = t0 + 3 * ft  # every PONG late for 3 fault timeouts

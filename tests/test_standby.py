@@ -6,6 +6,7 @@ instance's older term, and a scaler that reads back the faults no plan handled y
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -321,14 +322,26 @@ async def test_a_standby_declares_the_exit_it_heard_when_it_takes_over(monitors,
             await bt.stop()
 
 
-async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
-    b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
-    b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
-    s1 = Scaler(b1, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="one")
-    s2 = Scaler(b2, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="two")
+@contextlib.asynccontextmanager
+async def two_scalers(nats_server):
+    """Scalers "one" and "two", started in that order (one acts), stopped after."""
+    made = []
     try:
-        await s1.start()
-        await s2.start()
+        for name in ("one", "two"):
+            b = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
+            made.append((Scaler(b, workers=2, fault_timeout=FT, lease_ttl=TTL,
+                                scaler_id=name), b))
+        for s, _b in made:
+            await s.start()
+        yield made[0][0], made[1][0]
+    finally:
+        for s, b in made:
+            await s.stop()
+            await b.close()
+
+
+async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
+    async with two_scalers(nats_server) as (s1, s2):
         assert s1.acting and not s2.acting
         assert s1.status()["lease"]["state"] == "active"
         assert s2.status()["lease"]["state"] == "standby"
@@ -347,10 +360,6 @@ async def test_two_scalers_one_acts_and_plans_carry_the_term(nats_server, bus):
         assert await s2._actuate(start) == (["s9"], "")
         assert await s1._actuate(start) == ([], "not the lease holder")
         assert [c.term for c in got] == [s2.term]
-    finally:
-        for s, b in ((s1, b1), (s2, b2)):
-            await s.stop()
-            await b.close()
 
 
 async def test_a_scaler_that_missed_plans_reads_the_plan_before_it_replays(nats_server, bus):
@@ -358,13 +367,7 @@ async def test_a_scaler_that_missed_plans_reads_the_plan_before_it_replays(nats_
     since the plan it holds; taking the lease, it reads the current plan first (else it
     replays a fault that plan already handled, against the plan before it)."""
     await (await bus.kv()).put(PLAN_KEY, make_plan(["w0", "w1"]).model_dump_json().encode())
-    b1 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
-    b2 = await Bus.connect(nats_server.url, "test", "scaler", nats_server.creds)
-    s1 = Scaler(b1, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="one")
-    s2 = Scaler(b2, workers=2, fault_timeout=FT, lease_ttl=TTL, scaler_id="two")
-    try:
-        await s1.start()
-        await s2.start()
+    async with two_scalers(nats_server) as (s1, s2):
         assert s1.acting and not s2.acting and s2.plans.generation == 1
         s2.plans._task.cancel()  # cut off: no poll, no plan message
         await s2.plans._sub.unsubscribe()
@@ -375,10 +378,6 @@ async def test_a_scaler_that_missed_plans_reads_the_plan_before_it_replays(nats_
         await until(lambda: s2.acting and not s2._replaying, timeout=10,
                     what="the standby scaler takes over")
         assert s2.plans.generation == 2
-    finally:
-        for s, b in ((s1, b1), (s2, b2)):
-            await s.stop()
-            await b.close()
 
 
 async def test_the_agent_runtime_takes_the_newest_brokers_transfer(nats_server):
