@@ -551,15 +551,21 @@ async def test_a_monitor_that_missed_plans_reads_the_plan_before_it_declares(mon
                                                        fenced=["w0"]).model_dump_json().encode())
         await until(lambda: active.generation == 2, what="the active one follows")
         assert stale.generation == 1
+        real = stale.plans.refresh
+
+        async def slow_refresh():  # (the bus slow after the heal: declarations meanwhile)
+            await asyncio.sleep(0.5)
+            return await real()
+        stale.plans.refresh = slow_refresh
+        beaters[2].alive = False  # silent: w1's report suspects it, the checks find it
         await crash(active)
-        await until(lambda: stale.acting and stale._inherited.is_set(), timeout=10,
-                    what="the stale one takes over")
-        assert stale.generation == 2  # read before anything is declared
-        # w1's report of the old generation, suspecting a silent w2: judged stale
-        beaters[2].alive = False
+        await until(lambda: stale.acting, timeout=10, what="the stale one takes over")
+        # w1's report of the old generation, while the plan is being read
         await bus.publish(bus.subjects.report("w1"), Report(
             pod="w1", report=ReportKind.peer_error, generation=1, rank=1, step=3,
             error="all-reduce waiting"))
+        await until(lambda: stale._inherited.is_set(), timeout=10, what="the plan read")
+        assert stale.generation == 2  # read before anything is declared
         await asyncio.sleep(2 * FT)
         assert not [f for f in monitors.faults if f.generation < 2], monitors.faults
     finally:

@@ -129,6 +129,9 @@ class Exit:
 # Exit codes a Python process ends with on its own (an uncaught exception: 1), which may
 # follow an exception report; a kill by signal (negative, or 128 + N from a shell) does not.
 REPORTED_EXITS = range(1, 128)
+# Faults found by judging the pods against the plan (silence, stall, pace), found again by
+# the next check; not one-shot events (an exit, an exception report), which are declared
+JUDGED = (FaultKind.lost, FaultKind.hang, FaultKind.straggler)
 # How long the link check waits for its PONG while pods are heard (the reader behind, not
 # the link down), in fault timeouts: past it the link counts as down (no silence counts)
 LINK_WAIT = 4
@@ -942,8 +945,12 @@ class HealthMonitor(Service):
         """Publish the fault of ``pod`` (once per pod and incident): True when it did.
         ``keep``: the pod stays watched (a straggler: alive, a member until swapped)."""
         gen = self.generation
-        incident = f"inc-{pod}-g{gen}"
         await self._read_back()
+        if self.generation != gen and kind in JUDGED:
+            # a plan read meanwhile (taking the lease): the silence or report was judged
+            # against the plan before it; the checks judge again against this one
+            return False
+        incident = f"inc-{pod}-g{gen}"
         if incident in self.incidents or pod in self.faulted:
             return False
         if not self.acting:  # a standby declares nothing (the same incident id if it takes over)
