@@ -6,6 +6,7 @@ import datetime as dt
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -19,6 +20,16 @@ def summary(values: Iterable[float]) -> dict[str, Any]:
         return {"median": None, "min": None, "max": None, "n": 0, "values": []}
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v),
             "values": [round(x, 4) for x in v]}
+
+
+def timings(f: Callable[[], Any], repeat: int) -> list[float]:
+    """Seconds each of ``repeat`` calls of ``f()`` took."""
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        out.append(time.perf_counter() - t)
+    return out
 
 
 def fmt(s: dict[str, Any], unit: str = "s", digits: int = 3) -> str:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 import warnings
 
 import torch
 
-from bench.common import fmt, machine, machine_line, summary
+from bench.common import fmt, machine, machine_line, summary, timings
 
 KINDS = (torch.optim.Optimizer, torch.amp.GradScaler, torch.optim.lr_scheduler.LRScheduler)
 
@@ -31,13 +30,6 @@ def pairs_scan(module: torch.nn.Module) -> list:
     return [o for o, hit in classes if hit]
 
 
-def timed(fn, repeat: int) -> dict:
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return summary(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in (("a pair per object (before)", lambda: pairs_scan(m)),
                      ("discover, candidates only (now)", lambda: discover(m, {})),
                      ("a pair per object (before)", lambda: pairs_scan(m))):
-        print(f"{name}: {fmt(timed(fn, a.repeat), 's', 3)}")
+        print(f"{name}: {fmt(summary(timings(fn, a.repeat)), 's', 3)}")
     return 0
 
 

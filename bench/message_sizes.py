@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import config, emit, machine, machine_line, main
+from bench.common import config, emit, machine, machine_line, main, timings
 from schemas import MAX_PAYLOAD_BYTES
 from schemas.messages import (AgentState, Heartbeat, Member, Plan, PlanRef, Role, Transfer)
 
@@ -148,12 +148,7 @@ def measure(n: int) -> dict[str, Any]:
 
 def _best(f: Any, times: int = 3) -> float:
     """Seconds ``f()`` takes, the fastest of ``times`` (the machine is shared)."""
-    out = []
-    for _ in range(times):
-        t = time.perf_counter()
-        f()
-        out.append(time.perf_counter() - t)
-    return min(out)
+    return min(timings(f, times))
 
 
 def run_all(a: argparse.Namespace) -> dict[str, Any]:
