@@ -486,38 +486,6 @@ async def test_a_reader_behind_for_long_judges_silence_at_its_ping(env, nats_ser
     assert [f["pod"] for f in m.faults] == ["w1"], list(m.faults)  # w0 not lost
 
 
-async def test_a_monitor_cut_off_from_the_quorum_does_not_count_that_time(env):
-    """A partitioned host's monitor: its lease checks fail, it hears its own host's pod (w0)
-    but not the other side's (w1). After the heal it takes the lease again before w1's
-    heartbeats reach it: the time since the bus last answered its lease check is not w1's
-    silence. (Fails before: only the longest stretch no pod was heard was forgiven, none
-    here since w0 was heard, and w1 was declared at once: a clean-clone CI run's partition
-    test lost two healthy members so.)"""
-    ft = 1.0
-    m = await env.monitor(make_plan(["w0", "w1"]), fault_timeout=ft, suspect_timeout=0.3,
-                          lease_ttl=0.75)
-    env.beat("w0", rank=0)
-    w1 = env.beat("w1", rank=1)
-    await until(lambda: len(m.pods) == 2 and all(v.heartbeated for v in m.pods.values()),
-                what="pods watched")
-    assert m.acting
-    kv, probe = m.lease._kv, m.lease._probe
-    real = kv.get, probe.get
-
-    async def cut(*_a, **_k):
-        raise ConnectionError("cut off from the quorum")
-    kv.get = probe.get = cut
-    w1.alive = False  # across the partition from here
-    await until(lambda: not m.acting, timeout=5, what="the lease lost")
-    await asyncio.sleep(2 * ft)
-    kv.get, probe.get = real  # healed: the lease is taken again
-    await until(lambda: m.acting, timeout=5, what="the lease taken again")
-    await asyncio.sleep(0.4 * ft)  # w1's heartbeats come back a moment after the take
-    w1.alive = True
-    await asyncio.sleep(2 * ft)
-    assert not m.faults, list(m.faults)
-
-
 class ThreadBeater:
     """Heartbeats from another thread with its own loop and connection: pods that go on
     beating while the test's loop (the monitor's) is blocked, as separate processes do."""

@@ -98,9 +98,6 @@ class Lease:
         # the last try failed (the bus did not answer): a take right after an outage, which
         # ``on_acquired`` may want to know (the health monitor's silence was its own)
         self.outage = False
-        # when the bus last answered a check (monotonic): after an outage, how long this
-        # instance may have been cut off (a partition's side without the quorum)
-        self.answered = 0.0
         self._kv: Any = None
         self._probe: Any = None  # the bucket with a tick-long request timeout (standby checks)
         self._task: asyncio.Task | None = None
@@ -149,7 +146,7 @@ class Lease:
     async def _try(self) -> None:
         try:
             await self.tick()
-            self.outage, self.answered = False, time.monotonic()
+            self.outage = False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the bus is down: stop acting, keep trying

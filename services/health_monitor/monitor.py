@@ -238,17 +238,14 @@ class HealthMonitor(Service):
 
     def on_lease_acquired(self, term: int) -> None:
         """After an outage of the bus (its renewals failed, so its checks stopped) the pods'
-        silence was the monitor's own: all of it since the bus last answered is not counted
-        (``_grace``), not only the longest stretch no pod was heard: a partitioned host's
-        monitor heard its own host's pods, not the others', and declared those lost on
-        taking the lease back after the heal. The pods the previous holder declared are read
-        back before this one declares anything: a pod is declared once (a standby declared
-        nothing, so it did not note them)."""
+        silence was the monitor's own, as when the link check fails: the longest stretch no
+        pod was heard since the renewal failed is not counted (``_grace``). The pods the
+        previous holder declared are read back before this one declares anything: a pod is
+        declared once (a standby declared nothing, so it did not note them)."""
         now = time.monotonic()
         outage = self.hearing.unwatch("lease", now)
         if self.lease.outage:
-            self._grace(now, max(outage, now - self.lease.answered),
-                        "the bus did not answer the lease renewals")
+            self._grace(now, outage, "the bus did not answer the lease renewals")
         self._inherited.clear()
         self.spawn(self._inherit(term))
         self.spawn(self._declare_kept(term))
