@@ -219,23 +219,31 @@ def _note_divergence(m: Entrant, plan: Plan, transfer: Transfer, odd: str | None
     if m.diverged is not None and m.diverged[1] is not None:
         rt.report_sync(ReportKind.corruption, m.diverged[1])
     m.diverged = None
-    if m.cfg.verify_every > 0 and disagreed(plan, transfer):
+    found = disagreed(plan, transfer)
+    if m.cfg.verify_every > 0 and found:
         m.diverged = (transfer.restore_step, odd)
         log.warning("replicas disagreed at the handoff: every member rolls back to the last "
                     "verified copy at its next commit", step=transfer.restore_step,
-                    generation=plan.generation)
-    elif odd is not None:
+                    generation=plan.generation,
+                    majority=len({r for s in transfer.sources.values() for r in s}) > 1)
+        return
+    if found:
+        log.error("replicas disagreed at the handoff and no verified copy is kept "
+                  "(--verify-every 0): the job trains on from the sources' state",
+                  step=transfer.restore_step, generation=plan.generation)
+    if odd is not None:
         rt.report_sync(ReportKind.corruption, odd)
 
 
 def disagreed(plan: Plan, transfer: Transfer) -> bool:
     """Whether ``transfer`` made a member that held the restore step a recipient (what every
-    member sees alike): its digest there was off the majority's (``diverged``, the same
-    conditions, told from the transfer's ``steps`` instead of the member's own digest)."""
+    member sees alike): its digest there was not the sources' (``diverged``'s conditions,
+    told from the transfer's ``steps`` instead of the member's own digest). One against one
+    counts too: nobody can be named then, but one of the two replicas was corrupt and its
+    gradients are in both states, so every member still goes back to the verified copy (CI
+    lost it so once: a promoted spare one step behind, two holders, the job trained on)."""
     if (plan.generation <= 1 or plan.shard_size > 1 or transfer.restore_step < 0
             or not transfer.digest):
-        return False
-    if len({r for srcs in transfer.sources.values() for r in srcs}) < 2:
         return False
     return any(transfer.steps.get(r) == transfer.restore_step for r in transfer.sources)
 

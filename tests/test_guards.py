@@ -225,7 +225,10 @@ def test_every_member_sees_alike_that_the_handoff_found_replicas_that_disagreed(
     behind = t.model_copy(update={"steps": {**held, 2: 2057}})
     assert not disagreed(plan, behind)                     # a member missing steps
     assert not disagreed(plan, t.model_copy(update={"steps": {}}))  # an older broker
-    assert not disagreed(plan, t.model_copy(update={"sources": {2: [0]}}))  # one against one
+    # one against one: nobody is named (diverged), but both states hold the corrupt
+    # replica's gradients, so every member still goes back to the verified copy
+    assert disagreed(plan, t.model_copy(update={"sources": {2: [0]}, "steps": {0: 2058,
+                                                                              2: 2058}}))
     assert not disagreed(plan.model_copy(update={"generation": 1}),
                          t.model_copy(update={"generation": 1}))
     assert not disagreed(plan, t.model_copy(update={"restore_step": -1,

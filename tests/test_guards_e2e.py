@@ -284,9 +284,50 @@ async def test_a_flipped_bit_found_by_a_handoff_before_the_check_is_reported(tmp
                       extra=flags)
     assert s["final_step"] == steps - 1, s
     kinds = {(i["kind"], i["pod"]) for i in s["incidents"]}
-    assert ("corruption", pods[0]) in kinds and ("crash", pods[1]) in kinds, s
-    assert s["lost_steps"] == 0, s
-    assert log_events(tmp_path / "handoff", pods[0],
-                      "replicas disagree at the handoff: silent data corruption")
+    assert ("crash", pods[1]) in kinds and s["lost_steps"] == 0, s
+    t = next(r for r in log_events(tmp_path / "handoff", "state_broker", "transfer plan")
+             if r["generation"] == 2)
+    if len({r for srcs in t["sources"].values() for r in srcs}) > 1:
+        assert ("corruption", pods[0]) in kinds, s
+        assert log_events(tmp_path / "handoff", pods[0],
+                          "replicas disagree at the handoff: silent data corruption")
+    else:  # the promoted spare had not applied the restore step yet (a loaded machine, CI):
+        # one against one, nobody named (the test below makes that case on purpose)
+        assert ("corruption", pods[0]) not in kinds, (s, t)
     ref = reference(3, steps)  # verification does not change the trajectory
+    assert s["param_sha256"] == ref["param_sha256"], (s, ref)
+
+
+async def test_two_holders_that_disagree_at_a_handoff_both_go_back_to_the_verified_copy(
+        tmp_path, reference, monkeypatch):
+    """As above with a spare that does not follow the job (it holds no step when promoted):
+    at the restore step rank 1's digest stands one against rank 0's. Nobody can be named,
+    but both states hold the corrupt replica's gradients of steps 13-15, so every member
+    goes back to the copy of step 9 all the same (CI once saw the job train on from rank
+    0's state instead, its parameters no longer the fault-free run's). Bitwise equal to the
+    fault-free run; only the crash is an incident."""
+    from schemas.messages import Inject, InjectAction
+
+    monkeypatch.setenv("CEASELESS_SHADOW_SPARES", "0")
+    steps, pods = 80, []
+
+    async def flip_then_kill(c):
+        await c.wait_rank_step(1, 3)
+        pods.extend(c.member(r).pod for r in range(3))
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.bitflip, rank=1,
+                                                          at_step=13))
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.kill, rank=2,
+                                                          at_step=16))
+
+    s = await run_job(tmp_path, "tie", 3, 1, fault=flip_then_kill, steps=steps,
+                      extra=["--verify-every", "10"])
+    assert s["final_step"] == steps - 1 and s["lost_steps"] == 0, s
+    assert [(i["kind"], i["pod"]) for i in s["incidents"]] == [("crash", pods[2])], s
+    t = next(r for r in log_events(tmp_path / "tie", "state_broker", "transfer plan")
+             if r["generation"] == 2)
+    assert t["restore_step"] == 15 and t["steps"]["1"] == 15 and "1" in t["sources"], t
+    for pod in pods[:2]:
+        back = log_events(tmp_path / "tie", pod, "rolled back to the last verified copy")
+        assert [(b["reason"], b["verified"]) for b in back] == [("corruption", 9)], back
+    ref = reference(3, steps)
     assert s["param_sha256"] == ref["param_sha256"], (s, ref)
