@@ -455,10 +455,13 @@ async def _jetstream_answers(bus: Bus, timeout: float = 1.0) -> bool:
 
 def failover_suspect(fault_timeout: float) -> float:
     """The monitor's suspect timeout on a bus of several servers: a client's failover
-    (plumbing/bus.py FAILOVER_S), kept below the fault timeout."""
+    (plumbing/bus.py FAILOVER_S) plus two heartbeat intervals (its last heartbeat before
+    the loss and the first after it: exactly FAILOVER_S left a failing-over pod suspected
+    by a peer's error), kept below the fault timeout."""
     from plumbing.bus import FAILOVER_S
+    from schemas.timeouts import DEFAULTS
 
-    return min(FAILOVER_S, fault_timeout * 0.9)
+    return min(FAILOVER_S + 2 * DEFAULTS["heartbeat_interval"], fault_timeout * 0.9)
 
 
 async def run(opts: UpOptions) -> int:

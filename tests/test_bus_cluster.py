@@ -164,6 +164,11 @@ def test_a_bus_of_several_servers_keeps_the_fault_timeout_above_a_clients_failov
     assert fault_timeout_for(None, 1) == DEFAULTS["fault_timeout"]
     assert fault_timeout_for(None, 3) > FAILOVER_S
     assert fault_timeout_for(1.2, 3) == 1.2  # as given: `up` judges it
+    # a peer's error suspects only a pod silent for longer than a failover and the
+    # heartbeats around it, still below the fault timeout
+    from ops.cluster import failover_suspect
+    suspect = failover_suspect(fault_timeout_for(None, 3))
+    assert FAILOVER_S + DEFAULTS["heartbeat_interval"] < suspect < fault_timeout_for(None, 3)
     assert main(["up", "--bus-servers", "3", "--fault-timeout", "1.5"]) == 2
     err = capsys.readouterr().err
     assert "too short for a bus of 3 servers" in err and f"{FAILOVER_S:g}" in err
