@@ -98,6 +98,11 @@ class Lease:
         # the last try failed (the bus did not answer): a take right after an outage, which
         # ``on_acquired`` may want to know (the health monitor's silence was its own)
         self.outage = False
+        # when the bus last answered a check (wall clock, as the lease's times are) and the
+        # lease this instance replaced at its last take: together they tell whether another
+        # instance was acting while this one was cut off (``acted_while_cut_off``)
+        self.answered = 0.0
+        self.taken_from: LeaseValue | None = None
         self._kv: Any = None
         self._probe: Any = None  # the bucket with a tick-long request timeout (standby checks)
         self._task: asyncio.Task | None = None
@@ -146,7 +151,7 @@ class Lease:
     async def _try(self) -> None:
         try:
             await self.tick()
-            self.outage = False
+            self.outage, self.answered = False, time.time()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the bus is down: stop acting, keep trying
@@ -196,8 +201,26 @@ class Lease:
         except KeyWrongLastSequenceError:
             self._to(LeaseState.STANDBY)  # another instance took or renewed it first
             return
+        if not mine:
+            self.taken_from = cur
         self.holder, self.expires, self.term = self.holder_id, new.expires, term
         self._to(LeaseState.ACTIVE)
+
+    def acted_while_cut_off(self) -> float:
+        """At a take right after an outage (``on_acquired``): how long another instance
+        acted while this one could not reach the quorum, in seconds since the bus last
+        answered this one (0: none did). The lease taken was renewed by another holder more
+        than two ticks after that answer: it was alive on the side with the quorum (a
+        partition) and heard what this instance could not. A holder lost with its host (the
+        outage being the election after it) renewed last within a tick of that answer."""
+        prev = self.taken_from
+        if (not self.outage or prev is None or prev.holder in (None, self.holder_id)
+                or self.answered <= 0):
+            return 0.0
+        renewed = prev.expires - self.ttl  # the holders of one service share the ttl
+        if renewed <= self.answered + 2 * self.ttl / TICKS_PER_TTL:
+            return 0.0
+        return max(0.0, time.time() - self.answered)
 
     async def release(self) -> None:
         """Give the lease back (expires 0, the term kept so the next taker's is higher)."""

@@ -245,7 +245,14 @@ class HealthMonitor(Service):
         now = time.monotonic()
         outage = self.hearing.unwatch("lease", now)
         if self.lease.outage:
-            self._grace(now, outage, "the bus did not answer the lease renewals")
+            # Cut off while another instance acted (a partitioned host's monitor, its lease
+            # taken on the side with the quorum): it heard its own host's pods, not the
+            # others', so all of that time is its own silence, not theirs (a loaded run of
+            # the partition test declared two healthy members lost after the heal). After a
+            # holder's loss (an election) only the stretch no pod was heard is: the lost
+            # host's pods' silence counts.
+            self._grace(now, max(outage, self.lease.acted_while_cut_off()),
+                        "the bus did not answer the lease renewals")
         self._inherited.clear()
         self.spawn(self._inherit(term))
         self.spawn(self._declare_kept(term))
