@@ -222,6 +222,11 @@ class ShadowSender:
     def stale(self) -> bool:
         return self._phase == STALE
 
+    @property
+    def started(self) -> bool:
+        """The first state is going out or out: what is queued after it will follow."""
+        return self._phase in (SENDING, STREAMING) and self.ended is None
+
     def renew(self, state: TensorState | FlatState, step: int, stream: Any = None) -> None:
         """The first state of a stream still connecting, taken again (``step``'s)."""
         with self._lock:
@@ -243,7 +248,8 @@ class ShadowSender:
         self._end("closed")
 
     def finish(self) -> None:
-        """The job is done: send END after what is queued, then close the pair."""
+        """Send END after what is queued, then close the pair (the job is done, or a new
+        plan: the spare it promotes gets the steps committed before it)."""
         if self.ended is not None:
             return
         try:
@@ -445,7 +451,7 @@ class ShadowReceiver:
             self._wait_room()  # the state is applied before a step's gradients arrive
             while not self._abort.is_set():
                 item = self._recv(group)
-                if item is None:  # rank 0 ended the stream: the job is done
+                if item is None:  # rank 0 ended the stream: the job is done, or a new plan
                     if self.ended is None:
                         self.ended = "finished"
                     break

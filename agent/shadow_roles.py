@@ -30,8 +30,9 @@ from .ports import ShadowRuntime
 from .train_state import TrainState
 
 log = logs.get("agent")
-# how long a promoted spare waits for the confirmation of the step it applied last
-SETTLE_S = 0.25
+# how long a promoted spare waits for rank 0 to end its stream (the last committed step and
+# its confirmation come before the END; the group it builds meanwhile waits for rank 0 too)
+SETTLE_S = 0.5
 # at the end of the job: how long rank 0 waits for its streams' END to go out, and a spare
 # for its stream to end (bounded: a stuck peer must not hold the exit)
 END_WAIT_S = 2.0
@@ -174,12 +175,15 @@ class ShadowLeader:
     def end(self, final: bool = False, wait_s: float = END_WAIT_S) -> None:
         """Stop streaming. ``final`` (the job is done): each spare gets END and its stream is
         waited for up to ``wait_s`` in all, so no receive is left pending when both ends exit
-        (``agent/shadow.py``)."""
+        (``agent/shadow.py``). Else (a new plan) a stream under way gets END after what is
+        queued too, not waited for: a spare the plan promotes takes the last committed step
+        and its confirmation before it reports (``ShadowFollower.settle``; closed, a loaded
+        rank 0 dropped them and the spare needed a transfer); one still connecting closes."""
         outs = list(self._out.values())
         if final:
             self._renew(self._state.last_committed)  # the final state: it changes no more
         for out in outs:
-            out.finish() if final else out.close()
+            out.finish() if final or out.started else out.close()
         if final:
             deadline = time.monotonic() + wait_s
             for out in outs:
@@ -337,18 +341,22 @@ class ShadowFollower:
         return self._retry_at is not None and time.monotonic() >= self._retry_at
 
     def settle(self, wait_s: float = SETTLE_S) -> None:
-        """Promoted: apply what arrived and, if the last step applied is not confirmed yet,
-        wait up to ``wait_s`` for its confirmation. Rank 0 confirms a step when its script
-        comes back for the next one, so a fault right then can leave the confirmation in
-        flight; waiting for it a moment is cheaper than the state transfer that the spare
-        would need otherwise. A stream that ended (rank 0 died) is not waited for."""
+        """Promoted: apply what arrives until the stream ends, at most ``wait_s``. Rank 0
+        ends it at the plan with END after what it queued (``ShadowLeader.end``), so the
+        spare holds the members' last committed step and its confirmation, even when they
+        were still on their way (a loaded machine: the spare one step behind needed the
+        state transfer, and a corrupt replica met by that handoff stood one against one).
+        This runs while the group is built, which waits for rank 0 anyway; a stream that
+        ended (rank 0 died) is not waited for."""
         deadline = time.monotonic() + wait_s
         self._retry_at = None  # promoted: no more asks
         while True:
             self.apply()
             src = self._in
-            if (src is None or self._at == self._state.last_committed
-                    or src.ended is not None or time.monotonic() >= deadline):
+            if src is None or time.monotonic() >= deadline:
+                return
+            if src.ended is not None:
+                self.apply()  # what it delivered before it ended
                 return
             time.sleep(0.005)
 

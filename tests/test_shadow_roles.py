@@ -190,6 +190,41 @@ def test_a_spare_drops_the_steps_a_rollback_discarded_and_follows_again(nats_ser
         rt1.stop()
 
 
+def test_a_spare_promoted_as_rank_0_commits_takes_that_step_before_it_reports(nats_server):
+    """A fault as rank 0 commits a step: the step and its confirmation are still in rank
+    0's queue (or on the wire) when the plan promotes the spare. Rank 0 ends its stream at
+    the plan with END after them (``ShadowLeader.end``) and the promoted spare applies until
+    that END (``settle``): it holds the members' step, no state transfer needed. (Before,
+    rank 0 closed the stream, dropping them, and the spare reported the step before: a
+    loaded CI run's spare stood one step behind, and a corrupt replica met by that handoff
+    could not be named.)"""
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
+    lead_state, spare_state = _state(0), _state(1)
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
+    try:
+        follower.follow(plan)
+        lead_state.last_committed = 0
+        leader.lead(plan)
+        leader.generation = plan.generation
+        s = _train_until_current(leader, follower, lead_state, spare_state, 0, [])
+        grads, hypers = _train_step(lead_state, s + 1)  # the members commit s + 1 ...
+        leader.offer(s + 1, grads, 1.0, hypers=hypers)
+        leader.confirm(s + 1)
+        leader.end()                                     # ... and the plan comes at once
+        follower.settle()                                # promoted: as handoff.py does
+        follower.stop()
+        assert spare_state.last_committed == s + 1, (spare_state.last_committed, s + 1)
+        assert spare_state.param_sha256() == lead_state.param_sha256()
+        assert rt1.hb.step == s + 1
+    finally:
+        follower.stop(quiet=True)
+        leader.end()
+        rt0.stop()
+        rt1.stop()
+
+
 def test_a_spare_whose_first_ask_failed_asks_again_and_becomes_current(nats_server):
     """Rank 0's first answer to a spare fails (its stream is closed as it starts, as when its
     send errs or times out; the state may or may not have gone out): the spare asks again,
