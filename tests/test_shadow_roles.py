@@ -9,6 +9,8 @@ of the job discarded, and asks again when its first ask got no state."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,6 +121,28 @@ def _plan() -> Plan:
                 global_batch_size=16, micro_batch_size=16, shares={0: 1}, spares=["p1"])
 
 
+@contextmanager
+def _streaming(nats_server, **spare_timeouts: float):
+    """Rank 0 (p0) streaming to a spare (p1) that asked: both ends, stopped after."""
+    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1", **spare_timeouts)
+    lead_state, spare_state = _state(0), _state(1)
+    plan = _plan()
+    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
+    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
+    try:
+        follower.follow(plan)
+        lead_state.last_committed = 0
+        leader.lead(plan)
+        leader.generation = plan.generation
+        yield SimpleNamespace(rt0=rt0, rt1=rt1, lead_state=lead_state,
+                              spare_state=spare_state, leader=leader, follower=follower)
+    finally:
+        follower.stop(quiet=True)
+        leader.end()
+        rt0.stop()
+        rt1.stop()
+
+
 def _train_until_current(leader, follower, lead_state, spare_state, s: int,
                          seen: list[int], tries: int = 100) -> int:
     """Rank 0 trains on from step ``s`` (each step offered, then confirmed, as Session does)
@@ -147,20 +171,11 @@ def test_a_spare_drops_the_steps_a_rollback_discarded_and_follows_again(nats_ser
     the steps after the copy held and reported them (seen: its step stayed above the
     rolled-back one): it must drop them, report nothing newer than the copy, and follow the
     steps computed again."""
-    from types import SimpleNamespace
-
     from agent.verify import Verifier
 
-    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
-    lead_state, spare_state = _state(0), _state(1)
-    plan = _plan()
-    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
-    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
-    try:
-        follower.follow(plan)
-        lead_state.last_committed = 0
-        leader.lead(plan)
-        leader.generation = plan.generation
+    with _streaming(nats_server) as t:
+        rt0, rt1, leader, follower = t.rt0, t.rt1, t.leader, t.follower
+        lead_state, spare_state = t.lead_state, t.spare_state
         seen: list[int] = []
         verifier = Verifier(every=2)
         s = _train_until_current(leader, follower, lead_state, spare_state, 0, seen)
@@ -183,11 +198,6 @@ def test_a_spare_drops_the_steps_a_rollback_discarded_and_follows_again(nats_ser
                                      verifier.verified, seen)
         assert max(seen) == again and rt1.hb.step == again, seen
         assert all(x == -1 or x > verifier.verified for x in seen), seen
-    finally:
-        follower.stop(quiet=True)
-        leader.end()
-        rt0.stop()
-        rt1.stop()
 
 
 def test_a_spare_promoted_as_rank_0_commits_takes_that_step_before_it_reports(nats_server):
@@ -198,16 +208,9 @@ def test_a_spare_promoted_as_rank_0_commits_takes_that_step_before_it_reports(na
     rank 0 closed the stream, dropping them, and the spare reported the step before: a
     loaded CI run's spare stood one step behind, and a corrupt replica met by that handoff
     could not be named.)"""
-    rt0, rt1 = _runtime(nats_server, "p0"), _runtime(nats_server, "p1")
-    lead_state, spare_state = _state(0), _state(1)
-    plan = _plan()
-    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
-    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
-    try:
-        follower.follow(plan)
-        lead_state.last_committed = 0
-        leader.lead(plan)
-        leader.generation = plan.generation
+    with _streaming(nats_server) as t:
+        leader, follower = t.leader, t.follower
+        lead_state, spare_state = t.lead_state, t.spare_state
         s = _train_until_current(leader, follower, lead_state, spare_state, 0, [])
         grads, hypers = _train_step(lead_state, s + 1)  # the members commit s + 1 ...
         leader.offer(s + 1, grads, 1.0, hypers=hypers)
@@ -217,12 +220,7 @@ def test_a_spare_promoted_as_rank_0_commits_takes_that_step_before_it_reports(na
         follower.stop()
         assert spare_state.last_committed == s + 1, (spare_state.last_committed, s + 1)
         assert spare_state.param_sha256() == lead_state.param_sha256()
-        assert rt1.hb.step == s + 1
-    finally:
-        follower.stop(quiet=True)
-        leader.end()
-        rt0.stop()
-        rt1.stop()
+        assert t.rt1.hb.step == s + 1
 
 
 def test_a_spare_whose_first_ask_failed_asks_again_and_becomes_current(nats_server):
@@ -232,28 +230,14 @@ def test_a_spare_whose_first_ask_failed_asks_again_and_becomes_current(nats_serv
     never became current in that generation.)"""
     from agent.shadow_roles import _request_key
 
-    rt0 = _runtime(nats_server, "p0")
     # the spare's waits short, so that the failed answer shows soon whichever way it fails
-    rt1 = _runtime(nats_server, "p1", collective_timeout=2.0, recovery_timeout=3.0,
-                   store_timeout=3.0)
-    lead_state, spare_state = _state(0), _state(1)
-    plan = _plan()
-    leader = ShadowLeader(rt0, rt0.cfg, lead_state)
-    follower = ShadowFollower(rt1, rt1.cfg, spare_state)
-    try:
-        follower.follow(plan)
-        first = rt1.stores.get(_request_key(1, "p1"))
-        lead_state.last_committed = 0
-        leader.lead(plan)  # answers the ask ...
-        leader._out["p1"].close()                  # ... and that answer fails
+    with _streaming(nats_server, collective_timeout=2.0, recovery_timeout=3.0,
+                    store_timeout=3.0) as t:  # rank 0 answered the ask ...
+        first = t.rt1.stores.get(_request_key(1, "p1"))
+        t.leader._out["p1"].close()               # ... and that answer fails
         seen: list[int] = []
-        s = _train_until_current(leader, follower, lead_state, spare_state, 0, seen)
-        assert rt1.hb.step == s and rt1.stores.get(_request_key(1, "p1")) != first
-    finally:
-        follower.stop(quiet=True)
-        leader.end()
-        rt0.stop()
-        rt1.stop()
+        s = _train_until_current(t.leader, t.follower, t.lead_state, t.spare_state, 0, seen)
+        assert t.rt1.hb.step == s and t.rt1.stores.get(_request_key(1, "p1")) != first
 
 
 def test_a_spare_that_gets_no_answer_stops_asking_after_a_few_tries(nats_server, monkeypatch):
