@@ -223,9 +223,11 @@ class ShadowSender:
         return self._phase == STALE
 
     @property
-    def started(self) -> bool:
-        """The first state is going out or out: what is queued after it will follow."""
-        return self._phase in (SENDING, STREAMING) and self.ended is None
+    def streaming(self) -> bool:
+        """The first state is out: what is queued after it (steps, their confirmations:
+        copies, not the live state) can still follow once rank 0 moves on. A first state
+        still being sent reads the live tensors, which a new plan may write (a recipient)."""
+        return self._phase == STREAMING and self.ended is None
 
     def renew(self, state: TensorState | FlatState, step: int, stream: Any = None) -> None:
         """The first state of a stream still connecting, taken again (``step``'s)."""

@@ -178,12 +178,13 @@ class ShadowLeader:
         (``agent/shadow.py``). Else (a new plan) a stream under way gets END after what is
         queued too, not waited for: a spare the plan promotes takes the last committed step
         and its confirmation before it reports (``ShadowFollower.settle``; closed, a loaded
-        rank 0 dropped them and the spare needed a transfer); one still connecting closes."""
+        rank 0 dropped them and the spare needed a transfer); one still connecting, or still
+        sending its first state from the live tensors, closes."""
         outs = list(self._out.values())
         if final:
             self._renew(self._state.last_committed)  # the final state: it changes no more
         for out in outs:
-            out.finish() if final or out.started else out.close()
+            out.finish() if final or out.streaming else out.close()
         if final:
             deadline = time.monotonic() + wait_s
             for out in outs:
