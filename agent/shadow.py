@@ -20,13 +20,12 @@ Whatever goes wrong (a slow, hung or dead spare, a dead rank 0, a gap in the str
 checksum that differs, a new generation) ends the stream; the spare then reports the step it
 holds (-1 after a divergence) and takes the ordinary state transfer when it is promoted; it
 asks for a new stream a few times (``ShadowFollower``), rank 0 serving it from its live
-state at its next step boundary. When the
-job rolls back to its last verified copy (``agent/verify.py``), rank 0 ends each stream with a
-``ROLLBACK`` header naming the copy's step: a spare holding a later step drops it (those steps
-were discarded) and asks to follow again.
-Rank 0 never waits for a spare's steps (once for its first state, see above): it puts
-references on a bounded queue, and a spare that
-falls ``QUEUE_STEPS`` behind is dropped (it may ask again, a bounded number of times).
+state at its next step boundary. When the job rolls back to its last verified copy
+(``agent/verify.py``), rank 0 ends each stream with a ``ROLLBACK`` header naming the copy's
+step: a spare holding a later step drops it (those steps were discarded) and asks to follow
+again. Rank 0 never waits for a spare's steps (once for its first state, see above): it puts
+references on a bounded queue, and a spare that falls ``QUEUE_STEPS`` behind is dropped (it
+may ask again, a bounded number of times).
 
 When the job finishes, rank 0 ends each stream with an ``END`` header and both ends close
 their pair with nothing pending (``ShadowSender.finish``, ``ShadowReceiver.join``). Without

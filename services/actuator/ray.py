@@ -296,6 +296,7 @@ class RayActuator(LocalActuator):
         self.pids: dict[str, int] = {}
         self.nodes: dict[str, str] = {}     # pod -> Ray node id (while running)
         self.info: dict[str, dict] = {}     # pod -> what its actor reported at start
+        self._starting: dict[str, asyncio.Event] = {}  # pod -> set once its start is known
         self._connected_here = False
         self._actor_cls: Any = None
         # Named (the pod id, in ``namespace``) and detached: the pods outlive this driver, so
@@ -442,13 +443,22 @@ class RayActuator(LocalActuator):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        members = (set(m.pod for m in self.plan.members) if self.plan is not None
+                   else {p for p, r in self.roles.items() if r == Role.worker})
+        # A member still starting has no node yet: placing the spare now could put it beside
+        # that member (a spare must be away from the members). Wait for their starts first,
+        # bounded: a start that never reports places the spare as before.
+        busy = [asyncio.ensure_future(self._starting[p].wait())
+                for p in members if p in self._starting]
+        if busy:
+            _, late = await asyncio.wait(busy, timeout=self.start_timeout_s)
+            for t in late:
+                t.cancel()
         nodes = await asyncio.to_thread(ray.nodes)
         need = self._need()
         alive = [n["NodeID"] for n in nodes if n.get("Alive") and all(
             n.get("Resources", {}).get(k, 0) >= v for k, v in need.items() if v > 0)
             and n["NodeID"] not in self.draining]
-        members = (set(m.pod for m in self.plan.members) if self.plan is not None
-                   else {p for p, r in self.roles.items() if r == Role.worker})
         node = spare_node(alive, [self.nodes[p] for p in members if p in self.nodes],
                           self.nodes.values(), room=self.room)
         if node is None:
@@ -456,11 +466,18 @@ class RayActuator(LocalActuator):
         return NodeAffinitySchedulingStrategy(node_id=node, soft=True)
 
     async def spawn(self, spec: PodSpec) -> None:
-        import ray
-
         if self._actor_cls is None:
             self.connect()
         self.roles[spec.pod] = spec.role
+        self._starting[spec.pod] = asyncio.Event()
+        try:
+            await self._spawn(spec)
+        finally:
+            self._starting.pop(spec.pod).set()
+
+    async def _spawn(self, spec: PodSpec) -> None:
+        import ray
+
         env = self.pod_env(spec)
         files = {}
         for var in FILE_VARS:
