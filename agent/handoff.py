@@ -49,7 +49,7 @@ def enter(m: Entrant, plan: Plan, plan_ctx: Any, first: bool,
     state = m.state
     m.rt.update(now=True, step=state.last_committed,
                 digest=state.digests.note(state.last_committed, state.digest()),
-                state=AgentState.training)
+                state=AgentState.training, pending_step=None)
     log.info("joined generation", generation=plan.generation, rank=rank,
              world_size=plan.world_size, restore_step=restore_step, received=received,
              sent=sent)
@@ -168,6 +168,7 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
     sent). Nothing is copied whole: a source sends its live tensors, a recipient receives
     into its own (``agent/transfer.py``)."""
     from .collectives import Aborted
+    from .rollforward import finish
     from .transfer import send_state
 
     rt, cfg, state, g = m.rt, m.cfg, m.state, plan.generation
@@ -181,6 +182,7 @@ def _handoff_state(m: Entrant, plan: Plan, rank: int,
     transfer = got.transfer
     received = sent = 0
     odd: str | None = None
+    finish(m, plan, transfer, rank)  # sharded: a step some members committed (rollforward.py)
     if rank in transfer.sources:
         odd = diverged(plan, transfer, state.last_committed,
                        state.digests.of(state.last_committed))

@@ -66,9 +66,14 @@ class OverlappedReduction:
 
 
 class ShardedReduction:
-    def __init__(self, m: StepMember, cfg: AgentConfig, failed: Callable[[], bool]) -> None:
+    def __init__(self, m: StepMember, cfg: AgentConfig, failed: Callable[[], bool],
+                 summed: Callable[[int], None] = lambda s: None) -> None:
         self.m, self.cfg = m, cfg
         self._failed = failed  # the stepper's check of the shard group (discards the step)
+        self._summed = summed  # a test hook, once the loss sum completed (inject.summed)
+        # the last step whose gradients the position group summed: if the loss sum after it
+        # fails, this member can still finish that step (``agent/rollforward.py``)
+        self.positioned = -2
 
     def reduce(self, s: int, params: list[torch.nn.Parameter], grads: list[torch.Tensor],
                loss_t: torch.Tensor, abort: threading.Event, args: Args) -> bool:
@@ -78,17 +83,23 @@ class ShardedReduction:
         m.sharding.pos_group.allreduce_([local(g) for g in grads], abort,
                                         slice_s=cfg.collective_slice,
                                         timeout_s=cfg.collective_timeout, **args)
+        self.positioned = s
+        # the step's last collective: once it completes anywhere, every rank's position sum
+        # had completed (each enters it after its own), so a member whose own copy of it
+        # fails still holds the step's gradients whole
         m.group.allreduce_([loss_t], abort, slice_s=cfg.collective_slice,
                            timeout_s=cfg.collective_timeout, **args)
+        self._summed(s)
         return True
 
 
 def choose(m: StepMember, cfg: AgentConfig, grad_sync: Callable[[], Any],
-           shard_failed: Callable[[], bool]) -> Reduction:
+           shard_failed: Callable[[], bool],
+           summed: Callable[[int], None] = lambda s: None) -> Reduction:
     """The reduction of ``m``'s generation: sharded, else overlapped when the stepper has a
     ``GradSync`` for this member (``CEASELESS_OVERLAP=1`` and a group), else fused."""
     if m.sharding is not None:
-        return ShardedReduction(m, cfg, shard_failed)
+        return ShardedReduction(m, cfg, shard_failed, summed)
     if grad_sync() is not None:
         return OverlappedReduction(m, cfg, grad_sync)
     return FusedReduction(m, cfg)

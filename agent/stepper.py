@@ -48,6 +48,7 @@ class Stepper:
         self.verify = Verifier(cfg.verify_every if cfg is not None else 0,
                                cfg.on_nonfinite if cfg is not None else "skip")
         self.micro_batch_size: int | None = None
+        self._plain_update: float | None = None  # this step's lr factor, if finishable
         self._norm_read = math.nan  # the clip's norm, read with the loss (read_loss)
         self._ahead_read: list[float] = []
         self._backwards_left: int | None = None  # this step's backwards still to come
@@ -108,6 +109,10 @@ class Stepper:
         when the step was discarded."""
         params = self.params()
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
+        # what finishing this step later needs; only a plain update can be finished without
+        # the peers (a clip's norm and an fp16 scaler's check are collectives, a hook unknown)
+        self._plain_update = (lr_factor if not max_grad_norm and grad_hook is None
+                              and self.state.scaler() is None else None)
         red = self._sync_gradients(s, params, loss_t) if self.m is not None else loss_t
         if red is None:
             return None
@@ -217,8 +222,10 @@ class Stepper:
             if not reduction.reduce(s, params, grads, loss_t, rt.abort, args):
                 return None  # the shard group failed: discarded (it said why)
         except Aborted:
+            self._keep_pending(s, reduction, params, grads)
             return self.discard("aborted: a newer plan arrived") or None
         except PeerError as e:
+            self._keep_pending(s, reduction, params, grads)
             rt.report_sync(ReportKind.peer_error, str(e)[:500], timeout=0.5)
             # A timeout with every peer looking alive: the monitor's absent-member rule
             # plans around whoever stayed out. Should no plan come, wait for one only as
@@ -231,6 +238,21 @@ class Stepper:
             if p.grad is None:
                 p.grad = g
         return loss_t
+
+    def _keep_pending(self, s: int, reduction: Reduction, params: list[torch.nn.Parameter],
+                      grads: list[torch.Tensor]) -> None:
+        """Sharded: the step's gradients were summed across the replicas (the position
+        group) and only the loss sum after it failed here: other members may have committed
+        the step, and this shard position's may all be here. Keep the gradients and say so
+        (``Heartbeat.pending_step``): the broker may have this member finish the step at the
+        handoff (``agent/rollforward.py``) instead of losing the position's state."""
+        if getattr(reduction, "positioned", None) != s or self._plain_update is None:
+            return
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = g
+        self.state.pending = (s, self._plain_update)
+        self.rt.update(pending_step=s)
 
     def _computed(self, rt: StepRuntime) -> None:
         """This member's own compute of the step, from its start to the sync (the straggler
@@ -347,7 +369,7 @@ class Stepper:
             from .sharded import reset_iteration
 
             reset_iteration(self.state.modules())
-        if self.zero_on_discard:
+        if self.zero_on_discard and self.state.pending is None:
             self.zero_grad()
         else:
             self._loss_acc = self._backwards_left = None
@@ -363,7 +385,8 @@ class Stepper:
         m = self.m
         key = (m.generation, id(m.group), id(m.sharding), m.is_member)
         if self._reduce is None or self._reduce_for != key:
-            self._reduce = choose(m, self.cfg, self._grad_sync, self._shard_failed)
+            self._reduce = choose(m, self.cfg, self._grad_sync, self._shard_failed,
+                                  self.inject.summed)
             self._reduce_for = key
         return self._reduce
 

@@ -41,6 +41,10 @@ class TrainState:
         # median): part of the state, so every rank (a promoted spare too) decides alike
         self.recent_losses: list[float] = []
         self.new_skip = False  # the last commit's step was skipped for the first time
+        # sharded: (step, lr factor) of the step after ``last_committed`` whose gradients are
+        # summed in ``.grad`` while its last collective failed here (``agent/rollforward.py``
+        # may finish it); the gradients' lifetime: ``zero_grad`` ends it
+        self.pending: tuple[int, float] | None = None
         # fp16: (scaler, scale, growth tracker) as last set on it (``_scale_state``)
         self._scale_seen: tuple[Any, float, int] | None = None
         from .digests import DigestSlot, Sampler
@@ -232,6 +236,7 @@ class TrainState:
                 "skipped": list(self.skipped), "recent_losses": list(self.recent_losses)}
 
     def zero_grad(self) -> None:
+        self.pending = None
         for opt in self.optimizers():
             opt.zero_grad(set_to_none=True)
         for m in self.modules():

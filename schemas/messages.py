@@ -199,6 +199,13 @@ class Heartbeat(Message):
     # lasts, in place of a peer_error report per heartbeat interval (N reports a second at N
     # ranks): the wait's first report is still sent. Added 2026-12-07 (issue 45), optional.
     waiting_since: Timestamp | None = None
+    # sharded jobs: the step after ``step`` whose gradients this member holds fully summed
+    # (its shard position's sum across replicas completed) while the step's last collective,
+    # the world's loss sum, failed here: other members may have committed it. The state
+    # broker may have it finish that step at the next handoff (``agent/rollforward.py``)
+    # instead of losing its shard position. None: nothing pending. Added 2026-12-08
+    # (issue 21's sharded path), optional.
+    pending_step: Step | None = None
 
     @property
     def step_digest(self) -> str:

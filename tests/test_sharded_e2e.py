@@ -186,3 +186,34 @@ async def test_sharded_replicas_compare_their_shards_and_roll_back(tmp_path, ref
     for pod in ("w0", "w1", "w2", "w3"):
         (ev,) = log_events(tmp_path / "flip", pod, "rolled back to the last verified copy")
         assert ev["step"] == 19 and ev["verified"] == 9
+
+
+async def test_a_step_committed_by_one_shard_position_only_is_finished_by_the_other(
+        tmp_path, ref, monkeypatch):
+    """CI lost a sharded job's state so: a fault during a step's last collective (the world's
+    loss sum) let shard 1's member commit step 12 while shard 0's did not, and no replica was
+    left holding shard 0 at step 12. Here made exact by two test hooks: w3 (replica 1, shard
+    1) dies once its loss sum of step 12 completed, and w0 (replica 0, shard 0) acts as if
+    its own did not complete. No spare: replica 1 is dropped (w2 released), w1 holds step 12,
+    w0 step 11 with step 12's gradients summed. w0 finishes step 12 at the handoff and the
+    job goes on from 12 on one replica, no step lost, the fixed-size run's trajectory."""
+    import torch
+
+    monkeypatch.setenv("CEASELESS_TEST_AFTER_SUM", "w3:12:exit,w0:12:lose")
+    s = await run_job(tmp_path, "partial", 4, 0, None, STEPS, ARGS, CMD)
+    (ev,) = log_events(tmp_path / "partial", "w0",
+                       "finished a step at the handoff: its last collective failed here after "
+                       "other members committed it")
+    assert ev["step"] == 12 and ev["finishers"] == [0] and ev["skipped"] is False
+    assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w3", "crash")], s["incidents"]
+    g2 = next(p for p in s["plans"] if p.generation == 2)
+    assert g2.world_size == 2 and "dropped" in g2.reason, g2.reason
+    assert s["final_step"] == STEPS - 1 and s["lost_steps"] == 0
+    for k, v in s["losses"].items():
+        r = ref["losses"][k]
+        assert abs(v - r) <= 1e-9 * abs(r), (k, v, r)
+    a = torch.load(tmp_path / "partial" / "results" / "w0.pt")
+    b = torch.load(ref["dir"] / "results" / "w0.pt")
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (
+            k, (a[k] - b[k]).abs().max().item())

@@ -484,6 +484,30 @@ def test_sharded_state_lost_when_a_whole_position_is_behind():
     assert isinstance(lost, StateLost) and lost.best_step == -1
 
 
+def test_sharded_position_one_step_behind_finishes_its_pending_step():
+    """A fault during a step's last collective (the world's loss sum): shard 1 committed step
+    9, shard 0's member did not, but holds step 9's gradients summed (pending). It finishes
+    the step at the handoff and is shard 0's source; without it pending the state is lost."""
+    plan = sharded_plan(4, 2, generation=4)
+    reported = {0: (8, "a"), 1: (9, "b"), 2: (-1, ""), 3: (-1, "")}
+    t = decide_transfer(plan, reported, 9, pending={0: 9})
+    assert isinstance(t, Transfer)
+    assert t.restore_step == 9 and t.sources == {2: [0], 3: [1]} and t.steps[0] == 8
+    assert t.digest == ""  # shard 0's digest at step 9 is not known before it is finished
+    # a pending step that is not the restore step, or a member not one step behind: lost
+    for pend, rep in (({0: 10}, reported), ({0: 9}, {**reported, 0: (7, "a")})):
+        lost = decide_transfer(plan, rep, 9, pending=pend)
+        assert isinstance(lost, StateLost) and "shard 0 at step 9" in lost.reason
+    assert isinstance(decide_transfer(plan, reported, 9), StateLost)
+    # a position that has a holder: the pending member receives, as any member behind
+    t = decide_transfer(plan, {0: (8, "a"), 1: (9, "b"), 2: (9, "a9"), 3: (9, "b")}, 9,
+                        pending={0: 9})
+    assert t.restore_step == 9 and t.sources == {0: [2]} and t.digest == "a9"
+    # nobody committed step 9: everyone is at 8 and computes it again (pending is moot)
+    t = decide_transfer(plan, {0: (8, "a"), 1: (8, "b")}, 8, pending={0: 9, 1: 9})
+    assert t.restore_step == 8 and t.sources == {2: [0], 3: [1]}
+
+
 def test_sharded_generation_one():
     plan = sharded_plan(6, 3, generation=1)
     t = decide_transfer(plan, {r: (-1, "") for r in range(6)}, -1)

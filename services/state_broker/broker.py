@@ -63,16 +63,19 @@ class Committed:
     digest: str
     rank: int | None
     ts: float  # wall clock of the last heartbeat
+    pending: int | None = None  # Heartbeat.pending_step (sharded: a step it can finish)
 
 
 def decide_transfer(plan: Plan, reported: dict[int, tuple[int, str]], high_water: int,
-                    incident: str | None = None) -> Transfer | StateLost | None:
+                    incident: str | None = None, pending: dict[int, int] | None = None
+                    ) -> Transfer | StateLost | None:
     """Pure: the transfer (or state_lost) for ``plan`` given each reporting member's
-    ``rank -> (step, digest)``. None if nobody reported."""
+    ``rank -> (step, digest)``. None if nobody reported. ``pending``: sharded members' steps
+    they can finish (``Heartbeat.pending_step``)."""
     if not reported:
         return None
     if plan.shard_size > 1:
-        return _decide_sharded(plan, reported, high_water, incident)
+        return _decide_sharded(plan, reported, high_water, incident, pending or {})
     steps = {r: s for r, (s, _) in sorted(reported.items())}
     restore = max(steps.values())
     ranks = sorted(m.rank for m in plan.members)
@@ -119,7 +122,7 @@ def _stripe(recipients: list[int], sources: list[int]) -> dict[int, list[int]]:
 
 
 def _decide_sharded(plan: Plan, reported: dict[int, tuple[int, str]], high_water: int,
-                    incident: str | None) -> Transfer | StateLost:
+                    incident: str | None, pending: dict[int, int]) -> Transfer | StateLost:
     """``decide_transfer`` for a sharded plan (k = ``plan.shard_size`` > 1, issue 21): rank
     ``r`` holds shard ``r % k``, so the decision is made per shard position ``i``.
 
@@ -132,7 +135,14 @@ def _decide_sharded(plan: Plan, reported: dict[int, tuple[int, str]], high_water
     lowest reporting rank at that position. Generation 1 with a restored step: per position,
     the same source and the reporters there holding its step and digest (every position's
     source must hold the same step: one checkpoint). ``Transfer.digest`` is position 0's
-    (informational: every position has its own)."""
+    (informational: every position has its own).
+
+    A step commits on each rank on its own, after the step's last collective (the world's
+    loss sum): a fault during it can leave one position's members at ``restore_step`` and
+    another's one step behind, every copy of the step before overwritten. Those behind hold
+    the step's gradients fully summed (``pending``, reported as ``restore_step``): they
+    finish the step at the handoff (``agent/rollforward.py``) and are that position's
+    sources; ``Transfer.steps`` shows them one step behind, which is how every member knows."""
     k = plan.shard_size
     g = plan.generation
     steps = {r: s for r, (s, _) in sorted(reported.items())}
@@ -174,12 +184,19 @@ def _decide_sharded(plan: Plan, reported: dict[int, tuple[int, str]], high_water
             continue
         top = [r for r in at[i] if reported[r][0] == restore]
         if not top:
+            # members that finish the step at the handoff (see above), one is enough; the
+            # digest they will hold is not known yet
+            roll = [r for r in at[i] if pending.get(r) == restore
+                    and reported[r][0] == restore - 1]
+            if roll:
+                sources[i], digests[i] = roll, ""
+                continue
             best = max(reported[r][0] for r in at[i])
             return lost(f"no replica holds shard {i} at step {restore} (the members at shard "
                         f"position {i} hold step {best} at most)")
         digests[i] = _majority(top, reported)
         sources[i] = [r for r in top if reported[r][1] == digests[i]]
-    restore_step = reported[sources[0][0]][0]
+    restore_step = restore if g > 1 and restore >= 0 else reported[sources[0][0]][0]
     plan_sources: dict[int, list[int]] = {}
     for i in range(k):
         src = set(sources[i])
@@ -262,7 +279,8 @@ class StateBroker(Service):
         if cur is None and len(self.pods) >= MAX_PODS:
             self._forget_old()
         self.pods[hb.pod] = Committed(generation=hb.generation, step=hb.step, digest=hb.step_digest,
-                                      rank=hb.rank, ts=time.time() - age)
+                                      rank=hb.rank, ts=time.time() - age,
+                                      pending=hb.pending_step)
         self._note_step(hb.pod, hb.step, self.plans.plan)
         if cur is None or cur.generation != hb.generation:
             self._changed.set()  # a pod entered a generation: the member wait re-checks
@@ -277,6 +295,8 @@ class StateBroker(Service):
             c = self.pods.get(pod)
             if c is None or c.generation != g or step < c.step:
                 continue
+            if step != c.step:
+                c.pending = None  # it committed again: nothing of before is pending
             c.step, c.digest, c.ts = step, digest, max(c.ts, now - age)
             self._note_step(pod, step, plan)
 
@@ -337,6 +357,15 @@ class StateBroker(Service):
                 missing.append(m.pod)
         return got, missing
 
+    def _pending(self, plan: Plan) -> dict[int, int]:
+        """Members' steps they can finish (``Heartbeat.pending_step``), this generation's."""
+        out = {}
+        for m in plan.members:
+            c = self.pods.get(m.pod)
+            if c is not None and c.generation == plan.generation and c.pending is not None:
+                out[m.rank] = c.pending
+        return out
+
     def _alive_missing(self, plan: Plan) -> list[str]:
         """Members that have not reported the generation but are alive (a heartbeat of an
         older generation, or of none yet, within ``live_s``): see the module doc."""
@@ -387,7 +416,8 @@ class StateBroker(Service):
             await wait_event(self._changed, left)
         if self.plans.generation != g:
             return  # superseded while waiting
-        result = decide_transfer(plan, reported, self.high_water, plan.incident)
+        result = decide_transfer(plan, reported, self.high_water, plan.incident,
+                                 self._pending(plan))
         self.handled_generation = max(self.handled_generation, g)
         if result is None:
             self.log.error("no member reported the generation; no transfer", generation=g)
