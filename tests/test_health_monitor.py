@@ -882,6 +882,24 @@ async def test_a_set_up_error_waits_for_a_member_not_heard_from_yet(env, bus):
     assert not env.faults and not m.incidents, env.faults
 
 
+async def test_a_set_up_error_waits_a_fault_timeout_for_the_other_members(env, bus):
+    """Both members heartbeat in set-up (step -1, no step time known) and raise the same
+    error, the second's report several suspect timeouts after the first's (CI, a loaded
+    machine: the first was declared and both spares were promoted into the error). A set-up
+    error is held a fault timeout more: the second report fails the job, nobody declared."""
+    verdicts = await _verdicts(bus)
+    m = await env.monitor(make_plan(["w0", "w1"]), suspect_timeout=0.1, fault_timeout=1.5)
+    await _at_step(env, m, ["w0", "w1"], -1, generation=0)
+    err = TRACE.replace("ValueError: the batch of step 12 has the wrong shape",
+                        "FileNotFoundError: the data set's index is missing")
+    await _raise(bus, "w1", 0, -1, err)
+    await asyncio.sleep(0.8)  # eight suspect timeouts: declared here before
+    assert not env.faults, env.faults
+    await _raise(bus, "w0", 0, -1, err)
+    await until(lambda: verdicts, what="job_failed")
+    assert not env.faults and not m.incidents, env.faults
+
+
 async def test_an_exit_read_before_its_exception_report_waits_for_it(env, bus):
     """The exit (code 1) is read first: it waits a message's time for the report, and the
     report decides: an exception, not a crash."""

@@ -586,17 +586,22 @@ class HealthMonitor(Service):
             return
         until = time.monotonic()
         if not injected(f):  # an injected one simulates the machines: never a repeat
-            until += self._repeat_wait()
+            until += self._repeat_wait(r.step < 0)
         self.held[r.pod] = Held(r, until)
         await self._release_held(time.monotonic())
 
-    def _repeat_wait(self) -> float:
+    def _repeat_wait(self, setup: bool = False) -> float:
         """How long a member at the same step may take to raise the same error and report
         it: a step (the members' median step time: ranks work in lockstep) and the time a
-        message may take to arrive (the suspect timeout)."""
+        message may take to arrive (the suspect timeout). In the set-up (no step committed)
+        no step time tells: pods start apart and set up at their own pace, seconds apart on a
+        loaded machine (CI: the second member's report came after the first's hold ended,
+        and both spares were promoted into the same error), so a fault timeout more; nothing
+        trains meanwhile, the others wait for the set-up anyway."""
         times = sorted(v.hb.step_time for v in self.pods.values()
                        if v.hb is not None and v.hb.step_time is not None)
-        return self.suspect_timeout + (times[len(times) // 2] if times else 0.0)
+        step = times[len(times) // 2] if times else 0.0
+        return self.suspect_timeout + max(step, self.fault_timeout if setup else 0.0)
 
     def _may_repeat(self, r: Report, now: float) -> bool:
         """Could another pod still raise what ``r`` reports: one that is alive, not done,
