@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.common.hearing import Ear, Hearing, quiet
@@ -85,3 +87,35 @@ def test_a_watched_outage_is_the_longest_stretch_no_pod_was_heard():
     h.forgave(t + 2.0)            # (the monitor's grace) ...
     h.heard(t + 2.1)
     assert h.unwatch("lease", t + 2.2) == pytest.approx(0.1)  # ... not forgiven again
+
+
+def test_the_scaler_heard_again_by_an_aged_heartbeat_gives_every_pod_a_fault_timeout_from_now():
+    """After a stretch with no pod heard (a partition), the first heartbeat heard may be an
+    old one (a monitor's view, cut off too, carries its age). Silence must count from when it
+    was heard, not from its own time: a spare not heard yet was judged dead at once before,
+    and the job shrank for "no live spare" (CI, two of three bus hosts lost)."""
+    from plumbing import logs
+    from schemas.messages import AgentState, Heartbeat, Member, Plan, Role
+    from services.scaler.liveness import Liveness
+
+    ft = 0.2
+    live = Liveness(ft, lambda *a, **k: None, logs.get("test"))
+    plan = Plan(generation=1, members=[Member(pod="w0", rank=0)], world_size=1,
+                global_batch_size=1, micro_batch_size=1, shares={0: 1})
+
+    def beat(pod: str, role: Role, age: float = 0.0) -> None:
+        live.heartbeat(Heartbeat(pod=pod, role=role, generation=1 if role == Role.worker else 0,
+                                 rank=0 if role == Role.worker else None,
+                                 state=AgentState.training if role == Role.worker
+                                 else AgentState.waiting), "hb", age)
+
+    beat("w0", Role.worker)
+    beat("s0", Role.spare)
+    assert live.alive_spares(plan) == ["s0"]
+    time.sleep(ft * 3)
+    assert live.deaf(time.monotonic())  # nobody heard for a fault timeout: the scaler's own
+    beat("w0", Role.worker, age=ft * 1.2)  # heard again, by a heartbeat aged by a view
+    assert not live.deaf(time.monotonic())
+    assert live.alive_spares(plan) == ["s0"]  # its silence counts from now
+    time.sleep(ft * 1.5)
+    assert live.alive_spares(plan) == []  # and a fault timeout later it is silent indeed

@@ -107,9 +107,14 @@ class Liveness:
 
     def _hear(self, at: float) -> None:
         gap = self.hearing.heard(at)
-        if gap is not None and self.pods:
-            self.log.warning("pods heard again after none was: silence counts from now",
-                             silent_s=round(gap, 3))
+        if gap is not None:
+            # from now, not from the heartbeat's own time: one aged by a view (a monitor cut
+            # off too) would leave the pods heard after it less than a fault timeout, and a
+            # spare not heard yet was judged dead at once (CI: a shrink for "no live spare")
+            self.hearing.listening_from(time.monotonic())
+            if self.pods:
+                self.log.warning("pods heard again after none was: silence counts from now",
+                                 silent_s=round(gap, 3))
 
     def resumed(self, at: float) -> None:
         """The heartbeats' source was cut until ``at`` (the monitor's view stopped coming):

@@ -648,6 +648,12 @@ class Scaler(Service):
                 self.fence_requested.add(p.pod)
                 self._tasks = [t for t in self._tasks if not t.done()]
                 self.spawn(self._fence(p.pod, p.incident))
+        if self.live.deaf(now):
+            # every pod is silent to this scaler (its route to theirs stuck after a
+            # partition): a spare would look dead and the job shrink; a plan could not reach
+            # the pods anyway. Plan once a pod is heard (its spares get a fault timeout then).
+            self._note_wait("no pod heard: the spares cannot be told alive; waiting to hear them")
+            return
         d = policy.on_fault(plan, [p.pod for p in pend], self.alive_spares(plan, now), self.cfg,
                             incident=pend[0].incident)
         if d is None:
