@@ -57,7 +57,7 @@ def finish(m: Entrant, plan: Plan, transfer: Transfer, rank: int) -> bool:
     state, step, cfg = m.state, transfer.restore_step, m.cfg
     holders = [r for r, s in transfer.steps.items() if s == step]
     verdict = torch.zeros(3, dtype=torch.float64)
-    if holders and rank == min(holders):
+    if holders and rank == min(holders) and state.last_committed == step:
         loss = state.loss if state.loss is not None else math.nan
         verdict.copy_(torch.tensor([1.0, float(step in state.skipped), loss],
                                    dtype=torch.float64))
