@@ -113,7 +113,7 @@ class Injector:
         self.slow = 1.0       # an injected slowness: each step's compute times this
         self.bitflip: str | None = None  # a parameter to flip a bit of ("": the first)
         self.absent_at = _test_absent_step(cfg)
-        self.after_sum = _test_after_sum(cfg)
+        self.lose_sum_at = _test_step(cfg, "CEASELESS_TEST_LOSE_SUM")
 
     def before_sync(self, rt: InjectRuntime, s: int) -> None:
         """Run the injections due at step ``s`` (raise, stop, block or die)."""
@@ -184,37 +184,26 @@ class Injector:
         self.absent_at = None
         return True
 
-
     def summed(self, s: int) -> None:
-        """Test hook (``CEASELESS_TEST_AFTER_SUM=<pod>:<step>:<exit|lose>[,...]``), once the
-        world's loss sum of step ``s`` (a sharded step's last collective) completed here:
-        ``exit`` dies before committing; ``lose`` acts as if the sum failed here (the result
-        never arrived). Together, on two pods: a fault during a step's last collective that
-        some members got through and some did not (``agent/rollforward.py``)."""
-        what = self.after_sum.pop(s, None)
-        if what == "exit":
-            log.warning("test hook: dying after the step's loss sum", step=s)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if what == "lose":
+        """Test hook (``CEASELESS_TEST_LOSE_SUM=<pod>:<step>``), once the world's loss sum of
+        step ``s`` (a sharded step's last collective) completed here: act as if it failed
+        here (the result never arrived), while the other members commit the step. With a
+        fault after it: a step that some members committed and some did not
+        (``agent/rollforward.py``)."""
+        if self.lose_sum_at == s:
+            self.lose_sum_at = None
             from .vocab import PeerError
 
             raise PeerError(f"test hook: the loss sum of step {s} lost here")
 
 
-def _test_after_sum(cfg: AgentConfig | None) -> dict[int, str]:
-    out: dict[int, str] = {}
-    if cfg is None or not cfg.allow_inject:
-        return out
-    for spec in os.environ.get("CEASELESS_TEST_AFTER_SUM", "").split(","):
-        pod, _, rest = spec.partition(":")
-        step, _, what = rest.partition(":")
-        if pod == cfg.pod and step.isdigit() and what in ("exit", "lose"):
-            out[int(step)] = what
-    return out
-
-
 def _test_absent_step(cfg: AgentConfig | None) -> int | None:
-    spec = os.environ.get("CEASELESS_TEST_ABSENT", "")
+    return _test_step(cfg, "CEASELESS_TEST_ABSENT")
+
+
+def _test_step(cfg: AgentConfig | None, var: str) -> int | None:
+    """A test hook's step for this pod (``<var>=<pod>:<step>``; only with injection on)."""
+    spec = os.environ.get(var, "")
     if cfg is None or not cfg.allow_inject or ":" not in spec:
         return None
     pod, _, step = spec.rpartition(":")

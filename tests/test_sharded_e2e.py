@@ -191,16 +191,24 @@ async def test_sharded_replicas_compare_their_shards_and_roll_back(tmp_path, ref
 async def test_a_step_committed_by_one_shard_position_only_is_finished_by_the_other(
         tmp_path, ref, monkeypatch):
     """CI lost a sharded job's state so: a fault during a step's last collective (the world's
-    loss sum) let shard 1's member commit step 12 while shard 0's did not, and no replica was
-    left holding shard 0 at step 12. Here made exact by two test hooks: w3 (replica 1, shard
-    1) dies once its loss sum of step 12 completed, and w0 (replica 0, shard 0) acts as if
-    its own did not complete. No spare: replica 1 is dropped (w2 released), w1 holds step 12,
+    loss sum) let shard 1's member commit step 17 while shard 0's did not, and no replica was
+    left holding shard 0 at that step. Made exact here: w0 (replica 0, shard 0) acts as if
+    its loss sum of step 12 failed (a test hook) while the others commit it, and w3 (replica
+    1) is killed at step 13. No spare: replica 1 is dropped (w2 released); w1 holds step 12,
     w0 step 11 with step 12's gradients summed. w0 finishes step 12 at the handoff and the
-    job goes on from 12 on one replica, no step lost, the fixed-size run's trajectory."""
+    job goes on from 12 on one replica, no step lost, on the fixed-size run's trajectory."""
     import torch
 
-    monkeypatch.setenv("CEASELESS_TEST_AFTER_SUM", "w3:12:exit,w0:12:lose")
-    s = await run_job(tmp_path, "partial", 4, 0, None, STEPS, ARGS, CMD)
+    from schemas.messages import Inject, InjectAction
+
+    monkeypatch.setenv("CEASELESS_TEST_LOSE_SUM", "w0:12")
+
+    async def kill(c):
+        await c.wait_rank_step(3, 3)
+        await c.bus.publish(c.bus.subjects.inject, Inject(action=InjectAction.kill, rank=3,
+                                                          at_step=13))
+
+    s = await run_job(tmp_path, "partial", 4, 0, kill, STEPS, ARGS, CMD)
     (ev,) = log_events(tmp_path / "partial", "w0",
                        "finished a step at the handoff: its last collective failed here after "
                        "other members committed it")
