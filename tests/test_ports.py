@@ -208,6 +208,9 @@ class FakeFaults:
     def flip_bit(self, modules: list) -> None:
         pass
 
+    def summed(self, s: int) -> None:
+        pass
+
     def absent(self, s: int) -> bool:
         return False
 
