@@ -168,6 +168,19 @@ class Cluster:
         except OSError:
             return ""
 
+    def pod_tails(self, lines: int = 8, width: int = 240) -> str:
+        """The last ``lines`` lines of every pod's log (for a failed test's message: what a
+        pod that never came back was doing, gone with the temporary directory otherwise)."""
+        out = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            try:
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            out.append(f"--- {log.name}")
+            out.extend(line[:width] for line in tail)
+        return "\n".join(out)
+
     # ------------------------------------------------------------------ observation
     async def _on_hb(self, h: Heartbeat, env: Envelope) -> None:
         self.hb[h.pod] = h

@@ -36,7 +36,7 @@ async def run_job(tmp_path, name, workers, spares, fault=None, steps=STEPS, extr
             await c.wait_spares(spares)  # on a slow machine a spare may register late
             await fault(c)
         code = await c.finish()
-        assert code == 0, c.output()
+        assert code == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
         s["plans"] = c.plans
         return s

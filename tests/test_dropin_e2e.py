@@ -161,7 +161,7 @@ async def test_rank0_work_inside_dist_solo_is_no_fault(tmp_path, monkeypatch):
                                                "--solo-max", "30"))):
         async with Cluster(tmp_path / name, 2, 0, 10, extra=SOLO_TIMEOUTS,
                            cmd=_script(*extra), replace=True) as c:
-            assert await c.finish() == 0, c.output()
+            assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
             runs[name] = c.summary()
     s, ref = runs["solo"], runs["ref"]
     assert s["incidents"] == [] and s["final_step"] == 9 and s["lost_steps"] == 0, s

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.timeout(420)]
 
 async def _reference(d):
     async with Cluster(d, 4, 0, STEPS, extra=["--save-params"], cmd=CMD) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         return c.summary()
 
 
@@ -75,7 +75,7 @@ async def test_scale_schedule_4_2_3_4_matches_fixed_size(tmp_path):
         # the 3-replica plan need not be the newest when looked at (the sizes are checked below)
         await c.wait_for(lambda: any(p.world_size == 3 for p in c.plans), 150, "3 replicas")
         await _entered(c, 4, steps_after=1)
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         el = c.summary()
         plans = list(c.plans)
     # the schedule happened as planned transitions: sizes 4 -> 2 -> 3 -> 4, no fault

@@ -43,7 +43,7 @@ async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_pa
     takes rank 2). The world size never drops and the result is bitwise the fault-free run."""
     steps = 60
     async with Cluster(tmp_path / "ref", 3, 0, steps, extra=["--", *_example(steps)]) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         ref = c.summary()
     # slower steps (same numerics): the replacement must start and follow before the end;
     # slower only while `slow` exists (removed once both faults are handled and replaced)
@@ -69,7 +69,7 @@ async def test_a_kill_and_a_hang_with_one_spare_keep_the_job_at_full_size(tmp_pa
         await c.wait_for(lambda: c.plans[-1].generation > gen and up_out.read_text().count(
             "replacement started as a spare") >= 2, 90, "w2 replaced, and a spare started")
         slow.unlink()  # nothing left to wait for: the rest of the steps at full speed
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert s["final_step"] == steps - 1 and s["lost_steps"] == 0
     assert s["param_sha256"] == ref["param_sha256"]
@@ -92,7 +92,7 @@ async def test_without_a_spare_the_job_grows_back_to_its_size(tmp_path):
         await c.wait_for(lambda: c.plans and c.plans[-1].world_size == 2, 60, "the shrink")
         await c.wait_for(lambda: c.plans[-1].world_size == 3, 90, "back at 3 replicas")
         back = time.monotonic() - t_kill
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert s["final_step"] == 119 and s["lost_steps"] == 0 and s["param_sha256_consistent"]
     assert back < 30, back
@@ -117,7 +117,7 @@ async def test_a_training_thread_hang_is_found_by_its_own_watchdog(tmp_path, mon
     steps = 24
     async with Cluster(tmp_path / "ref", 2, 0, steps,
                        extra=[*HANG_TIMEOUTS, "--", *_example(steps)]) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         ref = c.summary()
     async with Cluster(tmp_path / "hang", 2, 1, steps, extra=[
             *HANG_TIMEOUTS, "--", *_example(steps, "--hang-at-step", "10", "--hang-rank", "1",
@@ -128,7 +128,7 @@ async def test_a_training_thread_hang_is_found_by_its_own_watchdog(tmp_path, mon
         assert h.step == 10  # it hangs after committing step 10
         await c.wait_for(lambda: len(c.plans) >= 2, 30, "the plan that replaces rank 0")
         took = time.monotonic() - t_hang
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert [(i["pod"], i["kind"]) for i in s["incidents"]] == [("w1", "hang")], s["incidents"]
     assert "own watchdog" in (tmp_path / "hang" / "up.out").read_text()
@@ -142,7 +142,7 @@ async def test_rank0_work_within_the_stall_timeout_is_no_alarm(tmp_path, monkeyp
     async with Cluster(tmp_path / "slow", 2, 0, steps, extra=[
             *HANG_TIMEOUTS, "--", *_example(steps, "--rank0-after-step", "1.5",
                                             "--rank0-every", "4")]) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert s["incidents"] == [] and s["final_step"] == steps - 1
 
@@ -167,7 +167,7 @@ async def test_every_pod_killed_at_once_resumes_from_the_last_checkpoint(tmp_pat
     assert last is not None and last.name in ("step-00000019", "step-00000029"), last
     async with Cluster(tmp_path / "resumed", 2, 0, STEPS,
                        extra=[*flags, "--resume", str(ckdir)]) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert s["final_step"] == STEPS - 1
     assert s["param_sha256"] == ref["param_sha256"]
@@ -187,7 +187,7 @@ async def test_a_total_loss_restarts_from_the_checkpoint_by_itself(tmp_path, ref
         await c.wait_rank_step(0, 25)
         for h in list(c.hb.values()):
             os.kill(h.pid, signal.SIGKILL)
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert s["final_step"] == STEPS - 1 and s["param_sha256"] == ref["param_sha256"]
     assert len(s["restarts"]) == 1 and "step-000000" in s["restarts"][0]["from_checkpoint"]
@@ -201,7 +201,7 @@ async def test_stopping_the_job_writes_a_final_checkpoint_to_resume_from(tmp_pat
     1000 steps); `--resume` from it ends bitwise equal to the uninterrupted run."""
     steps = 40
     async with Cluster(tmp_path / "ref", 2, 0, steps, extra=["--", *_example(steps)]) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         ref = c.summary()
     ckdir = tmp_path / "ckpt"
     flags = ["--checkpoint-dir", str(ckdir), "--checkpoint-every", "1000"]
@@ -218,7 +218,7 @@ async def test_stopping_the_job_writes_a_final_checkpoint_to_resume_from(tmp_pat
     assert last is not None and 10 <= int(last.name.split("-")[1]) < steps - 1, last
     async with Cluster(tmp_path / "resumed", 2, 0, steps, extra=[
             *flags, "--resume", str(ckdir), "--", *_example(steps)]) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     assert s["final_step"] == steps - 1 and s["param_sha256"] == ref["param_sha256"]
 
@@ -288,7 +288,7 @@ async def test_a_spare_started_after_an_auto_resume_takes_the_state_from_its_pee
         kill_rank(1)  # the promoted spare: now the replacement's turn
         await c.wait_for(lambda: no_crash_loop() and c.hb[new].rank is not None, 60,
                          f"{new} promoted")
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
         checked[0] = 0.0
         no_crash_loop()
@@ -349,7 +349,7 @@ async def test_every_failed_pod_counts_against_the_crash_loop_budget(tmp_path):
                              f"{started} failed")
         r = await ask()
         assert not r.ok and "crash loop" in r.error and "limit 2" in r.error, r
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
     out = (tmp_path / "loop" / "up.out").read_text()
     for pod in started:
         assert f"pod {pod} failed before it started training (exit 1)" in out, out[-3000:]

@@ -279,7 +279,7 @@ async def test_up_with_the_ray_actuator_survives_the_loss_of_a_members_node(clus
                          60, "a plan without the lost member")
         TIMES["node lost -> new plan (up)"] = time.monotonic() - t1
         _wait_dead(node.node_id)
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         s = c.summary()
     TIMES["up --actuator ray: whole job"] = time.monotonic() - t0
     out = (tmp_path / "up" / "up.out").read_text()
@@ -391,7 +391,7 @@ async def test_up_grows_onto_an_added_node_and_gives_a_drained_one_back(cluster,
             TIMES["drain -> pod exited (up)"] = exits[joiner] - t2
             assert exits[joiner] - t2 < deadline_s
             slow.unlink()  # nothing left to wait for: the rest of the steps at full speed
-            assert await c.finish() == 0, c.output()
+            assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
             s = c.summary()
             plans = list(c.plans)
     finally:
@@ -535,7 +535,7 @@ async def test_a_standby_driver_adopts_the_pods_when_the_acting_one_is_lost(
                 await c.wait_for(lambda: "replacement started as a spare" in c.output(), 60,
                                  "n2 replacing the killed pod")
                 slow.unlink()
-                assert await c.finish() == 0, c.output()
+                assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
                 s = c.summary()
                 out = (run / "up.out").read_text()
         finally:

@@ -383,7 +383,7 @@ async def test_ranks_are_honest(tmp_path):
     async with Cluster(tmp_path / "ranks", 2, 1, steps,
                        cmd=[sys.executable, "-m", "tests.helpers.ranks_script", str(steps)]) as c:
         await c.wait_spares(1)
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
     d = tmp_path / "ranks" / "ranks"
     await asyncio.sleep(0)  # the spare leaves when the job is done: give it its last write
     recs = {}

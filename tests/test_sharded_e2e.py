@@ -140,7 +140,7 @@ async def test_sharded_replica_released_and_added_keeps_the_trajectory(tmp_path,
         joined = [c.plans[-1].pod_of(2), c.plans[-1].pod_of(3)]
         os.kill(h.pid, signal.SIGKILL)
         await c.wait_for(lambda: c.plans[-1].generation == 4, 60, "the replica dropped")
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
         el = c.summary()
         plans = list(c.plans)
     # (the capacity event also started two pods: once up, they grow the job back to its

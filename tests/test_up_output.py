@@ -72,7 +72,7 @@ async def test_up_shows_the_scripts_steps_and_batch_and_leaves_no_task_pending(t
     it is pending!": the last group's c10d store watcher, nats-py's consumer checks)."""
     run = tmp_path / "own"
     async with Cluster(run, 2, 1, 5, cmd=script(40, "--start", "6"), timeout=100) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
     out = (run / "up.out").read_text()
     header = out.splitlines()[0]
     assert "steps" not in header.replace("its own step count", ""), header
@@ -104,7 +104,7 @@ async def test_up_warns_in_its_output_when_its_batch_flags_differ_from_the_scrip
     async with Cluster(run, 2, 0, 5, cmd=script(12),
                        extra=["--global-batch-size", "32", "--micro-batch-size", "4"],
                        timeout=100) as c:
-        assert await c.finish() == 0, c.output()
+        assert await c.finish() == 0, c.output() + "\n" + c.pod_tails()
     out = (run / "up.out").read_text()
     assert "plans sized for global batch 32 = 4 x 8" in out.splitlines()[0], out
     assert ("WARNING: the script trains with global batch 16 = 2 x 8, but "
