@@ -69,6 +69,12 @@ class Stepper:
         """This rank computes micro-batches ``ks`` of ``m`` samples; ``gradient_loop``: the
         step's own loop (not an evaluation loop after ``s.step()``)."""
         self.micro_batch_size = m
+        if gradient_loop and self.state.pending is not None:
+            # a step computed anew in the generation that discarded it (no handoff came
+            # between): its kept gradients would be summed into this one's
+            self.zero_grad()
+            if self.rt is not None:
+                self.rt.update(pending_step=None)
         if gradient_loop and self._backwards_left is None:
             self._backwards_left = len(ks)
             sync = self._grad_sync()

@@ -330,3 +330,17 @@ def test_solo_block_through_a_fake_runtime():
     assert updates[0]["solo_until"] == declared["until"] and updates[-1] == {"solo_until": None}
     assert rt.calls.count("progress") == 2
     assert solo.collective_args(rt, 4, 10.0, 60.0)["extend"]() is None  # another generation
+
+
+def test_a_pending_step_is_given_up_when_a_step_is_computed_anew():
+    """A sharded member kept a discarded step's summed gradients (``TrainState.pending``,
+    for ``agent/rollforward.py``); if it computes a step again without a handoff between,
+    the kept gradients go first (else summed into the new ones) and its heartbeat says
+    nothing is pending."""
+    st, rt, m, faults, model = _stepper(FakeGroup(world=2), overlap=False)
+    st.micro_batches(2, range(0, 1), gradient_loop=True)
+    st.backward(model(torch.ones(2, 3)).sum())
+    st.state.pending = (0, 1.0)
+    st.micro_batches(2, range(0, 1), gradient_loop=True)
+    assert st.state.pending is None and all(p.grad is None for p in model.parameters())
+    assert ("update", {"pending_step": None}) in rt.calls
