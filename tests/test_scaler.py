@@ -921,6 +921,19 @@ def test_what_a_fault_means():
     assert j(slow, dropin=True).act is Act.IGNORE
     assert j(f("w1", FaultKind.straggler)).act is Act.IGNORE  # no slowness measured
     assert j(slow, spare=True, preempting={"w1": ("straggler", None)}).act is Act.SHARE
+    # a stale fault (an older generation) of a member heard in the plan's generation: ignored
+    # while the pod is not silent here; heard long ago it is accepted, unless the scaler hears
+    # no pod at all (quiet 0: its own deafness is no pod's silence)
+    from services.scaler.liveness import PodSeen
+
+    seen = PodSeen(role=Role.worker, generation=2, state=AgentState.training, rank=1,
+                   last=time.monotonic() - 10.0)
+
+    def stale(quiet):
+        return judge(f("w1", gen=1), plan, pending={}, preempting={}, has_spare=lambda: False,
+                     dropin=False, was_spare=False, seen=seen, fault_timeout=1.0, quiet=quiet)
+    assert stale(None).act is Act.ACCEPT and stale(5.0).act is Act.ACCEPT
+    assert stale(0.0).act is Act.IGNORE and "stale fault" in stale(0.0).reason
 
 
 async def test_a_view_that_stopped_coming_makes_no_pod_silent(env, bus, nats_server):

@@ -50,8 +50,10 @@ class Verdict:
 def judge(f: Fault, plan: Plan | None, *, pending: dict[str, Pending],
           preempting: dict[str, tuple[str, str | None]], has_spare: Callable[[], bool],
           dropin: bool, was_spare: bool, seen: PodSeen | None,
-          fault_timeout: float) -> Verdict:
-    """``has_spare`` is asked only for a member straggler (it scans every pod)."""
+          fault_timeout: float, quiet: float | None = None) -> Verdict:
+    """``has_spare`` is asked only for a member straggler (it scans every pod). ``quiet``:
+    how long ``seen``'s pod counts as silent (``Liveness.quiet``, 0 while the scaler hears no
+    pod at all: no silence is evidence then); None: since its last heartbeat."""
     if plan is None:
         return Verdict(Act.FORGET, "fault before the first plan: pod dropped")
     if f.generation > plan.generation:
@@ -76,9 +78,11 @@ def judge(f: Fault, plan: Plan | None, *, pending: dict[str, Pending],
                        "(an older health monitor)")
     if not member:
         return Verdict(Act.DROP, "spare dropped from the pool" if was_spare else "not a member")
+    if quiet is None and seen is not None:
+        quiet = time.monotonic() - seen.last
     if (f.generation < plan.generation and seen is not None
-            and seen.generation >= plan.generation
-            and time.monotonic() - seen.last <= fault_timeout):
+            and seen.generation >= plan.generation and quiet is not None
+            and quiet <= fault_timeout):
         return Verdict(Act.IGNORE, f"stale fault: generation {f.generation} but the pod "
                        f"heartbeats generation {seen.generation}", "warning")
     return Verdict(Act.ACCEPT)

@@ -390,7 +390,8 @@ class Scaler(Service):
             has_spare=lambda: bool(self.alive_spares(plan, time.monotonic())),
             dropin=self.script is not None and self.script.fixed_world_size is not None,
             was_spare=f.pod in self.pods or (plan is not None and f.pod in plan.spares),
-            seen=self.pods.get(f.pod), fault_timeout=self.fault_timeout)
+            seen=self.pods.get(f.pod), fault_timeout=self.fault_timeout,
+            quiet=self._quiet(f.pod))
         if v.act is Act.FORGET:
             self.dead.add(f.pod)
             self.pods.pop(f.pod, None)
@@ -570,6 +571,16 @@ class Scaler(Service):
 
     def alive_spares(self, plan: Plan | None, now: float | None = None) -> list[str]:
         return self.live.alive_spares(plan, now)
+
+    def _quiet(self, pod: str) -> float | None:
+        """How long ``pod`` counts as silent here (None: never heard): up to the feed's
+        horizon, from when this scaler could hear; 0 while it hears no pod at all (a fault's
+        staleness is then judged by the generations alone: CI once accepted a stale fault of
+        a live member whose heartbeats a loaded monitor's view had not brought yet)."""
+        seen, now = self.pods.get(pod), time.monotonic()
+        if seen is None:
+            return None
+        return 0.0 if self.live.deaf(now) else self.live.quiet(seen, now)
 
     def alive_waiting_workers(self, now: float) -> list[str]:
         return self.live.alive_waiting_workers(now)
