@@ -176,18 +176,19 @@ class ServiceSupervisor:
             self.start(f"{name}-{self.node}" if self.node else instance)
 
     async def start_placed(self, bus: Bus, out: Any, wait_s: float = 20.0) -> None:
-        """With standbys: each service's first instance first, and its standbys once it
-        holds the lease (bounded: a primary that has not taken it by ``wait_s`` is left to
-        the race), so the instance the placement made active is the active one: with
-        emulated hosts, the host that runs them all is the one to lose (issue 42)."""
-        if not self.standbys:
-            self.start_all()
-            return
+        """Every service's first instance, and the pods only once each holds its lease (it
+        subscribes before it takes it; bounded: after ``wait_s`` whatever is up goes on).
+        The pods start as forks within a second: a monitor not listening yet missed two
+        members' set-up errors (CI: both replaced by spares that raised the same). With
+        standbys, these only once their primary holds the lease, so the instance the
+        placement made active is the active one: with emulated hosts, the host that runs
+        them all is the one to lose (issue 42)."""
         from services.common.lease import parse_lease
         from schemas.subjects import lease_key
 
-        for name in SERVICES:
-            self.start(name)
+        first = {n: f"{n}-{self.node}" if self.node else n for n in SERVICES}
+        for instance in first.values():
+            self.start(instance)
         kv = await bus.kv()
         deadline = time.monotonic() + wait_s
         waiting = set(SERVICES)
@@ -197,16 +198,19 @@ class ServiceSupervisor:
                     held = parse_lease((await kv.get(lease_key(name))).value)
                 except Exception:
                     continue
-                if held.holder == name:
+                # on a node of a shared bus (`up --bus`) another node's instance may act
+                if held.holder == first[name] or (self.node and held.holder):
                     waiting.discard(name)
             if waiting:
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.05)
         if waiting:
-            print(f"  standbys started before {', '.join(sorted(waiting))} took its lease: "
-                  "whichever instance takes it first acts", file=out, flush=True)
-        for _, instance in self.instances(self.standbys):
-            if instance not in self.procs:
-                self.start(instance)
+            print(f"  {', '.join(sorted(waiting))} did not take its lease in {wait_s:g}s: "
+                  "the pods start anyway" + (" (whichever instance takes it first acts)"
+                                             if self.standbys else ""), file=out, flush=True)
+        if not self.node:  # (on a node: one instance of each, as start_all)
+            for _, instance in self.instances(self.standbys):
+                if instance not in self.procs:
+                    self.start(instance)
 
     async def watch(self) -> None:
         while not self.stopping:
