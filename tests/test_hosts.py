@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,6 +69,11 @@ def test_hosts_are_reached_at_their_addresses_cut_and_healed(netns_hosts):
         assert srv.poll() is None  # its process lives on
         h.heal("h1")
         assert not h.is_cut("h1")
+        # a link back up answers within moments, not at once (CI: one connect right after
+        # the heal failed on a loaded machine)
+        deadline = time.monotonic() + 10
+        while not _reach(h1.addr, port) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert _reach(h1.addr, port)
         assert subprocess.run(h2.argv(probe), timeout=20).returncode == 0
     finally:
