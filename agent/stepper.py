@@ -115,10 +115,8 @@ class Stepper:
         when the step was discarded."""
         params = self.params()
         loss_t = self._loss_acc if self._loss_acc is not None else torch.zeros(1, dtype=torch.float64)
-        # what finishing this step later needs; only a plain update can be finished without
-        # the peers (a clip's norm and an fp16 scaler's check are collectives, a hook unknown)
-        self._plain_update = (lr_factor if not max_grad_norm and grad_hook is None
-                              and self.state.scaler() is None else None)
+        # what finishing this step later needs (read only if its sync fails: _keep_pending)
+        self._plain_update = lr_factor if not max_grad_norm and grad_hook is None else None
         red = self._sync_gradients(s, params, loss_t) if self.m is not None else loss_t
         if red is None:
             return None
@@ -252,7 +250,10 @@ class Stepper:
         the step, and this shard position's may all be here. Keep the gradients and say so
         (``Heartbeat.pending_step``): the broker may have this member finish the step at the
         handoff (``agent/rollforward.py``) instead of losing the position's state."""
-        if getattr(reduction, "positioned", None) != s or self._plain_update is None:
+        # only a plain update can be finished without the peers (a clip's norm and an fp16
+        # scaler's check are collectives, a hook's code unknown)
+        if (getattr(reduction, "positioned", None) != s or self._plain_update is None
+                or self.state.scaler() is not None):
             return
         for p, g in zip(params, grads):
             if p.grad is None:
